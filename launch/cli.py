@@ -1,0 +1,71 @@
+"""`launch`: the command line of the toolkit.
+
+Verbs follow submitit/SkyPilot habits: submit, status, logs -f, cancel, list, doctor,
+cluster up|down|status, keepalive, report. Every user error is one line on stderr and a
+non-zero exit; tracebacks are for bugs only (set LAUNCH_DEBUG=1 to see them for errors too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from launch.errors import LaunchError
+
+# verb -> module that owns it. Each module exposes add_arguments(parser) and run(args) -> int.
+# Modules are imported only when their verb is built, so `launch --help` stays fast and a
+# broken optional module cannot take the whole CLI down.
+VERBS: dict[str, tuple[str, str]] = {
+    "cluster": ("launch.cluster.cli", "embedded single-node Slurm: up | down | status"),
+    "submit": ("launch.submit", "submit a bundled job (stage1, dflash, extract) through submitit"),
+    "status": ("launch.jobs_cli", "state of one job, or of the recent ones"),
+    "logs": ("launch.jobs_cli", "print (or -f follow) a job's log"),
+    "cancel": ("launch.jobs_cli", "cancel a job"),
+    "list": ("launch.jobs_cli", "jobs submitted from here"),
+    "doctor": ("launch.doctor", "preflight checks: kernels, compiler, caches, GPUs, versions"),
+    "keepalive": ("launch.keepalive.cli", "GPU keepalive holder and its Slurm hooks"),
+    "report": ("launch.report", "plot a job's loss, tok/s and MFU to PNG"),
+}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
+    parser = argparse.ArgumentParser(prog="launch", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    runners: dict[str, Callable[[argparse.Namespace], int]] = {}
+    for verb, (module_name, help_text) in VERBS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        add = getattr(module, f"add_{verb}_arguments", None) or module.add_arguments
+        add(p)
+        runners[verb] = getattr(module, f"run_{verb}", None) or module.run
+    return parser, runners
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, runners = build_parser()
+    args = parser.parse_args(argv)
+    if not args.verb:
+        parser.print_help()
+        return 2
+    try:
+        return int(runners[args.verb](args) or 0)
+    except LaunchError as exc:
+        if os.environ.get("LAUNCH_DEBUG"):
+            raise
+        print(f"launch {args.verb}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"launch {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""One exception type for every user-facing failure.
+
+The CLI turns a `LaunchError` into one line on stderr and a non-zero exit, never a
+traceback. Raise it with a message that says what is wrong *and* what to do.
+"""
+
+from __future__ import annotations
+
+
+class LaunchError(Exception):
+    """A failure the user can act on; its message is printed as one line."""
+
+    exit_code: int = 2
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
