@@ -7,6 +7,16 @@ keys inside it; only the `lxc-attach` binary that every LXC host already has.
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
+import subprocess
+
+from ansible.errors import AnsibleConnectionFailure, AnsibleError, AnsibleFileNotFound
+from ansible.module_utils.common.text.converters import to_bytes
+
+from ansible.plugins.connection import ConnectionBase
+
 DOCUMENTATION = r"""
 name: lxc_attach
 short_description: Run tasks in a local LXC container with lxc-attach
@@ -33,15 +43,6 @@ options:
     vars:
       - name: ansible_executable
 """
-
-import os
-import shlex
-import shutil
-import subprocess
-
-from ansible.errors import AnsibleConnectionFailure, AnsibleError, AnsibleFileNotFound
-from ansible.module_utils.common.text.converters import to_bytes
-from ansible.plugins.connection import ConnectionBase
 
 # A clean, fixed environment inside the container: the controller's variables must not leak in.
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
