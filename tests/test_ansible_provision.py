@@ -319,3 +319,17 @@ def test_node_caches_refuses_a_network_file_system(provisioned: Provisioned, tmp
                                playbook=play)
     assert proc.returncode != 0 and recap[provisioned.name]["failed"] == 1
     assert f"node_caches_root=/scratch/cache is on {fstype}, a network file system" in proc.stdout
+
+
+def test_make_provision_limits_to_the_host_and_its_containers() -> None:
+    venv = str(Path(sys.executable).parent.parent)
+
+    def dry_run(*args: str) -> str:
+        return subprocess.run(["make", "-n", "provision", *args, f"VENV={venv}"], cwd=ANSIBLE_DIR.parent,
+                              capture_output=True, text=True, timeout=60, check=True).stdout
+
+    checked = dry_run("host=kpro6", "check=1")
+    assert "check_inventory.py --quiet --limit 'kpro6' 'ansible/inventory/kpro6.yml'" in checked
+    assert "--limit 'kpro6:kpro6_containers' --check --diff" in checked
+    assert "--check" not in dry_run("host=kpro6")
+    assert "-i 'ansible/inventory/local.yml'" in dry_run("host=localhost")

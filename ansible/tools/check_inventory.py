@@ -10,6 +10,10 @@ when the inventory is usable. Run by `make provision` and by the first play of p
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
+import re
 import sys
 from pathlib import Path, PurePosixPath
 
@@ -23,13 +27,30 @@ class InventoryError(Exception):
 
 def load_hostvars(inventory_path: str) -> tuple[dict[str, list[str]], dict[str, dict]]:
     """Groups and each host's raw inventory variables, through Ansible's own inventory loader."""
+    import yaml
+
+    try:
+        yaml.safe_load(Path(inventory_path).read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise InventoryError(f"{inventory_path}:{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    # A file Ansible cannot read as an inventory is an error here, not a warning and an empty inventory.
+    os.environ.setdefault("ANSIBLE_INVENTORY_UNPARSED_FAILED", "True")
+    os.environ.setdefault("ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED", "True")
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
     from ansible.template import Templar
     from ansible.vars.manager import VariableManager
 
     loader = DataLoader()
-    inventory = InventoryManager(loader=loader, sources=[inventory_path])
+    captured = io.StringIO()  # Ansible's multi-line parse warnings; the first real cause is kept
+    try:
+        with contextlib.redirect_stderr(captured):
+            inventory = InventoryManager(loader=loader, sources=[inventory_path])
+    except Exception as err:
+        causes = re.findall(r"Failed to parse inventory with 'yaml' plugin: (.*)", captured.getvalue())
+        raise InventoryError(f"{inventory_path}: {causes[0] if causes else str(err).splitlines()[0]}") from None
     if not inventory.hosts:
         raise InventoryError(f"{inventory_path}: no hosts parsed; check the YAML (ansible-inventory -i {inventory_path} --graph)")
     groups = {name: [h.name for h in group.get_hosts()] for name, group in inventory.groups.items()}
