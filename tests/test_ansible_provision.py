@@ -219,6 +219,17 @@ def test_first_run_provisions_the_container(provisioned: Provisioned) -> None:
 
 @pytest.mark.lxc
 @pytest.mark.slow
+def test_container_runs_on_its_own_rootfs_not_the_hosts(provisioned: Provisioned) -> None:
+    rootfs = provisioned.lxc_path / provisioned.name / "rootfs"
+    (rootfs / "etc" / "launch-rootfs-marker").write_text(provisioned.name)
+    assert provisioned.attach("cat /etc/launch-rootfs-marker").stdout == provisioned.name
+    assert provisioned.attach(f"test -e {ANSIBLE_DIR}", check=False).returncode != 0  # the host's files
+    for path in ("etc/slurm/slurm.conf", "etc/profile.d/launch-caches.sh", "opt/launch/venv/bin/python"):
+        assert (rootfs / path).exists(), path
+
+
+@pytest.mark.lxc
+@pytest.mark.slow
 def test_gpu_block_has_only_nvidia_majors_and_the_chosen_nodes(provisioned: Provisioned) -> None:
     config = (provisioned.lxc_path / provisioned.name / "config").read_text()
     block = config.split("# BEGIN launch managed: gpu passthrough\n")[1].split("# END launch managed: gpu passthrough")[0]
