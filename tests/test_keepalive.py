@@ -315,6 +315,7 @@ def test_generated_wrappers_work_with_slurmds_minimal_env(holder: Holder, world_
     minimal = {"SLURM_JOB_ID": "601", "SLURM_JOB_GPUS": "2", "PATH": "/usr/bin:/bin"}
     assert subprocess.run([str(prolog)], env=minimal, timeout=60).returncode == 0
     assert held_by_holder(holder) == [0, 1, 3]
+    assert "ms after hook start" in holder.hook_log.read_text()
     assert subprocess.run([str(hooks_dir / "epilog")], env=minimal, timeout=60).returncode == 0
     assert held_by_holder(holder) == [0, 1, 2, 3]
 

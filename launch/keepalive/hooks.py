@@ -57,6 +57,14 @@ def _hook_logger(log_path: Path | None) -> logging.Logger:
     return logger
 
 
+def _since_hook_start_ms(env: Mapping[str, str]) -> str:
+    """Milliseconds since the wrapper script started (it exports its start time), if known."""
+    raw = env.get("LAUNCH_KEEPALIVE_HOOK_T0_NS", "")
+    if not raw.isdigit():
+        return ""
+    return f"; {(time.time_ns() - int(raw)) / 1e6:.1f} ms after hook start"
+
+
 def _job_and_gpus(env: Mapping[str, str], hook: str) -> tuple[str, list[int]]:
     job = env.get("SLURM_JOB_ID", "")
     if not job:
@@ -81,8 +89,9 @@ def run_prolog(socket: Path, timeout: float, log_path: Path | None,
         logger.error("prolog job=%s gpus=%s: %s; failing the prolog so the job does not start "
                      "on a held GPU", job, gpus, exc)
         return 1
-    logger.info("prolog job=%s gpus=%s: released %s (unmanaged %s) in %.1f ms", job, gpus,
-                answer.get("released"), answer.get("unmanaged"), 1e3 * (time.monotonic() - t0))
+    logger.info("prolog job=%s gpus=%s: released %s (unmanaged %s) in %.1f ms%s", job, gpus,
+                answer.get("released"), answer.get("unmanaged"), 1e3 * (time.monotonic() - t0),
+                _since_hook_start_ms(env))
     return 0
 
 
@@ -106,8 +115,9 @@ def run_epilog(socket: Path, timeout: float, log_path: Path | None,
     except LaunchError as exc:
         logger.error("epilog job=%s: %s; the holder's reconcile will take the GPUs back", job, exc)
         return 0
-    logger.info("epilog job=%s: reclaimed %s (still busy %s) in %.1f ms", job,
-                answer.get("reclaimed"), answer.get("pending"), 1e3 * (time.monotonic() - t0))
+    logger.info("epilog job=%s: reclaimed %s (still busy %s) in %.1f ms%s", job,
+                answer.get("reclaimed"), answer.get("pending"), 1e3 * (time.monotonic() - t0),
+                _since_hook_start_ms(env))
     return 0
 
 
@@ -126,6 +136,8 @@ def render_hook_wrapper(hook: str, python: str, socket: Path, timeout: float,
         f"{datetime.now(timezone.utc):%Y-%m-%d}.",
         "# slurmd runs it as root with a minimal environment, so every path here is absolute.",
         *(f"export {k}={shlex.quote(v)}" for k, v in exports.items()),
+        "# start time, so the hook can log its latency from slurmd's exec to the holder's ack",
+        "LAUNCH_KEEPALIVE_HOOK_T0_NS=$(date +%s%N) && export LAUNCH_KEEPALIVE_HOOK_T0_NS",
         f"exec {shlex.quote(python)} -m launch.keepalive.cli {hook}",
         "",
     ]
