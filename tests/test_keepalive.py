@@ -291,7 +291,31 @@ def test_second_holder_on_same_socket_refuses(holder: Holder) -> None:
          "--no-slurm", "--hold-timeout", "0.2"],
         env=holder.env(), capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "another keepalive holder already listens" in done.stderr
-    assert held_by_holder(holder) == [0, 1, 2, 3]
+    # the refused one leaves the running holder's socket and state alone
+    assert holder.socket.exists() and holder.state()["pid"] == holder.proc.pid
+    assert holder.hook("prolog", "701", "0").returncode == 0 and held_by_holder(holder) == [1, 2, 3]
+
+
+def test_holder_as_ordinary_user_is_a_clean_error(world_dir: Path) -> None:
+    make_standin_gpus(world_dir / "dev", 1)
+    done = subprocess.run(
+        [SYSTEM_PYTHON, "-m", "launch.keepalive.cli", "run", "--devices-dir", str(world_dir / "dev"),
+         "--no-slurm", "--socket", str(world_dir / "ctl" / "sock")],
+        env=base_env(), capture_output=True, text=True, timeout=30, user=NOBODY_UID, cwd="/")
+    assert done.returncode == 2, done.stderr
+    assert "cannot create the control socket" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_unit_and_hook_wrapper_text() -> None:
+    from launch.keepalive.hooks import render_hook_wrapper
+    from launch.keepalive.systemd import render_unit
+
+    unit = render_unit("/opt/launch/venv/bin/python", "--mem-fraction 0.8")
+    assert "ExecStart=/opt/launch/venv/bin/python -m launch.keepalive.cli run --mem-fraction 0.8" in unit
+    assert "Before=slurmd.service" in unit and "Restart=always" in unit
+    text = render_hook_wrapper("prolog", "/opt/v/bin/python", Path("/run/x y/s"), 10, None, None)
+    assert "export LAUNCH_KEEPALIVE_SOCKET='/run/x y/s'" in text  # quoted for sh
+    assert text.rstrip().endswith("exec /opt/v/bin/python -m launch.keepalive.cli prolog")
 
 
 def test_sigterm_frees_everything_and_removes_socket_and_state(holder: Holder) -> None:

@@ -152,7 +152,8 @@ def _run_daemon(args: argparse.Namespace) -> int:
         daemon.start()
         daemon.serve_forever()
     finally:
-        daemon.shutdown()
+        if daemon.started:
+            daemon.shutdown()
     return 0
 
 

@@ -85,7 +85,11 @@ class KeepaliveDaemon:
         but that job was allocated before its prolog ran, so the query below sees it.
         A prolog that connects now waits in the backlog until the grab is done.
         """
-        self._server = self._listen()
+        try:
+            self._server = self._listen()
+        except PermissionError as exc:
+            raise LaunchError(f"cannot create the control socket {self.socket_path} ({exc.strerror}); "
+                              "the holder runs as root (or pass --socket/--state you may write)") from None
         allocations: dict[str, list[int]] = {}
         if self.query_allocations is not None:
             allocations = self.query_allocations()
@@ -125,6 +129,11 @@ class KeepaliveDaemon:
                 raise
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
         maintenance.join(timeout=5)
+
+    @property
+    def started(self) -> bool:
+        """True once this holder owns the socket (so shutdown may remove it and the state)."""
+        return self._server is not None
 
     def stop(self) -> None:
         self._stop.set()
@@ -180,12 +189,14 @@ class KeepaliveDaemon:
         with conn:
             try:
                 uid = peer_uid(conn)
+                conn.settimeout(5.0)
+                line = self._read_line(conn)
                 if uid not in self.allowed_uids:
+                    # read before refusing, so the client sees the refusal, not a broken pipe
                     log.warning("refused a connection from uid %d (root only)", uid)
                     conn.sendall(encode({"ok": False, "error": "permission denied: root only"}))
                     return
-                conn.settimeout(5.0)
-                message = decode(self._read_line(conn))
+                message = decode(line)
                 answer = self.dispatch(message)
             except (ValueError, OSError) as exc:
                 answer = {"ok": False, "error": f"bad request: {exc}"}

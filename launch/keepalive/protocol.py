@@ -91,7 +91,10 @@ def request(path: Path, message: dict[str, Any], timeout: float) -> dict[str, An
             raise LaunchError(f"permission denied on {path}; the keepalive socket is root-only") from None
         except TimeoutError:
             raise LaunchError(f"keepalive holder on {path} did not accept within {timeout:g} s") from None
-        sock.sendall(encode(message))
+        try:
+            sock.sendall(encode(message))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the holder answered and closed early (a refusal); read that answer below
         buf = b""
         try:
             while not buf.endswith(b"\n"):
