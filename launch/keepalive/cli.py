@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--mem-fraction", type=float, default=0.9,
                      help="share of each real GPU's memory to hold (default 0.9)")
     run.add_argument("--hold-timeout", type=float, default=None,
-                     help="seconds to wait for a GPU to be held (default 2 for locks, 120 for CUDA)")
+                     help="seconds to wait for a GPU to be held (default 2 for locks, 30 for CUDA; later ones are retried in the background)")
     run.add_argument("--reconcile-interval", type=float, default=30.0,
                      help="seconds between checks with Slurm for jobs that ended without an epilog "
                           "(0: never)")
@@ -135,7 +135,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
     holders = build_holders(args.gpus, args.devices_dir, args.mem_fraction)
     hold_timeout = args.hold_timeout
     if hold_timeout is None:
-        hold_timeout = 2.0 if args.devices_dir is not None else 120.0
+        hold_timeout = 2.0 if args.devices_dir is not None else 30.0
     query = None
     if not args.no_slurm:
         from launch.keepalive import slurm_state

@@ -101,14 +101,11 @@ class KeepaliveDaemon:
                     self._released_at[job] = time.monotonic()
                     log.info("job %s already owns GPU(s) %s (from Slurm); not taking them", job, mine)
             owned = self._owned_gpus()
-        for index, holder in self.holders.items():
-            if index in owned:
-                continue
-            with self._gpu_locks[index]:
-                if not holder.hold(self.hold_timeout):
-                    log.warning("GPU %d is busy; will keep trying to hold it", index)
-                    with self._state_lock:
-                        self.pending.add(index)
+        _, busy = self._hold_all(sorted(set(self.holders) - owned))
+        if busy:
+            log.warning("GPU(s) %s are busy; will keep trying to hold them", busy)
+            with self._state_lock:
+                self.pending.update(busy)
         with self._state_lock:
             self._write_state()
         log.info("holding GPU(s) %s; socket %s", self._held_gpus(), self.socket_path)
@@ -286,17 +283,30 @@ class KeepaliveDaemon:
         return {"ok": True, "job": job, "reclaimed": reclaimed, "pending": pending}
 
     def _hold_all(self, indices: list[int], timeout: float | None = None) -> tuple[list[int], list[int]]:
+        """Hold `indices`, skipping any a job owns meanwhile; all started at once, then waited
+        for against one deadline, so N slow-starting GPUs take one start time, not N."""
+        timeout = self.hold_timeout if timeout is None else timeout
         reclaimed: list[int] = []
         pending: list[int] = []
+        waiting: list[int] = []
         for index in indices:
-            with self._gpu_locks[index]:
-                with self._state_lock:
-                    if index in self._owned_gpus():
-                        continue  # released to a new job meanwhile
-                holder = self.holders[index]
-                ok = holder.hold(self.hold_timeout if timeout is None else timeout)
-            (reclaimed if ok else pending).append(index)
-        return reclaimed, pending
+            if self._hold_one(index, 0.0) is None:
+                continue
+            (reclaimed if self.holders[index].held else waiting).append(index)
+        deadline = time.monotonic() + timeout
+        for index in waiting:
+            ok = self._hold_one(index, max(0.0, deadline - time.monotonic()))
+            if ok is not None:
+                (reclaimed if ok else pending).append(index)
+        return sorted(reclaimed), sorted(pending)
+
+    def _hold_one(self, index: int, timeout: float) -> bool | None:
+        """Try to hold one GPU; None if a job owns it now (so it must not be held)."""
+        with self._gpu_locks[index]:
+            with self._state_lock:
+                if index in self._owned_gpus():
+                    return None
+            return self.holders[index].hold(timeout)
 
     # ---- maintenance -------------------------------------------------------------------
 
@@ -304,6 +314,9 @@ class KeepaliveDaemon:
         next_reconcile = time.monotonic() + self.reconcile_interval
         while not self._stop.wait(0.25):
             with self._state_lock:
+                # a GPU neither held nor owned by a job (e.g. its CUDA worker died) is retried too
+                self.pending.update(i for i, h in self.holders.items()
+                                    if not h.held and i not in self._owned_gpus())
                 pending = sorted(self.pending - self._owned_gpus())
             if pending:
                 got, _ = self._hold_all(pending, timeout=0.0)

@@ -86,44 +86,54 @@ class LockHolder:
 
 
 class CudaHolder:
+    """A real GPU held by a worker process; starting one (torch import, CUDA init) takes seconds,
+    so `hold` may return False while the worker is still starting and pick it up on a later call."""
+
     def __init__(self, index: int, mem_fraction: float, period_s: float = 1.0) -> None:
         self.index = index
         self.mem_fraction = mem_fraction
         self.period_s = period_s
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False
 
     @property
     def held(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._proc is not None and self._ready and self._proc.poll() is None
 
     def hold(self, timeout: float) -> bool:
         if self.held:
             return True
-        env = {
-            **os.environ,
-            # Slurm's GRES index follows the device minor / PCI order; make CUDA agree.
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            "CUDA_VISIBLE_DEVICES": str(self.index),
-        }
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "launch.keepalive.cuda_worker",
-             "--mem-fraction", str(self.mem_fraction), "--period", str(self.period_s)],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
-        )
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline() if ready else b""
-        if not line.startswith(b"ready"):
-            _stop(proc)
-            return False
-        self._proc = proc
-        return True
+        if self._proc is not None and self._proc.poll() is not None:
+            self.release()  # a worker that died (crash, OOM): start over
+        if self._proc is None:
+            env = {
+                **os.environ,
+                # Slurm's GRES index follows the device minor / PCI order; make CUDA agree.
+                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                "CUDA_VISIBLE_DEVICES": str(self.index),
+            }
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "launch.keepalive.cuda_worker",
+                 "--mem-fraction", str(self.mem_fraction), "--period", str(self.period_s)],
+                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+            )
+            self._ready = False
+        assert self._proc.stdout is not None
+        readable, _, _ = select.select([self._proc.stdout], [], [], max(0.0, timeout))
+        if not readable:
+            return False  # still starting; keep it
+        if self._proc.stdout.readline().startswith(b"ready"):
+            self._ready = True
+            return True
+        self.release()  # it exited before taking the GPU
+        return False
 
     def release(self) -> None:
         if self._proc is None:
             return
         _stop(self._proc)
         self._proc = None
+        self._ready = False
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
