@@ -252,6 +252,8 @@ class EmbeddedCluster:
             slurmd_parameters="config_overrides",
             # No cgroup hierarchy is delegated to us inside a container: track by process tree.
             proctrack_type="proctrack/linuxproc", task_plugin="task/none",
+            # Start a submitted batch job at once (Slurm's default waits up to 3 s to batch them).
+            scheduler_parameters="batch_sched_delay=0,sched_min_interval=0",
             prolog=prolog or "", epilog=epilog or "",
             nodes=[dict(name=node_name, addr="127.0.0.1", cpus=cpus, memory_mb=mem_mb,
                         gpus=len(gpu_files), gpu_files=gpu_expr)],
