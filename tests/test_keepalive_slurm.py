@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,6 +174,9 @@ class KeepaliveSlurm:
 def ks() -> Iterator[KeepaliveSlurm]:
     if os.geteuid() != 0:
         pytest.skip("the embedded cluster and the holder's socket need root")
+    for tool in ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "sbatch", "scontrol"):
+        if not shutil.which(tool) and not Path("/usr/sbin", tool).exists():
+            pytest.skip(f"{tool} not installed (make deps)")
     with world_readable_dir() as root:
         setup = KeepaliveSlurm(root)
         try:
