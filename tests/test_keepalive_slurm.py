@@ -9,10 +9,12 @@ driver), so the holder holds them by lock, and a job "uses" a GPU by taking the 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -91,7 +93,9 @@ class KeepaliveSlurm:
     def start(self) -> None:
         hooks = subprocess.run(
             [sys.executable, "-m", "launch", "keepalive", "hooks", "--dir", str(self.root / "hooks"),
-             "--socket", str(self.holder.socket), "--log", str(self.holder.hook_log)],
+             "--socket", str(self.holder.socket), "--log", str(self.holder.hook_log),
+             # the prolog's bound is 10 s by default; 3 s keeps the hung-holder test short
+             "--prolog-timeout", "3"],
             env=base_env(), capture_output=True, text=True, timeout=60)
         assert hooks.returncode == 0, hooks.stderr
         self.cluster.up(gpus=4, cpus=4, prolog=str(self.root / "hooks" / "prolog"),
@@ -299,3 +303,43 @@ def test_plain_shell_process_gets_nothing(idle: KeepaliveSlurm) -> None:
     st = h.socket.stat()
     assert (st.st_mode & 0o777) == 0o600 and st.st_uid == 0
     assert (h.socket.parent.stat().st_mode & 0o777) == 0o700
+
+
+def test_hung_holder_fails_the_prolog_so_the_job_never_runs_on_a_held_gpu(idle: KeepaliveSlurm) -> None:
+    """Last in this module: it drains the node (Slurm's answer to a failed prolog), then undoes that."""
+    h = idle.holder
+    node = idle.cluster.read_state()["node"]
+    h.stop()
+    # a holder that accepts connections but never answers, still holding every GPU
+    fds = []
+    for i in ALL_GPUS:
+        fd = os.open(h.lock(i), os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fds.append(fd)
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(str(h.socket))
+    hung.listen(8)
+    job = ""
+    try:
+        job = idle.sbatch(1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and f"prolog job={job}" not in h.hook_log.read_text():
+            time.sleep(0.2)
+        log = h.hook_log.read_text()
+        assert "did not answer 'release' within 3 s; failing the prolog" in log, log[-2000:]
+        time.sleep(2)  # give slurmd/slurmctld time to act on the failure
+        assert not (idle.out / f"{job}.json").exists(), "the job ran although its GPU was still held"
+        assert idle.job_state(job) not in ("RUNNING", "COMPLETED")
+        sinfo = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], env=idle.env(),
+                               capture_output=True, text=True, timeout=30)
+        assert "drain" in sinfo.stdout, sinfo.stdout
+    finally:
+        hung.close()
+        h.socket.unlink(missing_ok=True)
+        for fd in fds:
+            os.close(fd)
+        if job:
+            subprocess.run(["scancel", job], env=idle.env(), timeout=30)
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], env=idle.env(), timeout=30)
+        h.start()
+    idle.wait_holder(ALL_GPUS, {})
