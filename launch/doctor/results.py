@@ -50,9 +50,9 @@ def render_table(results: Sequence[CheckResult]) -> str:
     widths = [min(_WIDTHS[h], max(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines: list[str] = []
     for n, row in enumerate(rows):
-        cells = [textwrap.wrap(cell, width=w, break_on_hyphens=False) or [""] for cell, w in zip(row, widths)]
+        cells = [textwrap.wrap(cell, width=w, break_on_hyphens=False) or [""] for cell, w in zip(row, widths, strict=True)]
         for k in range(max(len(c) for c in cells)):
-            parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths)]
+            parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths, strict=True)]
             lines.append(" | ".join(parts).rstrip())
         if n == 0:
             lines.append("-+-".join("-" * w for w in widths))
