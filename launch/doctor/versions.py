@@ -74,6 +74,10 @@ class LockLine:
     line_no: int
 
 
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def parse_lock_mapping(lock: dict[str, str], source: str) -> list[LockLine]:
     lines = []
     for n, (name, value) in enumerate(lock.items(), 1):
@@ -82,7 +86,7 @@ def parse_lock_mapping(lock: dict[str, str], source: str) -> list[LockLine]:
         try:
             lines.append(LockLine(Requirement(text), n))
         except InvalidRequirement as exc:
-            raise LaunchError(f"{source}: lock.{name}: {value!r} is not a version specifier ({exc}); "
+            raise LaunchError(f"{source}: lock.{name}: {value!r} is not a version specifier ({_first_line(exc)}); "
                               "write e.g. '>=2.5'") from None
     return lines
 
@@ -100,7 +104,7 @@ def parse_lock_file(path: Path) -> list[LockLine]:
         try:
             lines.append(LockLine(Requirement(line), n))
         except InvalidRequirement as exc:
-            raise LaunchError(f"{path}:{n}: not a requirement line ({exc}); write e.g. 'torch>=2.5'") from None
+            raise LaunchError(f"{path}:{n}: not a requirement line ({_first_line(exc)}); write e.g. 'torch>=2.5'") from None
     return lines
 
 
