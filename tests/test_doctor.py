@@ -460,3 +460,10 @@ def test_fast_subset_raises_doctor_message_on_fail(tmp_path):
     assert err.value.exit_code == 1
     with pytest.raises(LaunchError, match="slurm.context: not inside a Slurm allocation"):
         fast_subset(None, env=clean_env(tmp_path), stream=None)
+
+
+def test_fast_subset_with_spec_not_found_warns_instead_of_failing(tmp_path):
+    env = clean_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1", **SLURM_2GPU)
+    res = by_check(fast_subset("job-not-on-this-node", env=env, stream=None))
+    assert res["versions.lock"].status is Status.WARN
+    assert "unknown job 'job-not-on-this-node'" in res["versions.lock"].found

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TextIO
 
+from launch.doctor.job import JobRequirements
 from launch.doctor.results import CheckResult, Status, failure_message, has_failure, render_table, to_json
 from launch.errors import LaunchError
 
@@ -37,7 +38,7 @@ def _check_groups() -> list[tuple[str, Callable]]:
 
 
 def run_checks(
-    job: str | None = None,
+    job: str | JobRequirements | None = None,
     env: Mapping[str, str] | None = None,
     *,
     preset: str | None = None,
@@ -56,8 +57,10 @@ def run_checks(
     from launch.doctor.job import load_job
 
     env = dict(os.environ if env is None else env)
+    if isinstance(job, str):
+        job = load_job(job, preset, trust_allocation=trust_allocation)
     ctx = DoctorContext(
-        env=env, job=load_job(job, preset, trust_allocation=trust_allocation) if job else None, lock_path=lock_path,
+        env=env, job=job, lock_path=lock_path,
         expect_allocation=expect_allocation, run_gdn=run_gdn, needs_gpus_override=needs_gpus,
     )
     results: list[CheckResult] = []
@@ -101,8 +104,19 @@ def fast_subset(
             needs_gpus = bool(nvidia.list_gpus(dict(os.environ if env is None else env)))
         except nvidia.NvidiaSmiError:
             needs_gpus = False
-    results = run_checks(job, env, trust_allocation=True, expect_allocation=expect_allocation, run_gdn=False,
+    from launch.doctor.job import load_job
+
+    requirements, spec_problem = None, None
+    if job:
+        try:
+            requirements = load_job(job, trust_allocation=True)
+        except LaunchError as exc:  # a spec not visible from the node must not stop the job
+            spec_problem = CheckResult("versions.lock", Status.WARN, f"lock not checked: {exc}",
+                                       "make the job spec visible on the node (LAUNCH_JOBS_PATH)")
+    results = run_checks(requirements, env, expect_allocation=expect_allocation, run_gdn=False,
                          needs_gpus=needs_gpus)
+    if spec_problem is not None:
+        results = [spec_problem if r.check == "versions.lock" else r for r in results]
     if stream is not None:
         print(render_table(results), file=stream, flush=True)
     if has_failure(results):
