@@ -467,3 +467,56 @@ def test_fast_subset_with_spec_not_found_warns_instead_of_failing(tmp_path):
     res = by_check(fast_subset("job-not-on-this-node", env=env, stream=None))
     assert res["versions.lock"].status is Status.WARN
     assert "unknown job 'job-not-on-this-node'" in res["versions.lock"].found
+
+
+def test_gdn_reference_matches_transformers_recurrence():
+    """The oracle the GPU check compares fla against equals transformers' own token-by-token
+    gated delta rule (real transformers, CPU, float32)."""
+    torch = pytest.importorskip("torch")
+    qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    from launch.doctor.kernel_probe import reference_gdn
+
+    torch.manual_seed(1)
+    T, H, K, V = 24, 2, 8, 6
+    q, k, v = torch.randn(1, T, H, K), torch.nn.functional.normalize(torch.randn(1, T, H, K), dim=-1), torch.randn(1, T, H, V)
+    g, beta = torch.nn.functional.logsigmoid(torch.randn(1, T, H)), torch.rand(1, T, H)
+    expected, _ = qwen.torch_recurrent_gated_delta_rule(q, k, v, g, beta)
+    got = reference_gdn(q[0], k[0], v[0], g[0], beta[0], scale=K**-0.5)
+    torch.testing.assert_close(got, expected[0], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- --on-cluster (real embedded Slurm)
+@pytest.mark.slurm
+def test_on_cluster_runs_inside_an_allocation_with_the_jobs_gpus(slurm_cluster, tmp_path):
+    """The doctor as a Slurm job on the embedded cluster (stand-in GPUs, see conftest): it sees
+    the GRES binding Slurm made for the job's 2 GPUs, and still fails the missing GPU kernels."""
+    env = {**clean_env(tmp_path), **slurm_cluster.env()}
+    job = write_job(tmp_path, gpus=2, lock={"torch": ">=2.0"})
+    out = run_doctor_cli(["--on-cluster", "--job", str(job), "--json"], env)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "doctor submitted as Slurm job" in out.stderr
+    rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    assert out.returncode == 1
+    assert rows["slurm.context"]["status"] == "PASS", rows["slurm.context"]
+    assert rows["gpus.count"]["status"] == "PASS" and "2 visible = 2 allocated" in rows["gpus.count"]["found"]
+    assert rows["kernels.fla"]["status"] == "FAIL"  # the job wants GPUs; fla is not installed here
+    # In the job, caches are where `launch submit` puts them: per-job node-local scratch.
+    assert "/launch-" in rows["cache.triton"]["found"] and rows["cache.triton"]["status"] == "PASS"
+    assert rows["versions.lock"]["status"] == "PASS"
+
+
+@pytest.mark.slurm
+def test_on_cluster_cpu_job_passes(slurm_cluster, tmp_path):
+    env = {**clean_env(tmp_path), **slurm_cluster.env()}
+    out = run_doctor_cli(["--on-cluster", "--job", str(write_job(tmp_path, gpus=0))], env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "slurm.context         | PASS   | job " in out.stdout
+
+
+def test_on_cluster_without_slurm_is_one_line(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    out = run_doctor_cli(["--on-cluster"], clean_env(tmp_path, PATH=str(bin_dir)))
+    assert out.returncode == 2 and "'sbatch' not found" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

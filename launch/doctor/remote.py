@@ -8,6 +8,7 @@ short time limit, to whichever Slurm the environment names (SLURM_CONF, or the e
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: 
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
         detail = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else type(exc).__name__)
         raise LaunchError(f"sbatch refused the doctor job: {detail.strip()}") from None
-    print(f"doctor submitted as Slurm job {sjob.job_id}; logs in {folder}", flush=True)
+    print(f"doctor submitted as Slurm job {sjob.job_id}; logs in {folder}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + (wait_s if wait_s is not None else (DOCTOR_TIME_LIMIT_MIN + 10) * 60)
     try:
         while not sjob.done():
