@@ -520,3 +520,30 @@ def test_on_cluster_without_slurm_is_one_line(tmp_path):
     out = run_doctor_cli(["--on-cluster"], clean_env(tmp_path, PATH=str(bin_dir)))
     assert out.returncode == 2 and "'sbatch' not found" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slurm
+def test_submit_preflight_fails_the_job_early_with_the_doctors_message(launch_env, tmp_path):
+    """`launch submit` runs fast_subset inside the job (launch.runner); a job whose environment
+    names a C compiler that does not exist stops before its entrypoint, and the doctor's
+    message reaches `launch logs`. The same job with a working compiler runs."""
+    from conftest import run_launch
+
+    spec = tmp_path / "preflightjob.yaml"
+    body = {"name": "preflightjob", "entrypoint": "fixture_entry",
+            "resources": {"nodes": 1, "gpus_per_node": 2, "cpus_per_task": 1, "time": "00:05:00"},
+            "env": {"CC": "/nonexistent/cc"}}
+    spec.write_text(json.dumps(body))
+    out = run_launch(["submit", str(spec), "--follow"], launch_env)
+    assert out.returncode != 0
+    job_id = out.stdout.splitlines()[0].split()[-1]
+    logs = run_launch(["logs", job_id], launch_env)
+    text = logs.stdout + logs.stderr
+    assert "triton.cc: no C compiler: CC=/nonexistent/cc names no executable" in " ".join(text.split())
+    assert "fixture done" not in text and "SLURM_JOB_ID=" not in text  # the entrypoint never ran
+
+    body["env"] = {}
+    spec.write_text(json.dumps(body))
+    out = run_launch(["submit", str(spec), "--follow"], launch_env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "fixture done" in out.stdout

@@ -34,7 +34,8 @@ def find_compiler(env: Mapping[str, str]) -> tuple[str | None, str]:
     path = env.get("PATH", "")
     cc = env.get("CC")
     if cc:
-        return shutil.which(cc, path=path) or (cc if Path(cc).is_file() else None), f"CC={cc}"
+        found = shutil.which(cc, path=path) or (cc if Path(cc).is_file() else None)
+        return found, f"CC={cc}" if found else f"CC={cc} names no executable"
     for name in ("gcc", "clang"):
         found = shutil.which(name, path=path)
         if found:
