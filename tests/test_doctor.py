@@ -547,3 +547,24 @@ def test_submit_preflight_fails_the_job_early_with_the_doctors_message(launch_en
     out = run_launch(["submit", str(spec), "--follow"], launch_env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "fixture done" in out.stdout
+
+
+def test_per_task_gpu_binding_is_consistent(tmp_path):
+    """8 GPUs, 8 tasks on the node, each bound to one: task 3 sees GPU 3 only."""
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7", "SLURM_GPUS_ON_NODE": "8",
+           "SLURM_NTASKS_PER_NODE": "8", "CUDA_VISIBLE_DEVICES": "3"}
+    res = by_check(run_checks(env=clean_env(tmp_path, **env)))
+    assert res["gpus.count"].status is Status.PASS, res["gpus.count"]
+    assert res["slurm.context"].status is Status.PASS, res["slurm.context"]
+    env["CUDA_VISIBLE_DEVICES"] = "3,4"  # two per task when each should have one
+    res = by_check(run_checks(env=clean_env(tmp_path, **env)))
+    assert res["gpus.count"].status is Status.FAIL and res["slurm.context"].status is Status.FAIL
+
+
+def test_kernel_import_that_kills_the_interpreter_is_reported(tmp_path):
+    """An extension that segfaults on import (ABI mismatch) must not take the doctor down."""
+    crashing = write_package(tmp_path / "crash", {"fla/__init__.py": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"})
+    env = clean_env(tmp_path, PYTHONPATH=f"{crashing}{os.pathsep}{REPO}")
+    res = by_check(run_checks(str(write_job(tmp_path, gpus=1)), env))
+    assert res["kernels.fla"].status is Status.FAIL
+    assert "killed by SIGSEGV" in res["kernels.fla"].found

@@ -50,6 +50,12 @@ class DoctorContext:
         return self.slurm_job_id is not None
 
     @property
+    def tasks_per_node(self) -> int:
+        """Tasks sharing this node's GPUs; with per-task GPU binding each sees its share."""
+        text = self.env.get("SLURM_NTASKS_PER_NODE", "")
+        return int(text) if text.isdigit() and int(text) > 0 else 1
+
+    @property
     def cuda_visible_devices(self) -> str | None:
         return self.env.get("CUDA_VISIBLE_DEVICES")
 

@@ -58,7 +58,8 @@ def check_gpu_count(ctx: DoctorContext) -> CheckResult:
                                f"submit with --gres=gpu:{wanted} (launch submit does)")
         return CheckResult(name, Status.SKIP, f"no GPU allocation here; {visible if visible is not None else 0} visible ({how})")
     problems = []
-    if visible != allocated:
+    per_task = ctx.tasks_per_node > 1 and visible is not None and visible * ctx.tasks_per_node == allocated
+    if visible != allocated and not per_task:
         problems.append(f"{visible} visible ({how}) but {allocated} allocated ({source})")
     if wanted and ctx.in_allocation and allocated != wanted:
         problems.append(f"job {ctx.job.name} wants {wanted} GPUs per node, allocation has {allocated}")
@@ -66,6 +67,9 @@ def check_gpu_count(ctx: DoctorContext) -> CheckResult:
         return CheckResult(name, Status.FAIL, "; ".join(problems),
                            "do not set CUDA_VISIBLE_DEVICES yourself inside a job; let Slurm's GRES set it, "
                            "and request the job's GPUs (--gres=gpu:N)")
+    if per_task:
+        return CheckResult(name, Status.PASS, f"{visible} visible per task x {ctx.tasks_per_node} tasks = "
+                                              f"{allocated} allocated ({source})")
     return CheckResult(name, Status.PASS, f"{visible} visible = {allocated} allocated ({source})")
 
 

@@ -4,6 +4,7 @@ the reference, and the known-bad version combinations."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,7 +62,8 @@ def run_probe(ctx: DoctorContext, *, gdn: bool, tilelang: bool) -> dict:
             crash = None
             if proc.returncode != 0:
                 tail = (proc.stderr.strip().splitlines() or [""])[-1]
-                crash = f"kernel probe exited {proc.returncode}: {tail}"
+                how = f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exited {proc.returncode}"
+                crash = f"importing the kernels {how} (a broken extension?): {tail}"
         except subprocess.TimeoutExpired:
             crash = f"kernel probe did not finish in {timeout:.0f} s (set LAUNCH_DOCTOR_PROBE_TIMEOUT)"
         report = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {"imports": {}}

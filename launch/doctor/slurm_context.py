@@ -50,7 +50,12 @@ def check_slurm(ctx: DoctorContext) -> list[CheckResult]:
         as_physical = entries == [str(i) for i in job_gpus]
         as_renumbered = entries == [str(i) for i in range(len(job_gpus))]
         as_uuids = len(entries) == len(job_gpus) and all(e.startswith(("GPU-", "MIG-")) for e in entries)
-        if not (as_physical or as_renumbered or as_uuids):
+        # Per-task binding (--gpu-bind / --gpus-per-task): each task sees its share of the job's GPUs.
+        share = len(job_gpus) // ctx.tasks_per_node if ctx.tasks_per_node > 1 else 0
+        per_task = share > 0 and len(entries) == share and (
+            set(entries) <= {str(i) for i in job_gpus} or set(entries) <= {str(i) for i in range(len(job_gpus))}
+            or all(e.startswith(("GPU-", "MIG-")) for e in entries))
+        if not (as_physical or as_renumbered or as_uuids or per_task):
             problems.append(f"SLURM_JOB_GPUS={raw_gpus} but CUDA_VISIBLE_DEVICES={cvd}")
     on_node = env.get("SLURM_GPUS_ON_NODE")
     if on_node and on_node.isdigit() and int(on_node) != len(job_gpus):
