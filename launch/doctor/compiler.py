@@ -58,8 +58,11 @@ def libcuda_dirs(env: Mapping[str, str]) -> list[str]:
     try:
         out = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return []
-    return sorted({str(Path(line.split("=>")[-1].strip()).parent) for line in out.splitlines() if "libcuda.so" in line})
+        out = ""
+    dirs = {str(Path(line.split("=>")[-1].strip()).parent) for line in out.splitlines() if "libcuda.so" in line}
+    if not dirs:  # not in the linker cache: the library path, as Triton also looks there
+        dirs = {d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d and (Path(d) / "libcuda.so.1").exists()}
+    return sorted(dirs)
 
 
 def check_compiler(ctx: DoctorContext) -> list[CheckResult]:
