@@ -343,10 +343,16 @@ def test_keepalive_released_passes_and_still_held_fails(tmp_path):
     res = by_check(check_gpus(gpu_ctx(tmp_path, **env)))
     assert res["gpus.keepalive"].status is Status.PASS
     assert "released to job 4242" in res["gpus.keepalive"].found
-    state.write_text(json.dumps({"held": [0, 1, 2, 3], "released": {}}))
+    # The holder (`launch keepalive run`) writes its pid too; this process stands for a live one.
+    state.write_text(json.dumps({"pid": os.getpid(), "held": [0, 1, 2, 3], "released": {}}))
     res = by_check(check_gpus(gpu_ctx(tmp_path, **env)))
     assert res["gpus.keepalive"].status is Status.FAIL
     assert "still holds GPUs [0, 1]" in res["gpus.keepalive"].found
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    state.write_text(json.dumps({"pid": dead.pid, "held": [0, 1, 2, 3], "released": {}}))
+    res = by_check(check_gpus(gpu_ctx(tmp_path, **env)))
+    assert res["gpus.keepalive"].status is Status.WARN and "is stale" in res["gpus.keepalive"].found
 
 
 def test_keepalive_state_absent_warns_in_gpu_allocation(tmp_path):

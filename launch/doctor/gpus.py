@@ -128,6 +128,11 @@ def check_keepalive(ctx: DoctorContext) -> CheckResult:
         released = {str(k): {int(i) for i in v} for k, v in (state.get("released") or {}).items()}
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         return CheckResult(name, Status.WARN, f"cannot read keepalive state {path}: {exc}", "check `launch keepalive status`")
+    holder_pid = state.get("pid")
+    if isinstance(holder_pid, int) and not Path(f"/proc/{holder_pid}").exists():
+        return CheckResult(name, Status.WARN, f"keepalive state {path} is stale: holder pid {holder_pid} is not running "
+                                              f"(it listed GPUs {sorted(held)} as held)",
+                           "restart the holder (systemctl restart launch-keepalive) or remove the stale state file")
     if not job_gpus:
         return CheckResult(name, Status.SKIP, f"not in a GPU allocation; keepalive holds GPUs {sorted(held)}")
     still_held = sorted(held & set(job_gpus))
