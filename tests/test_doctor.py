@@ -574,3 +574,16 @@ def test_kernel_import_that_kills_the_interpreter_is_reported(tmp_path):
     res = by_check(run_checks(str(write_job(tmp_path, gpus=1)), env))
     assert res["kernels.fla"].status is Status.FAIL
     assert "killed by SIGSEGV" in res["kernels.fla"].found
+
+
+def test_old_driver_without_compute_cap_field_still_lists_gpus(tmp_path):
+    """Stand-in nvidia-smi of a pre-510 driver: the compute_cap query fails, the plain one works."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-smi"
+    script.write_text("#!/bin/sh\ncase \"$1\" in\n"
+                      "  *compute_cap*) echo 'Field \"compute_cap\" is not a valid field to query.'; exit 2 ;;\n"
+                      "  --query-gpu=*) echo '0, GPU-0aaa, Tesla V100, 470.82.01' ;;\n  *) exit 0 ;;\nesac\n")
+    script.chmod(0o755)
+    ctx = gpu_ctx(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert [(g.index, g.compute_cap, g.driver) for g in ctx.gpus] == [(0, None, "470.82.01")]

@@ -117,7 +117,10 @@ def fast_subset(
                          needs_gpus=needs_gpus)
     if spec_problem is not None:
         results = [spec_problem if r.check == "versions.lock" else r for r in results]
-    if stream is not None:
+    # Every task runs the checks (GPUs and caches are per node); one table per job is enough
+    # in the log unless this task found a failure.
+    first_task = (env if env is not None else os.environ).get("SLURM_PROCID", "0") == "0"
+    if stream is not None and (first_task or has_failure(results)):
         print(render_table(results), file=stream, flush=True)
     if has_failure(results):
         raise LaunchError(failure_message(results), exit_code=1)

@@ -60,7 +60,12 @@ def _cap(text: str) -> tuple[int, int] | None:
 
 def list_gpus(env: Mapping[str, str]) -> list[Gpu] | None:
     """The GPUs nvidia-smi sees; None when there is no nvidia-smi on PATH."""
-    rows = _smi(env, "--query-gpu=index,uuid,name,compute_cap,driver_version")
+    try:
+        rows = _smi(env, "--query-gpu=index,uuid,name,compute_cap,driver_version")
+    except NvidiaSmiError:
+        # Drivers before 510 do not know the compute_cap field; torch reports it in the probe.
+        rows = _smi(env, "--query-gpu=index,uuid,name,driver_version")
+        rows = [[*r[:3], "", *r[3:]] for r in rows or []]
     if rows is None:
         return None
     gpus = []
