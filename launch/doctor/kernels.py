@@ -158,10 +158,13 @@ def _hopper_result(ctx: DoctorContext, probe: dict, triton_bad: str | None) -> C
         return CheckResult(name, Status.SKIP, "not a Hopper GPU")
     if triton_bad is None:
         return CheckResult(name, Status.PASS, f"Hopper with triton {dist_version('triton')}")
-    tilelang = probe["imports"].get("tilelang") or {"ok": False, "not_installed": True, "error": None}
-    if tilelang["ok"]:
+    tilelang = probe["imports"].get("tilelang")
+    if tilelang and tilelang["ok"]:
         return CheckResult(name, Status.PASS, f"Hopper, triton {triton_bad}: fla uses tilelang {dist_version('tilelang')}")
-    why = "not installed" if tilelang["not_installed"] else tilelang["error"]
+    if tilelang is None:
+        why = probe["crash"] or "not checked"
+    else:
+        why = "not installed" if tilelang["not_installed"] else tilelang["error"]
     return CheckResult(
         name, Status.FAIL,
         f"Hopper with triton {triton_bad} (>=3.4,<3.7.1) gives wrong fla gated backward; tilelang: {why}",
