@@ -587,3 +587,36 @@ def test_old_driver_without_compute_cap_field_still_lists_gpus(tmp_path):
     script.chmod(0o755)
     ctx = gpu_ctx(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     assert [(g.index, g.compute_cap, g.driver) for g in ctx.gpus] == [(0, None, "470.82.01")]
+
+
+def fake_dist(site: Path, name: str, version: str) -> None:
+    """Installed-package metadata for `name` (what importlib.metadata reads), without the code."""
+    dist = site / f"{name}-{version}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_hopper_with_bad_triton_needs_tilelang(tmp_path):
+    """Stand-in nvidia-smi reporting an H200 (sm_90) and triton 3.6.0's metadata on the path:
+    without tilelang the row FAILs with the fix; a tilelang whose import fails shows its real
+    error; an importable tilelang (stand-in: the real one needs CUDA) makes it PASS."""
+    fake_nvidia_smi(tmp_path / "bin", [])
+    site = tmp_path / "site"
+    fake_dist(site, "triton", "3.6.0")
+    path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
+
+    def hopper_row(*extra: Path) -> dict:
+        env = clean_env(tmp_path, PATH=path, PYTHONPATH=os.pathsep.join([*map(str, extra), str(site), str(REPO)]))
+        out = run_doctor_cli(["--json", "--no-gdn"], env)
+        assert "Traceback" not in out.stderr, out.stderr
+        return {r["check"]: r for r in json.loads(out.stdout)["checks"]}["kernels.hopper_triton"]
+
+    row = hopper_row()
+    assert row["status"] == "FAIL"
+    assert "Hopper with triton 3.6.0 (>=3.4,<3.7.1)" in row["found"] and "tilelang: not installed" in row["found"]
+    assert "triton>=3.7.1" in row["fix"] and "tilelang" in row["fix"]
+    broken = write_package(tmp_path / "broken_tl", {"tilelang/__init__.py": f"raise OSError({LIBZ3_ERROR!r})\n"})
+    row = hopper_row(broken)
+    assert row["status"] == "FAIL" and f"OSError: {LIBZ3_ERROR}" in row["found"]
+    working = write_package(tmp_path / "tl", {"tilelang/__init__.py": ""})
+    assert hopper_row(working)["status"] == "PASS"
