@@ -7,8 +7,9 @@ Format (a data directory)
     und.jsonl          {"id", "tokens3d", "text"}                                            3D    -> text
     replay_img.jsonl   {"id", "image", "text"}                                               image -> caption
     replay_text.jsonl  {"id", "text"}                                                        plain text
-Paths are relative to the data directory. A `tokens3d` file is an .npz with three integer arrays
-`ss` (< 1728), `shape` (< 2048), `tex` (< 2048): the codes of the three 3D codebooks.
+Paths are relative to the data directory. A `tokens3d` file is an .npz with three 1-D integer
+arrays `ss`, `shape`, `tex`: the codes of the three 3D codebooks, each below its codebook size
+(full model 1728/2048/2048; the tiny preset scales them down, see train.stage1.model.PRESETS).
 
 Malformed records (bad JSON, missing keys, missing/corrupt image or token file, codes out of
 range) are skipped, counted and reported as `file:line: reason`; when they exceed
@@ -42,6 +43,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from train.common.codebooks import CodebookVocab
 from train.common.packing import Packer, collate
 
 TASKS: tuple[str, ...] = ("gen_img", "gen_txt", "und", "replay_img", "replay_text")
@@ -56,6 +58,7 @@ REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
 REFERENCE_COUNTS: dict[str, int] = {
     "gen_img": 294_000, "gen_txt": 293_000, "und": 293_000, "replay_img": 320_000, "replay_text": 150_000,
 }
+# Codebook sizes of the full model; the tiny preset scales them down (train.stage1.model.PRESETS).
 CODEBOOK_SIZES: dict[str, int] = {"ss": 1728, "shape": 2048, "tex": 2048}
 IMAGE_GRID = 4  # image stand-in: IMAGE_GRID x IMAGE_GRID cells
 IMAGE_LEVELS = 4  # per channel -> 64 image tokens
@@ -73,43 +76,46 @@ class MalformedRecord(ValueError):
 # tokenizer
 
 
-@dataclass(frozen=True)
 class TinyTokenizer:
-    """Byte-level text + image stand-in + 3D codebook tokens; ids laid out as
+    """Byte-level text + image stand-in in the base vocabulary; task/3D tokens from the codebook vocab.
 
-    [pad, bos, eos, <task>x5, <img>, </img>, <3d>, </3d>] [256 bytes] [64 image] [3D codebooks]
+    Base-vocabulary ids used: [<pad> <bos> <eos> <img> </img>, 3 unused] [256 bytes] [64 image].
+    Task tokens, 3D boundaries and the SS/shape/tex codebook tokens come from `vocab`
+    (train.common.codebooks.CodebookVocab), so the ids match the model's extended embeddings.
     """
 
-    SPECIALS: tuple[str, ...] = (
-        "<pad>", "<bos>", "<eos>", *(f"<{t}>" for t in TASKS), "<img>", "</img>", "<3d>", "</3d>",
-    )
+    SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<img>", "</img>")
+    BYTE_BASE = 8
+    IMAGE_BASE = BYTE_BASE + 256
 
-    @property
-    def byte_base(self) -> int:
-        return len(self.SPECIALS)
-
-    @property
-    def image_base(self) -> int:
-        return self.byte_base + 256
-
-    @property
-    def text_vocab_size(self) -> int:
-        """Ids below this are the 'base' vocabulary; the 3D codebooks start here."""
-        return self.image_base + IMAGE_LEVELS**3
+    def __init__(self, vocab: CodebookVocab) -> None:
+        needed = self.IMAGE_BASE + IMAGE_LEVELS**3
+        if vocab.base_vocab < needed:
+            raise ValueError(f"base vocab {vocab.base_vocab} too small for the byte tokenizer (needs {needed})")
+        self.vocab = vocab
 
     @property
     def vocab_size(self) -> int:
-        return self.text_vocab_size + sum(CODEBOOK_SIZES.values())
+        return self.vocab.padded_vocab
+
+    @property
+    def codebook_sizes(self) -> dict[str, int]:
+        return dict(self.vocab.sizes)
 
     def special(self, name: str) -> int:
-        return self.SPECIALS.index(name)
+        if name in self.SPECIALS:
+            return self.SPECIALS.index(name)
+        return self.vocab.special_ids[name]
+
+    def task_token(self, task: str) -> int:
+        return self.vocab.special_ids[f"<|task_{task}|>"]
 
     @property
     def pad_id(self) -> int:
         return 0
 
     def text(self, s: str) -> list[int]:
-        return [self.byte_base + b for b in s.encode("utf-8")]
+        return [self.BYTE_BASE + b for b in s.encode("utf-8")]
 
     def image(self, path: Path) -> list[int]:
         from PIL import Image
@@ -119,17 +125,18 @@ class TinyTokenizer:
             cells = np.asarray(im.convert("RGB").resize((IMAGE_GRID, IMAGE_GRID), Image.BOX), dtype=np.int64)
         q = cells * IMAGE_LEVELS // 256  # [g, g, 3] in 0..LEVELS-1
         codes = (q[..., 0] * IMAGE_LEVELS + q[..., 1]) * IMAGE_LEVELS + q[..., 2]
-        return [self.image_base + int(c) for c in codes.reshape(-1)]
+        return [self.IMAGE_BASE + int(c) for c in codes.reshape(-1)]
 
     def codes3d(self, ss: Sequence[int], shape: Sequence[int], tex: Sequence[int]) -> list[int]:
-        return codes_to_tokens_for(self.text_vocab_size, ss, shape, tex)
+        """<3d_start> <ss_start> ss.. <ss_end> <shape_start> .. <tex_end> <3d_end>."""
+        return self.vocab.encode_3d(list(ss), list(shape), list(tex))
 
 
-def codes_to_tokens_for(base_vocab: int, ss: Sequence[int], shape: Sequence[int], tex: Sequence[int]) -> list[int]:
-    """3D codes -> token ids: the SS, shape and tex codebooks placed one after another at base_vocab."""
-    off_shape = base_vocab + CODEBOOK_SIZES["ss"]
-    off_tex = off_shape + CODEBOOK_SIZES["shape"]
-    return [base_vocab + int(c) for c in ss] + [off_shape + int(c) for c in shape] + [off_tex + int(c) for c in tex]
+def tokenizer_for_preset(preset: str) -> TinyTokenizer:
+    from train.stage1.model import get_preset
+
+    cfg = get_preset(preset)
+    return TinyTokenizer(CodebookVocab(cfg.base_vocab, cfg.codebooks))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,13 +193,13 @@ def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -
     return man
 
 
-def _load_codes(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _load_codes(path: Path, sizes: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     try:
         with np.load(path) as z:
             arrays = tuple(np.asarray(z[k]) for k in CODEBOOK_SIZES)
     except (OSError, ValueError, KeyError, EOFError) as exc:
         raise MalformedRecord(f"unreadable 3D token file {path} ({type(exc).__name__}: {exc})") from None
-    for (name, size), arr in zip(CODEBOOK_SIZES.items(), arrays, strict=True):
+    for (name, size), arr in zip(sizes.items(), arrays, strict=True):
         if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
             raise MalformedRecord(f"{path}: {name} codes must be a non-empty 1-D integer array")
         if arr.min() < 0 or arr.max() >= size:
@@ -211,9 +218,9 @@ def tokenize_record(tok: TinyTokenizer, root: Path, task: str, rec: dict[str, An
             raise MalformedRecord(f"unreadable image {path} ({type(exc).__name__})") from None
 
     def codes() -> list[int]:
-        return [tok.special("<3d>"), *tok.codes3d(*_load_codes(root / rec["tokens3d"])), tok.special("</3d>")]
+        return tok.codes3d(*_load_codes(root / rec["tokens3d"], tok.codebook_sizes))
 
-    head = [tok.special("<bos>"), tok.special(f"<{task}>")]
+    head = [tok.special("<bos>"), tok.task_token(task)]
     body = {
         "gen_img": lambda: image() + codes(),
         "gen_txt": lambda: tok.text(rec["text"]) + codes(),
@@ -267,6 +274,7 @@ class MixtureSampler:
 @dataclass
 class DataConfig:
     data_dir: str
+    preset: str = "tiny"  # model preset: its vocab layout and codebook sizes
     row_len: int = 512
     batch_rows: int = 4
     seed: int = 0
@@ -320,7 +328,7 @@ class PackedBatches(IterableDataset):
         self.cfg = cfg
         self.rank = rank
         self.start_batch = start_batch
-        self.tok = TinyTokenizer()
+        self.tok = tokenizer_for_preset(cfg.preset)
         self.man = load_manifests(cfg.data_dir)
         check_bad_fraction(len(self.man.bad), self.man.total_lines, cfg.max_bad_fraction, self.man.bad)
         self.sampler = MixtureSampler(self.man, normalized_weights(cfg.weights, self.man), cfg.seed, rank)
@@ -420,17 +428,19 @@ REPLAY_SENTENCES = (
 )
 
 
-def _object_codes(prim: int, color: int, size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _object_codes(
+    prim: int, color: int, size: int, rng: np.random.Generator, sizes: dict[str, int]
+) -> dict[str, np.ndarray]:
     """3D codes with structure a model can learn: a function of the object, plus 5% noise."""
     n = 6 + 3 * size
     i = np.arange(n)
-    ss = (prim * 211 + i * (size + 1) * 13) % CODEBOOK_SIZES["ss"]
-    shape = (prim * 331 + (i * i) * 7 + size * 29) % CODEBOOK_SIZES["shape"]
-    tex = (color * 251 + i * 5) % CODEBOOK_SIZES["tex"]
+    ss = (prim * 211 + i * (size + 1) * 13) % sizes["ss"]
+    shape = (prim * 331 + (i * i) * 7 + size * 29) % sizes["shape"]
+    tex = (color * 251 + i * 5) % sizes["tex"]
     out = {"ss": ss, "shape": shape, "tex": tex}
     for name, arr in out.items():
         noise = rng.random(n) < 0.05
-        arr[noise] = rng.integers(0, CODEBOOK_SIZES[name], int(noise.sum()))
+        arr[noise] = rng.integers(0, sizes[name], int(noise.sum()))
     return {k: v.astype(np.int16 if k == "ss" else np.int32) for k, v in out.items()}
 
 
@@ -456,9 +466,12 @@ def _draw_image(path: Path, prim: int, color: tuple[int, int, int], size: int, r
     im.save(path, format="PNG")
 
 
-def generate_synthetic(out: str | os.PathLike[str], samples: int, seed: int = 0, malformed: int = 0) -> dict[str, int]:
+def generate_synthetic(
+    out: str | os.PathLike[str], samples: int, seed: int = 0, malformed: int = 0, preset: str = "tiny"
+) -> dict[str, int]:
     """Write a small dataset in the stage-1 format; return records written per task.
 
+    3D codes lie within the codebook sizes of model preset `preset`.
     `malformed` extra broken lines are spread over the manifests (for tests and demos of the
     malformed-record accounting).
     """
@@ -468,6 +481,7 @@ def generate_synthetic(out: str | os.PathLike[str], samples: int, seed: int = 0,
     (out / "images").mkdir(parents=True, exist_ok=True)
     (out / "tokens3d").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
+    sizes = tokenizer_for_preset(preset).codebook_sizes
     total_ref = sum(REFERENCE_COUNTS.values())
     counts = {t: max(1, round(samples * c / total_ref)) for t, c in REFERENCE_COUNTS.items()}
     color_names = list(COLORS)
@@ -483,7 +497,7 @@ def generate_synthetic(out: str | os.PathLike[str], samples: int, seed: int = 0,
                 _draw_image(out / rec["image"], prim, COLORS[color_names[color]], size, rng)
             if task in ("gen_img", "gen_txt", "und"):
                 rec["tokens3d"] = f"tokens3d/{sid}.npz"
-                np.savez(out / rec["tokens3d"], **_object_codes(prim, color, size, rng))
+                np.savez(out / rec["tokens3d"], **_object_codes(prim, color, size, rng, sizes))
             if task == "gen_txt":
                 rec["text"] = f"make {caption}"
             elif task == "und":
@@ -507,12 +521,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="data directory to write")
     p.add_argument("--samples", type=int, default=2000, help="records over all tasks (default 2000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny", help="model preset whose codebook sizes bound the codes")
     p.add_argument("--malformed", type=int, default=0, help="extra broken lines to include (for tests)")
     args = p.parse_args(argv)
     if args.samples < len(TASKS):
         print(f"error: --samples must be at least {len(TASKS)} (one per task)", file=sys.stderr)
         return 2
-    counts = generate_synthetic(args.out, args.samples, args.seed, args.malformed)
+    try:
+        counts = generate_synthetic(args.out, args.samples, args.seed, args.malformed, args.preset)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {sum(counts.values())} records to {args.out}: " + ", ".join(f"{t}={n}" for t, n in counts.items()))
     return 0
 
