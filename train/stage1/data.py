@@ -364,6 +364,7 @@ class Stage1Data:
         self.next_batch = start_batch
         self.docs_seen = 0
         self.bad_seen = 0
+        self._reported: set[str] = set()  # each bad record is reported once, counted every time
         for line in self.dataset.man.bad:
             report(f"malformed record: {line}")
         loader_kwargs: dict[str, Any] = {}
@@ -391,7 +392,9 @@ class Stage1Data:
         self.docs_seen += batch["n_docs"] + len(batch["bad_records"])
         self.bad_seen += len(batch["bad_records"])
         for line in batch["bad_records"]:
-            self.report(f"malformed record: {line}")
+            if line not in self._reported:
+                self._reported.add(line)
+                self.report(f"malformed record: {line}")
         man = self.dataset.man
         check_bad_fraction(
             len(man.bad) + self.bad_seen, man.total_lines + self.docs_seen, self.cfg.max_bad_fraction,
