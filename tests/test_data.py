@@ -132,7 +132,7 @@ def test_too_many_malformed_records_stop_the_run(tmp_path: Path, data_dir: Path)
     _copy(data_dir, d)
     with open(d / "und.jsonl", "a") as f:
         f.write("not json\n" * 5)
-    with pytest.raises(DataError, match=r"5 of \d+ records malformed .* > 1\.0% allowed; first: .*und.jsonl:\d+"):
+    with pytest.raises(DataError, match=r"5 of \d+ records malformed .* > 1\.0% allowed\); first: .*und.jsonl:\d+"):
         Stage1Data(_cfg(d, max_bad_fraction=0.01), report=lambda _: None)
     Stage1Data(_cfg(d, max_bad_fraction=0.2), report=lambda _: None)  # under the limit: runs
 
