@@ -177,6 +177,40 @@ def test_fla_adapters_keep_documents_apart(site):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def _with_gdr_body(body: str) -> dict[str, str]:
+    files = dict(WORKING_FLA)
+    files["fla/ops/gated_delta_rule/__init__.py"] = body
+    return files
+
+
+def test_first_call_failure_is_caught_before_training(site):
+    """Imports fine, fails when run (a Triton without a C compiler, fla's Hopper guard...)."""
+    site(_with_gdr_body("""
+        def chunk_gated_delta_rule(*args, **kwargs):
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+    """))
+    choice = select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    model, _ = build_model("tiny")
+    with pytest.raises(FastPathError, match="gated delta rule kernel fla.* failed its first call: RuntimeError: Failed to find C"):
+        install_kernels(model, choice)
+
+
+def test_a_kernel_that_leaks_across_documents_is_refused(site):
+    """A gated-delta-rule kernel that ignores cu_seqlens (state flows from one document into the
+    next, what a non-varlen kernel does to packed rows) disagrees with the reference."""
+    site(_with_gdr_body("""
+        from train.common.reference_kernels import chunk_gated_delta_rule_varlen
+
+        def chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+            return chunk_gated_delta_rule_varlen(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), None
+    """))
+    choice = select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    model, _ = build_model("tiny")
+    with pytest.raises(FastPathError, match="disagrees with the varlen reference"):
+        install_kernels(model, choice)
+    assert install_kernels(model, choice, verify=False) == 3  # the check is what stops it
+
+
 def test_install_kernels_refuses_a_model_without_gdn_layers():
     with pytest.raises(ValueError, match="no Qwen3.5 gated-delta-net"):
         install_kernels(torch.nn.Linear(2, 2), KernelChoice("cpu", "x", "y", "z", False))

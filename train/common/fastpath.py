@@ -251,22 +251,100 @@ def select_kernels(
     )
 
 
-def install_kernels(model: torch.nn.Module, choice: KernelChoice) -> int:
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().float(), want.detach().float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+def verify_kernels(
+    choice: KernelChoice,
+    device: torch.device | str,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    conv_width: int,
+    tolerance: float = 5e-2,
+) -> None:
+    """Run the chosen kernels once on a small packed input (3 documents, fwd + bwd) and compare
+    them with the reference kernels. Catches what an import check cannot: a Triton that cannot
+    JIT ("Failed to find C compiler"), fla's Hopper backward guard, or a kernel that lets state
+    leak across documents. Raises :class:`FastPathError` naming the piece and the exception.
+    """
+    dev = torch.device(device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lengths = [37, 64, 99]
+    total = sum(lengths)
+    cu_seqlens = torch.tensor([0, 37, 101, 200], dtype=torch.int32, device=dev)
+    seq_idx = reference_kernels.cu_seqlens_to_seq_idx(cu_seqlens, total).view(1, total)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dev).requires_grad_()
+
+    q, k = rand(1, total, num_k_heads, head_k_dim), rand(1, total, num_k_heads, head_k_dim)
+    v = rand(1, total, num_v_heads, head_v_dim)
+    g = (-torch.nn.functional.softplus(torch.randn(1, total, num_v_heads, generator=gen))).to(dev).requires_grad_()
+    beta = torch.rand(1, total, num_v_heads, generator=gen).to(dev).requires_grad_()
+    conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+    x = rand(1, total, conv_dim).transpose(1, 2)  # channel-last, as in the layer
+    weight = rand(conv_dim, conv_width)
+
+    checks = (
+        ("gated delta rule", choice.gdr, choice.gdr_fn, reference_kernels.chunk_gated_delta_rule_varlen,
+         (q, k, v, g, beta), {"cu_seqlens": cu_seqlens, "use_qk_l2norm_in_kernel": True}),
+        ("causal conv", choice.conv, choice.conv_fn, reference_kernels.causal_conv1d_varlen,
+         (x, weight, None, "silu"), {"seq_idx": seq_idx, "cu_seqlens": cu_seqlens}),
+    )
+    for piece, name, fast_fn, ref_fn, args, kwargs in checks:
+        if fast_fn is ref_fn:
+            continue
+        leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+        want = ref_fn(*args, **kwargs)
+        want_grads = torch.autograd.grad(want.float().square().sum(), leaves)
+        try:
+            got = fast_fn(*args, **kwargs)
+            if not torch.is_tensor(got) or got.shape != want.shape:
+                raise TypeError(f"returned {type(got).__name__} {getattr(got, 'shape', '')}, expected {tuple(want.shape)}")
+            got_grads = torch.autograd.grad(got.float().square().sum(), leaves)
+        except Exception as exc:
+            raise FastPathError(f"{piece} kernel {name} failed its first call: {type(exc).__name__}: {exc}") from exc
+        errors = [_relative_error(got, want)] + [_relative_error(a, b) for a, b in zip(got_grads, want_grads, strict=True)]
+        if max(errors) > tolerance:
+            raise FastPathError(
+                f"{piece} kernel {name} disagrees with the varlen reference on a packed input "
+                f"(max relative error {max(errors):.3g} > {tolerance}; output, then input grads: "
+                f"{', '.join(f'{e:.2g}' for e in errors)})"
+            )
+
+
+def install_kernels(model: torch.nn.Module, choice: KernelChoice, verify: bool = True) -> int:
     """Swap every qwen3_5 GDN layer in ``model`` to the packed forward with ``choice``'s kernels.
 
-    Returns the number of layers changed. Parameters and state_dict keys are untouched.
+    With ``verify`` (default) and a non-CPU choice, first checks the chosen kernels against the
+    reference at the model's head shapes (:func:`verify_kernels`). Returns the number of layers
+    changed. Parameters and state_dict keys are untouched.
     """
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
     from train.common.packed_gdn import PackedGatedDeltaNet
 
-    n = 0
-    for module in model.modules():
-        if isinstance(module, Qwen3_5GatedDeltaNet):
-            module.__class__ = PackedGatedDeltaNet
-            module.conv_impl = choice.conv_fn
-            module.gdr_impl = choice.gdr_fn
-            n += 1
-    if n == 0:
+    layers = [m for m in model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]
+    if not layers:
         raise ValueError("install_kernels: the model has no Qwen3.5 gated-delta-net layers")
-    return n
+    if verify and choice.device != "cpu":
+        first = layers[0]
+        verify_kernels(
+            choice,
+            first.in_proj_qkv.weight.device,
+            num_k_heads=first.num_k_heads,
+            num_v_heads=first.num_v_heads,
+            head_k_dim=first.head_k_dim,
+            head_v_dim=first.head_v_dim,
+            conv_width=first.conv_kernel_size,
+        )
+    for module in layers:
+        module.__class__ = PackedGatedDeltaNet
+        module.conv_impl = choice.conv_fn
+        module.gdr_impl = choice.gdr_fn
+    return len(layers)
