@@ -29,7 +29,8 @@ def mfu_convention() -> str:
         from train.common import mfu as mfu_module
     except ImportError:
         return DEFAULT_MFU_CONVENTION
-    return str(getattr(mfu_module, "MFU_CONVENTION", DEFAULT_MFU_CONVENTION))
+    convention = getattr(mfu_module, "convention", None)
+    return convention() if callable(convention) else DEFAULT_MFU_CONVENTION
 
 
 def peak_memory_mb(device: torch.device) -> float:
