@@ -1,0 +1,161 @@
+"""Stage-1 data: mixture determinism per (seed, rank), malformed records with file:line, limits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.stage1.data import (
+    TASKS,
+    DataConfig,
+    DataError,
+    MixtureSampler,
+    PackedBatches,
+    Stage1Data,
+    build_batch,
+    generate_synthetic,
+    load_manifests,
+    normalized_weights,
+    tokenizer_for_preset,
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("stage1-data")
+    generate_synthetic(d, samples=80, seed=1)
+    return d
+
+
+def _cfg(data_dir: Path, **kw) -> DataConfig:
+    base = dict(row_len=128, batch_rows=2, seed=7, num_workers=0)
+    base.update(kw)
+    return DataConfig(str(data_dir), **base)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in ("input_ids", "labels", "position_ids", "task_ids", "cu_seqlens"))
+
+
+def test_generated_format(data_dir: Path) -> None:
+    man = load_manifests(data_dir)
+    assert man.bad == []
+    assert all(man.records[t] for t in TASKS)
+    _, rec = man.records["gen_img"][0]
+    assert (data_dir / rec["image"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (data_dir / rec["tokens3d"]).suffix == ".npz"
+
+
+def test_batch_is_function_of_seed_rank_index(data_dir: Path) -> None:
+    ds = PackedBatches(_cfg(data_dir), rank=0)
+    again = PackedBatches(_cfg(data_dir), rank=0)
+    other_rank = PackedBatches(_cfg(data_dir), rank=1)
+    other_seed = PackedBatches(_cfg(data_dir, seed=8), rank=0)
+    b3 = build_batch(ds.sampler, ds.tok, ds.cfg, 3)
+    assert _same(b3, build_batch(again.sampler, again.tok, again.cfg, 3))
+    assert not _same(b3, build_batch(ds.sampler, ds.tok, ds.cfg, 4))
+    assert not _same(b3, build_batch(other_rank.sampler, other_rank.tok, other_rank.cfg, 3))
+    assert not _same(b3, build_batch(other_seed.sampler, other_seed.tok, other_seed.cfg, 3))
+    assert b3["input_ids"].shape == (2, 128)
+
+
+def test_worker_loader_order_and_resume(data_dir: Path) -> None:
+    """Two loader worker processes give batches in index order; starting at k resumes exactly."""
+    loader = Stage1Data(_cfg(data_dir, num_workers=2, prefetch_factor=2), rank=0, report=lambda _: None)
+    seq = [next(loader) for _ in range(5)]
+    loader.close()
+    assert [b["batch_index"] for b in seq] == [0, 1, 2, 3, 4]
+    assert loader.state_dict()["next_batch"] == 5
+    resumed = Stage1Data(_cfg(data_dir), rank=0, start_batch=3, report=lambda _: None)
+    assert _same(next(resumed), seq[3])
+    assert _same(next(resumed), seq[4])
+
+
+def test_mixture_follows_weights(data_dir: Path) -> None:
+    man = load_manifests(data_dir)
+    sampler = MixtureSampler(man, normalized_weights({"und": 3.0, "replay_text": 1.0}, man), seed=0, rank=0)
+    draws = sampler.draws(0)
+    tasks = [next(draws)[0] for _ in range(2000)]
+    assert set(tasks) == {"und", "replay_text"}
+    assert 0.70 < tasks.count("und") / len(tasks) < 0.80
+
+
+def test_weight_on_empty_task_is_an_error(tmp_path: Path, data_dir: Path) -> None:
+    (tmp_path / "und.jsonl").write_text((data_dir / "und.jsonl").read_text())
+    man = load_manifests(tmp_path)
+    with pytest.raises(DataError, match="gen_img.jsonl has no valid records"):
+        normalized_weights({"gen_img": 1.0, "und": 1.0}, man)
+    with pytest.raises(DataError, match="unknown task"):
+        normalized_weights({"gen_image": 1.0}, man)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    import shutil
+
+    shutil.copytree(src, dst)
+
+
+def test_malformed_records_counted_with_file_and_line(tmp_path: Path, data_dir: Path) -> None:
+    d = tmp_path / "data"
+    _copy(data_dir, d)
+    lines = (d / "gen_txt.jsonl").read_text().splitlines()
+    lines.insert(2, '{"id": "x", "text": ')  # line 3: bad JSON
+    lines.insert(4, '{"id": "y"}')  # line 5: missing keys
+    (d / "gen_txt.jsonl").write_text("\n".join(lines) + "\n")
+    # A record whose image file is gone: caught only when loaded, still with file:line.
+    img_lines = (d / "replay_img.jsonl").read_text().splitlines()
+    (d / json.loads(img_lines[0])["image"]).unlink()
+
+    reported: list[str] = []
+    loader = Stage1Data(_cfg(d, max_bad_fraction=0.5, weights={"replay_img": 1.0, "gen_txt": 1.0}),
+                        report=reported.append)
+    assert f"{d / 'gen_txt.jsonl'}:3: invalid JSON" in reported[0]
+    assert reported[1].startswith(f"malformed record: {d / 'gen_txt.jsonl'}:5: missing key(s) text, tokens3d")
+    for _ in range(60):  # until the sampler draws replay_img line 1 (deterministic for this seed)
+        next(loader)
+        if len(reported) > 2:
+            break
+    assert reported[2:] == [
+        f"malformed record: {d / 'replay_img.jsonl'}:1: unreadable image {d / 'images/replay_img-000000.png'}"
+        " (FileNotFoundError)"
+    ]
+    assert loader.bad_seen >= 1
+
+
+def test_too_many_malformed_records_stop_the_run(tmp_path: Path, data_dir: Path) -> None:
+    d = tmp_path / "data"
+    _copy(data_dir, d)
+    with open(d / "und.jsonl", "a") as f:
+        f.write("not json\n" * 5)
+    with pytest.raises(DataError, match=r"5 of \d+ records malformed .* > 1\.0% allowed\); first: .*und.jsonl:\d+"):
+        Stage1Data(_cfg(d, max_bad_fraction=0.01), report=lambda _: None)
+    Stage1Data(_cfg(d, max_bad_fraction=0.2), report=lambda _: None)  # under the limit: runs
+
+
+def test_codes_outside_the_codebook_are_malformed(tmp_path: Path, data_dir: Path) -> None:
+    import numpy as np
+
+    d = tmp_path / "data"
+    _copy(data_dir, d)
+    sizes = tokenizer_for_preset("tiny").codebook_sizes
+    for _, rec in load_manifests(d).records["und"]:
+        np.savez(d / rec["tokens3d"], ss=np.array([sizes["ss"]]), shape=np.array([0]), tex=np.array([0]))
+    loader = Stage1Data(_cfg(d, weights={"und": 1.0}, max_bad_fraction=0.5), report=lambda _: None)
+    with pytest.raises(DataError, match=r"und\.jsonl:\d+: .*ss codes out of range"):
+        next(loader)
+
+
+def test_generator_cli(tmp_path: Path) -> None:
+    out = tmp_path / "d"
+    proc = subprocess.run([sys.executable, "-m", "train.stage1.data", "--out", str(out), "--samples", "20"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.glob("*.jsonl")) == sorted(f"{t}.jsonl" for t in TASKS)
+    bad = subprocess.run([sys.executable, "-m", "train.stage1.data", "--out", str(out), "--samples", "20",
+                          "--preset", "nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

@@ -1,0 +1,216 @@
+"""Fast-path policy with kernels really absent or really broken at import time.
+
+Stand-ins: this CPU machine cannot have fla, causal-conv1d, tilelang or a GPU. The tests put fake
+packages on ``sys.path`` that are imported for real: broken ones raise at import exactly like a
+missing ``libz3.so.4.15`` did on the H200; working ones wrap the project's reference kernels behind
+fla's / causal-conv1d's call signatures, so the adapters' reshaping is checked against the oracle.
+The GPU itself is replaced by passing ``capability``/``triton_version`` to ``select_kernels``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.common.fastpath import FastPathError, KernelChoice, install_kernels, select_kernels
+from train.common.packing import Packer, collate, model_kwargs
+from train.stage1.model import build_model
+
+FAKE_ROOTS = ("fla", "causal_conv1d", "tilelang")
+LIBZ3_ERROR = "libz3.so.4.15: cannot open shared object file: No such file or directory"
+
+WORKING_FLA = {
+    "fla/__init__.py": "",
+    "fla/ops/__init__.py": "",
+    "fla/ops/gated_delta_rule/__init__.py": """
+        from train.common.reference_kernels import chunk_gated_delta_rule_varlen
+
+        def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+            # fla's contract: varlen input is one flattened sequence with int64 offsets
+            assert cu_seqlens is None or (q.shape[0] == 1 and cu_seqlens.dtype == __import__("torch").int64)
+            out = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens=cu_seqlens,
+                                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            return out, None
+    """,
+    "fla/modules/__init__.py": "",
+    "fla/modules/causal_conv1d/__init__.py": """
+        from train.common.reference_kernels import causal_conv1d_varlen, cu_seqlens_to_seq_idx
+
+        def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                          activation=None, backend="triton", cu_seqlens=None, **kwargs):
+            # fla's layout: x is [B, T, D]; varlen needs B == 1
+            b, t, d = x.shape
+            seq_idx = None if cu_seqlens is None else cu_seqlens_to_seq_idx(cu_seqlens, b * t).view(b, t)
+            out = causal_conv1d_varlen(x.transpose(1, 2), weight, bias, activation, seq_idx=seq_idx)
+            return out.transpose(1, 2), None
+    """,
+    "fla/utils/__init__.py": "def has_usable_nvcc():\n    return True\n",
+}
+BROKEN = 'raise ImportError("' + LIBZ3_ERROR + '")\n'
+
+
+def _forget_fakes() -> None:
+    for name in list(sys.modules):
+        if name.split(".")[0] in FAKE_ROOTS:
+            del sys.modules[name]
+    importlib.invalidate_caches()
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A directory on sys.path[0]; ``site(files)`` writes packages into it."""
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    _forget_fakes()
+
+    def write(files: dict[str, str]) -> Path:
+        for rel, text in files.items():
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(text))
+        importlib.invalidate_caches()
+        return root
+
+    yield write
+    _forget_fakes()
+
+
+def test_cpu_uses_the_reference_kernels(capsys):
+    choice = select_kernels("cpu")
+    assert not choice.slow_path and "reference" in choice.gdr and "reference" in choice.conv
+    assert "kernels[cpu]" in choice.header()
+    assert capsys.readouterr().err == ""
+
+
+def test_fla_absent_is_refused_with_the_real_exception(site):
+    site({})  # nothing installed: the real ModuleNotFoundError
+    with pytest.raises(FastPathError) as err:
+        select_kernels("cuda", capability=(9, 0), triton_version="3.7.1")
+    msg = str(err.value)
+    assert "flash-linear-attention" in msg and "No module named 'fla'" in msg
+    assert "causal conv" in msg and "No module named 'causal_conv1d'" in msg
+    assert "--allow-slow-path" in msg
+
+
+def test_fla_broken_at_import_names_the_hidden_error(site):
+    site({"fla/__init__.py": BROKEN})
+    with pytest.raises(FastPathError) as err:
+        select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    assert "flash-linear-attention is not usable" in str(err.value)
+    assert "ImportError: " + LIBZ3_ERROR in str(err.value)
+
+
+def test_conv_missing_while_fla_works_is_refused(site):
+    files = {k: v for k, v in WORKING_FLA.items() if not k.startswith("fla/modules")}
+    site(files)
+    with pytest.raises(FastPathError, match="varlen causal conv") as err:
+        select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    assert "gated delta rule" not in str(err.value)
+
+
+def test_allow_slow_path_is_loud_and_uses_the_reference(site, capsys):
+    site({"fla/__init__.py": BROKEN})
+    choice = select_kernels("cuda", allow_slow_path=True, capability=(9, 0), triton_version="3.7.1")
+    assert choice.slow_path and "SLOW" in choice.gdr and "SLOW" in choice.conv
+    err = capsys.readouterr().err
+    assert "TRAINING ON THE SLOW PATH" in err and LIBZ3_ERROR in err
+    assert "SLOW PATH" in choice.header()
+
+
+def test_hopper_with_bad_triton_and_broken_tilelang_is_refused(site):
+    site({**WORKING_FLA, "causal_conv1d/__init__.py": "def causal_conv1d_fn(*a, **k):\n    pass\n",
+          "tilelang/__init__.py": BROKEN})
+    with pytest.raises(FastPathError) as err:
+        select_kernels("cuda", capability=(9, 0), triton_version="3.6.0")
+    msg = str(err.value)
+    assert "Hopper" in msg and "3.6.0" in msg and "import tilelang failed" in msg and "libz3" in msg
+    # the same stack is fine off Hopper, with a fixed triton, or once tilelang imports
+    assert not select_kernels("cuda", capability=(8, 0), triton_version="3.6.0").slow_path
+    assert not select_kernels("cuda", capability=(9, 0), triton_version="3.7.1").slow_path
+    assert not select_kernels("cuda", capability=(9, 0), triton_version="3.3.1").slow_path
+
+
+def test_hopper_with_bad_triton_and_working_tilelang_is_accepted(site):
+    site({**WORKING_FLA, "tilelang/__init__.py": ""})
+    choice = select_kernels("cuda", capability=(9, 0), triton_version="3.6.0")
+    assert not choice.slow_path and choice.gdr.startswith("fla.")
+
+
+def test_prefers_causal_conv1d_and_falls_back_to_fla_triton_conv(site):
+    site(WORKING_FLA)
+    choice = select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    assert choice.conv.startswith("fla.modules.causal_conv1d")
+    site({"causal_conv1d/__init__.py": "def causal_conv1d_fn(*a, **k):\n    pass\n"})
+    assert select_kernels("cuda", capability=(8, 0), triton_version="3.6.0").conv.startswith("causal_conv1d.")
+
+
+def test_fla_adapters_keep_documents_apart(site):
+    """The fla adapters (batch flattened to one varlen sequence, fla's [B, T, D] conv layout) give
+    the same logits as the reference kernels on a packed batch of two rows."""
+    site(WORKING_FLA)
+    fla_choice = select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    torch.manual_seed(0)
+    reference, _ = build_model("tiny")
+    via_fla = copy.deepcopy(reference)
+    install_kernels(reference, select_kernels("cpu"))
+    install_kernels(via_fla, fla_choice)
+    g = torch.Generator().manual_seed(5)
+    docs = [(torch.randint(1, 4000, (n,), generator=g).tolist(), 0) for n in (50, 90, 70, 30)]
+    batch = collate(list(Packer(row_len=128).pack(docs)))
+    assert batch["input_ids"].shape[0] == 2
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            a = reference(**model_kwargs(batch)).logits
+            b = via_fla(**model_kwargs(batch)).logits
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _with_gdr_body(body: str) -> dict[str, str]:
+    files = dict(WORKING_FLA)
+    files["fla/ops/gated_delta_rule/__init__.py"] = body
+    return files
+
+
+def test_first_call_failure_is_caught_before_training(site):
+    """Imports fine, fails when run (a Triton without a C compiler, fla's Hopper guard...)."""
+    site(_with_gdr_body("""
+        def chunk_gated_delta_rule(*args, **kwargs):
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+    """))
+    choice = select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    model, _ = build_model("tiny")
+    with pytest.raises(FastPathError, match="gated delta rule kernel fla.* failed its first call: RuntimeError: Failed to find C"):
+        install_kernels(model, choice)
+
+
+def test_a_kernel_that_leaks_across_documents_is_refused(site):
+    """A gated-delta-rule kernel that ignores cu_seqlens (state flows from one document into the
+    next, what a non-varlen kernel does to packed rows) disagrees with the reference."""
+    site(_with_gdr_body("""
+        from train.common.reference_kernels import chunk_gated_delta_rule_varlen
+
+        def chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+            return chunk_gated_delta_rule_varlen(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), None
+    """))
+    choice = select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    model, _ = build_model("tiny")
+    with pytest.raises(FastPathError, match="disagrees with the varlen reference"):
+        install_kernels(model, choice)
+    assert install_kernels(model, choice, verify=False) == 3  # the check is what stops it
+
+
+def test_install_kernels_refuses_a_model_without_gdn_layers():
+    with pytest.raises(ValueError, match="no Qwen3.5 gated-delta-net"):
+        install_kernels(torch.nn.Linear(2, 2), KernelChoice("cpu", "x", "y", "z", False))

@@ -1,0 +1,350 @@
+"""Fast-path policy: which kernels each token mixer uses, and refusing to train slowly by accident.
+
+Seen on real runs: without flash-linear-attention (fla) or a varlen causal conv, the GDN layers fall
+back to a slow torch path and the GPUs sit at 16-22%. transformers makes it worse: it catches a
+FAILED ``import fla`` (for example a missing ``libz3.so.4.15`` that tilelang needs) and reports fla
+as "not installed". So this module imports the kernels itself and keeps the real exception.
+
+Policy (:func:`select_kernels`):
+
+* CPU: the project's reference kernels (:mod:`train.common.reference_kernels`), varlen-correct.
+* CUDA: fla's ``chunk_gated_delta_rule`` for the recurrence, and a varlen causal conv:
+  ``causal_conv1d.causal_conv1d_fn`` (with ``seq_idx``) or, when that is absent, fla's Triton
+  ``causal_conv1d`` (with ``cu_seqlens``) through an adapter. Either missing -> :class:`FastPathError`
+  naming the missing piece and the import exception, before step 1.
+* CUDA on Hopper (sm_90) with Triton >= 3.4, < 3.7.1: fla's gated backward is wrong there unless its
+  tilelang backend is usable (tilelang imports, an nvcc is found, FLA_TILELANG is not 0). Known-bad
+  -> FastPathError, naming the fix.
+* ``allow_slow_path=True`` (``--allow-slow-path``) turns every refusal into a loud banner on stderr
+  and uses the reference kernels for the pieces that are missing or known-bad. It is the only way past.
+
+Full attention needs no kernel choice: with ``position_ids`` that restart per document and no 2D
+attention mask, transformers builds a block-diagonal causal mask for sdpa/eager; flash-attention-2
+reads ``cu_seq_lens_q/k`` instead. :func:`install_kernels` swaps every GDN layer to
+:class:`train.common.packed_gdn.PackedGatedDeltaNet` with the chosen functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from train.common import reference_kernels
+
+SLOW_PATH_FLAG = "--allow-slow-path"
+
+
+class FastPathError(RuntimeError):
+    """The optimized kernels are not usable; the message says which piece and why."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Outcome of really importing ``module`` (and fetching ``attr`` from it)."""
+
+    target: str
+    ok: bool
+    error: str | None = None
+    obj: object = field(default=None, repr=False, compare=False)
+
+
+def probe_import(module: str, attr: str | None = None) -> Probe:
+    target = f"{module}.{attr}" if attr else module
+    try:
+        mod = importlib.import_module(module)
+        obj = getattr(mod, attr) if attr else mod
+    except Exception as exc:  # any import-time failure is the thing to report, not just ImportError
+        return Probe(target, False, f"{type(exc).__name__}: {exc}")
+    return Probe(target, True, obj=obj)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    device: str
+    gdr: str  # which implementation the gated delta rule uses
+    conv: str  # which implementation the short causal conv uses
+    attention: str
+    slow_path: bool
+    problems: tuple[str, ...] = ()
+    gdr_fn: Callable[..., torch.Tensor] = field(default=reference_kernels.chunk_gated_delta_rule_varlen, repr=False)
+    conv_fn: Callable[..., torch.Tensor] = field(default=reference_kernels.causal_conv1d_varlen, repr=False)
+
+    def header(self) -> str:
+        """The lines the trainer prints in its log header."""
+        lines = [
+            f"kernels[{self.device}]: gated-delta-rule={self.gdr} | causal-conv={self.conv} | attention={self.attention}",
+        ]
+        if self.slow_path:
+            lines.append("kernels: SLOW PATH (" + SLOW_PATH_FLAG + "): " + "; ".join(self.problems))
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- adapters (CUDA)
+
+
+def _fla_gdr_adapter(chunk_gated_delta_rule: Callable) -> Callable[..., torch.Tensor]:
+    def fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, use_qk_l2norm_in_kernel=False, **_):
+        batch, seq_len = q.shape[:2]
+        if cu_seqlens is None:
+            cu_seqlens = reference_kernels.row_cu_seqlens(batch, seq_len, q.device)
+        # fla's varlen mode wants the batch flattened to one sequence and int64 offsets
+        flat = [x.reshape(1, batch * seq_len, *x.shape[2:]) for x in (q, k, v, g, beta)]
+        out, _ = chunk_gated_delta_rule(
+            *flat, cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
+        )
+        return out.reshape(batch, seq_len, *out.shape[2:])
+
+    return fla_chunk_gated_delta_rule
+
+
+def _causal_conv1d_adapter(causal_conv1d_fn: Callable) -> Callable[..., torch.Tensor]:
+    def causal_conv1d_cuda(x, weight, bias=None, activation=None, seq_idx=None, **_):
+        # causal-conv1d takes seq_idx only with a channel-last x, which in_proj(...).transpose(1, 2) is
+        return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation=activation)
+
+    return causal_conv1d_cuda
+
+
+def _fla_conv_adapter(fla_causal_conv1d: Callable) -> Callable[..., torch.Tensor]:
+    def fla_triton_causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None, **_):
+        batch, dim, seq_len = x.shape
+        flat = x.transpose(1, 2).reshape(1, batch * seq_len, dim)  # fla: [B, T, D], varlen needs B == 1
+        out, _ = fla_causal_conv1d(
+            flat, weight, bias, activation=activation, cu_seqlens=None if cu_seqlens is None else cu_seqlens.long()
+        )
+        return out.reshape(batch, seq_len, dim).transpose(1, 2)
+
+    return fla_triton_causal_conv1d
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+def _triton_version() -> str | None:
+    probe = probe_import("triton")
+    return getattr(probe.obj, "__version__", None) if probe.ok else None
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def tilelang_problem() -> str | None:
+    """Why fla's tilelang backend would not be used, or None if it would."""
+    if os.environ.get("FLA_TILELANG", "1") == "0" or os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
+        return "tilelang disabled by FLA_TILELANG=0 or FLA_DISABLE_BACKEND_DISPATCH=1"
+    probe = probe_import("tilelang")
+    if not probe.ok:
+        return f"import tilelang failed: {probe.error}"
+    nvcc = probe_import("fla.utils", "has_usable_nvcc")
+    has_nvcc = nvcc.obj() if nvcc.ok else shutil.which("nvcc") is not None
+    if not has_nvcc:
+        return "tilelang imports but no nvcc was found for its JIT (set CUDA_HOME or install nvidia-cuda-nvcc)"
+    return None
+
+
+def hopper_problem(capability: tuple[int, int] | None, triton_version: str | None) -> str | None:
+    """The known-bad Hopper + Triton [3.4, 3.7.1) + no usable tilelang combination, or None."""
+    if capability != (9, 0) or triton_version is None:
+        return None
+    if not ((3, 4, 0) <= _version_tuple(triton_version) < (3, 7, 1)):
+        return None
+    why = tilelang_problem()
+    if why is None:
+        return None
+    return (
+        f"known-bad: fla's gated backward on Hopper (sm_90) with triton {triton_version} gives wrong gradients "
+        f"and no tilelang backend is usable ({why}); fix: triton>=3.7.1, or a working tilelang "
+        "(see shared/gpu-wheels/README.md: z3-solver for libz3, LD_LIBRARY_PATH)"
+    )
+
+
+def _slow_path_banner(problems: list[str]) -> None:
+    bar = "!" * 100
+    lines = [bar, f"!! {SLOW_PATH_FLAG}: TRAINING ON THE SLOW PATH (reference torch kernels on GPU).", "!! Reasons:"]
+    lines += [f"!!   - {p}" for p in problems]
+    lines += ["!! Expect several times lower throughput. Remove the flag to make this an error.", bar]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def select_kernels(
+    device: str | torch.device,
+    allow_slow_path: bool = False,
+    *,
+    capability: tuple[int, int] | None = None,
+    triton_version: str | None = None,
+) -> KernelChoice:
+    """Decide which implementation each token mixer uses on ``device`` (see module docstring).
+
+    ``capability``/``triton_version`` default to the real GPU's and the installed Triton's; tests
+    pass them to exercise the CUDA policy on a CPU machine.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return KernelChoice(
+            device=dev.type,
+            gdr="reference.chunk_gated_delta_rule_varlen (fp32, torch)",
+            conv="reference.causal_conv1d_varlen (torch)",
+            attention="sdpa, block-diagonal causal mask from position_ids",
+            slow_path=False,
+        )
+
+    problems: list[str] = []
+    fla_pkg = probe_import("fla")
+    gdr = probe_import("fla.ops.gated_delta_rule", "chunk_gated_delta_rule") if fla_pkg.ok else fla_pkg
+    if gdr.ok:
+        gdr_fn, gdr_name = _fla_gdr_adapter(gdr.obj), "fla.ops.gated_delta_rule.chunk_gated_delta_rule"
+    else:
+        problems.append(f"gated delta rule: flash-linear-attention is not usable: {gdr.target}: {gdr.error}")
+        gdr_fn, gdr_name = reference_kernels.chunk_gated_delta_rule_varlen, "reference (SLOW)"
+
+    cc = probe_import("causal_conv1d", "causal_conv1d_fn")
+    fla_conv = probe_import("fla.modules.causal_conv1d", "causal_conv1d") if fla_pkg.ok else fla_pkg
+    if cc.ok:
+        conv_fn, conv_name = _causal_conv1d_adapter(cc.obj), "causal_conv1d.causal_conv1d_fn (seq_idx)"
+    elif fla_conv.ok:
+        conv_fn, conv_name = _fla_conv_adapter(fla_conv.obj), "fla.modules.causal_conv1d.causal_conv1d (triton, cu_seqlens)"
+    else:
+        problems.append(
+            "varlen causal conv: neither causal-conv1d nor fla's Triton causal_conv1d is usable: "
+            f"{cc.target}: {cc.error}; {fla_conv.target}: {fla_conv.error}"
+        )
+        conv_fn, conv_name = reference_kernels.causal_conv1d_varlen, "reference (SLOW)"
+
+    if gdr.ok:
+        if capability is None:
+            capability = torch.cuda.get_device_capability(dev)
+        if triton_version is None:
+            triton_version = _triton_version()
+        bad = hopper_problem(capability, triton_version)
+        if bad:
+            problems.append(bad)
+            gdr_fn, gdr_name = reference_kernels.chunk_gated_delta_rule_varlen, "reference (SLOW, Hopper/Triton known-bad)"
+
+    if problems and not allow_slow_path:
+        raise FastPathError(
+            "refusing to train on the slow path on a GPU: "
+            + " | ".join(problems)
+            + f". Install the gpu extra (pip install '.[gpu]'), or pass {SLOW_PATH_FLAG} to train slowly anyway."
+        )
+    if problems:
+        _slow_path_banner(problems)
+    return KernelChoice(
+        device="cuda",
+        gdr=gdr_name,
+        conv=conv_name,
+        attention="sdpa, block-diagonal causal mask from position_ids (flash_attention_2: cu_seq_lens)",
+        slow_path=bool(problems),
+        problems=tuple(problems),
+        gdr_fn=gdr_fn,
+        conv_fn=conv_fn,
+    )
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().float(), want.detach().float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+def verify_kernels(
+    choice: KernelChoice,
+    device: torch.device | str,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    conv_width: int,
+    tolerance: float = 5e-2,
+) -> None:
+    """Run the chosen kernels once on a small packed input (3 documents, fwd + bwd) and compare
+    them with the reference kernels. Catches what an import check cannot: a Triton that cannot
+    JIT ("Failed to find C compiler"), fla's Hopper backward guard, or a kernel that lets state
+    leak across documents. Raises :class:`FastPathError` naming the piece and the exception.
+    """
+    dev = torch.device(device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lengths = [37, 64, 99]
+    total = sum(lengths)
+    cu_seqlens = torch.tensor([0, 37, 101, 200], dtype=torch.int32, device=dev)
+    seq_idx = reference_kernels.cu_seqlens_to_seq_idx(cu_seqlens, total).view(1, total)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dev).requires_grad_()
+
+    q, k = rand(1, total, num_k_heads, head_k_dim), rand(1, total, num_k_heads, head_k_dim)
+    v = rand(1, total, num_v_heads, head_v_dim)
+    g = (-torch.nn.functional.softplus(torch.randn(1, total, num_v_heads, generator=gen))).to(dev).requires_grad_()
+    beta = torch.rand(1, total, num_v_heads, generator=gen).to(dev).requires_grad_()
+    conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+    x = rand(1, total, conv_dim).transpose(1, 2)  # channel-last, as in the layer
+    weight = rand(conv_dim, conv_width)
+
+    checks = (
+        ("gated delta rule", choice.gdr, choice.gdr_fn, reference_kernels.chunk_gated_delta_rule_varlen,
+         (q, k, v, g, beta), {"cu_seqlens": cu_seqlens, "use_qk_l2norm_in_kernel": True}),
+        ("causal conv", choice.conv, choice.conv_fn, reference_kernels.causal_conv1d_varlen,
+         (x, weight, None, "silu"), {"seq_idx": seq_idx, "cu_seqlens": cu_seqlens}),
+    )
+    for piece, name, fast_fn, ref_fn, args, kwargs in checks:
+        if fast_fn is ref_fn:
+            continue
+        leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+        want = ref_fn(*args, **kwargs)
+        want_grads = torch.autograd.grad(want.float().square().sum(), leaves)
+        try:
+            got = fast_fn(*args, **kwargs)
+            if not torch.is_tensor(got) or got.shape != want.shape:
+                raise TypeError(f"returned {type(got).__name__} {getattr(got, 'shape', '')}, expected {tuple(want.shape)}")
+            got_grads = torch.autograd.grad(got.float().square().sum(), leaves)
+        except Exception as exc:
+            raise FastPathError(f"{piece} kernel {name} failed its first call: {type(exc).__name__}: {exc}") from exc
+        errors = [_relative_error(got, want)] + [_relative_error(a, b) for a, b in zip(got_grads, want_grads, strict=True)]
+        if max(errors) > tolerance:
+            raise FastPathError(
+                f"{piece} kernel {name} disagrees with the varlen reference on a packed input "
+                f"(max relative error {max(errors):.3g} > {tolerance}; output, then input grads: "
+                f"{', '.join(f'{e:.2g}' for e in errors)})"
+            )
+
+
+def install_kernels(model: torch.nn.Module, choice: KernelChoice, verify: bool = True) -> int:
+    """Swap every qwen3_5 GDN layer in ``model`` to the packed forward with ``choice``'s kernels.
+
+    With ``verify`` (default) and a non-CPU choice, first checks the chosen kernels against the
+    reference at the model's head shapes (:func:`verify_kernels`). Returns the number of layers
+    changed. Parameters and state_dict keys are untouched.
+    """
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from train.common.packed_gdn import PackedGatedDeltaNet
+
+    layers = [m for m in model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]
+    if not layers:
+        raise ValueError("install_kernels: the model has no Qwen3.5 gated-delta-net layers")
+    if verify and choice.device != "cpu":
+        first = layers[0]
+        verify_kernels(
+            choice,
+            first.in_proj_qkv.weight.device,
+            num_k_heads=first.num_k_heads,
+            num_v_heads=first.num_v_heads,
+            head_k_dim=first.head_k_dim,
+            head_v_dim=first.head_v_dim,
+            conv_width=first.conv_kernel_size,
+        )
+    for module in layers:
+        module.__class__ = PackedGatedDeltaNet
+        module.conv_impl = choice.conv_fn
+        module.gdr_impl = choice.gdr_fn
+    return len(layers)

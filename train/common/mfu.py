@@ -1,0 +1,87 @@
+"""Model FLOPs utilisation, torchtitan's convention, for the Qwen3.5 hybrid.
+
+Exact convention (printed in the trainer's log header via :func:`convention`)::
+
+    flops_per_token = 6 * N_matmul + 12 * L_full * n_heads * head_dim * seq_len
+    MFU             = tokens_per_s * flops_per_token / (n_gpus * peak_flops)
+
+* ``N_matmul``: weights of every dense matmul the model runs per token: in all layers the
+  q/k/v/o projections (Qwen3.5's q_proj is 2x wide: it also yields the output gate), the GDN
+  in_proj_qkv/z/a/b and out_proj, the MLP gate/up/down, PLUS the lm_head (hidden x vocab) --
+  counted even when it is tied to the embeddings, because the output matmul is still done. Not
+  counted: the embedding lookup (no matmul), norms, biases-free scalars (A_log, dt_bias), the
+  depthwise short conv (2*W flops per channel, <0.1%), and the GDN recurrence itself.
+* ``6``: forward 2 flops per weight (multiply + add), backward 4.
+* Attention term: full-attention layers only (GDN layers have no T x T score matrix), for each of
+  QK^T and AV 2*n_heads*head_dim*seq_len flops per token forward, x3 for forward + backward ->
+  12*L_full*n_heads*head_dim*seq_len. NOT halved for causal masking (torchtitan does not halve),
+  and ``seq_len`` is the packed ROW length even though documents attend only within themselves:
+  like torchtitan, this is the dense upper bound, so MFU here is comparable across runs.
+* ``tokens_per_s``: tokens (real + padding) processed per second by all ``n_gpus`` together.
+* Peak: dense bf16 tensor-core peak, 989 TFLOP/s for H100/H200 SXM.
+
+Note: bench figures made with a causal-halved attention term and N = all parameters (as in
+shared/gpu-wheels/README.md) come out ~5% lower than this convention for the 2B shape at 8192.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+H100_H200_PEAK = 989e12
+
+
+def convention() -> str:
+    return (
+        "MFU (torchtitan): flops/token = 6*N_matmul (incl. lm_head) + 12*L_full*heads*head_dim*row_len "
+        "(not causal-halved); peak bf16 989 TFLOP/s (H100/H200)"
+    )
+
+
+def _get(config: Any, name: str) -> Any:
+    return config[name] if isinstance(config, dict) else getattr(config, name)
+
+
+def matmul_params(config: Any) -> int:
+    """``N_matmul`` for a qwen3_5 text config (a ``Qwen3_5TextConfig`` or a dict of its fields)."""
+    h = _get(config, "hidden_size")
+    layer_types = list(_get(config, "layer_types"))
+    n_gdn = layer_types.count("linear_attention")
+    n_full = layer_types.count("full_attention")
+    if n_gdn + n_full != len(layer_types):
+        raise ValueError(f"unknown layer types in {sorted(set(layer_types))}")
+
+    k_dim = _get(config, "linear_num_key_heads") * _get(config, "linear_key_head_dim")
+    v_dim = _get(config, "linear_num_value_heads") * _get(config, "linear_value_head_dim")
+    v_heads = _get(config, "linear_num_value_heads")
+    gdn = h * (2 * k_dim + v_dim) + h * v_dim + 2 * h * v_heads + v_dim * h  # qkv, z, a+b, out
+
+    heads, kv_heads, head_dim = (_get(config, n) for n in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    full = h * heads * head_dim * 2 + 2 * h * kv_heads * head_dim + heads * head_dim * h  # q(+gate), k, v, o
+
+    mlp = 3 * h * _get(config, "intermediate_size")
+    lm_head = h * _get(config, "vocab_size")
+    return n_gdn * (gdn + mlp) + n_full * (full + mlp) + lm_head
+
+
+def flops_per_token(config: Any, seq_len: int) -> float:
+    layer_types = list(_get(config, "layer_types"))
+    n_full = layer_types.count("full_attention")
+    attention = 12 * n_full * _get(config, "num_attention_heads") * _get(config, "head_dim") * seq_len
+    return float(6 * matmul_params(config) + attention)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, n_gpus: int = 1, peak: float = H100_H200_PEAK) -> float:
+    """Fraction (0..1) of ``n_gpus * peak`` achieved; ``tokens_per_s`` is the all-GPU total."""
+    if n_gpus < 1 or peak <= 0:
+        raise ValueError(f"need n_gpus >= 1 and peak > 0, got {n_gpus}, {peak}")
+    return tokens_per_s * flops_per_token / (n_gpus * peak)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """bf16 dense peak for a ``torch.cuda.get_device_name()`` string, or None when unknown."""
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return value
+    return None
