@@ -289,16 +289,26 @@ def test_caches_point_at_local_scratch(provisioned: Provisioned) -> None:
 @pytest.mark.lxc
 @pytest.mark.slow
 def test_slurm_config_and_keepalive_hooks_inside(provisioned: Provisioned) -> None:
+    from launch.keepalive.systemd import render_unit
+
     slurm_conf = provisioned.attach("cat /etc/slurm/slurm.conf").stdout
-    assert re.search(rf"^NodeName={provisioned.name} CPUs=2 RealMemory=1945 Gres=gpu:2 ", slurm_conf, re.M)
-    assert "Prolog=/etc/slurm/launch-keepalive-prolog.sh" in slurm_conf
-    assert "Epilog=/etc/slurm/launch-keepalive-epilog.sh" in slurm_conf
-    assert "TaskProlog=/etc/slurm/launch-task-prolog.sh" in slurm_conf
+    assert "launch/cluster/templates" in slurm_conf.splitlines()[0]  # the embedded cluster's template
+    assert re.search(rf"^NodeName={provisioned.name} CPUs=2 RealMemory=1945 Gres=gpu:2 State=UNKNOWN$", slurm_conf, re.M)
+    assert "Prolog=/etc/slurm/launch-keepalive-prolog" in slurm_conf.splitlines()
+    assert "Epilog=/etc/slurm/launch-keepalive-epilog" in slurm_conf.splitlines()
+    assert "TaskProlog=/etc/slurm/launch-task-prolog.sh" in slurm_conf.splitlines()
     gres = provisioned.attach("cat /etc/slurm/gres.conf").stdout
-    assert f"NodeName={provisioned.name} Name=gpu File=/dev/nvidia[0-1]" in gres
+    assert f"NodeName={provisioned.name} Name=gpu File=/dev/nvidia0,/dev/nvidia1" in gres.splitlines()
     task_env = provisioned.attach("SLURM_JOB_USER=alice /etc/slurm/launch-task-prolog.sh").stdout
     assert "export TRITON_CACHE_DIR=/scratch/cache/alice/triton" in task_env.splitlines()
-    assert "launch keepalive run" in provisioned.attach("cat /etc/systemd/system/launch-keepalive.service").stdout
+    hook = (ANSIBLE_DIR.parent / "launch" / "keepalive" / "slurm-hook.sh").read_text()
+    for name in ("launch-keepalive-prolog", "launch-keepalive-epilog"):
+        assert provisioned.attach(f"cat /etc/slurm/{name}").stdout == hook
+    assert "LAUNCH_KEEPALIVE_PYTHON=/opt/launch/venv/bin/python" in provisioned.attach("cat /etc/default/launch-keepalive").stdout
+    unit = provisioned.attach("cat /etc/systemd/system/launch-keepalive.service").stdout
+    unit_body = "\n".join(line for line in unit.splitlines() if not line.startswith("# Ansible managed")
+                          and not line.startswith("# Same text as")) + "\n"
+    assert unit_body == render_unit("/opt/launch/venv/bin/python")
     key = provisioned.attach("stat -c '%a %U' /etc/munge/munge.key; base64 -w0 /etc/munge/munge.key").stdout.split("\n")
     assert key[0] == "400 root" and key[1] == provisioned.munge_key
     proc, _, _ = provisioned.runs["first"]
