@@ -126,7 +126,14 @@ def input_files(image: ImageDef) -> list[Path]:
 
 def inputs_digest(image: ImageDef, base_tarball: Path) -> tuple[str, dict[str, Any]]:
     """The content hash of all inputs, and the inputs themselves (recorded in the manifest)."""
-    files = {str(p.relative_to(REPO)): file_sha256(p) for p in input_files(image)}
+    def name(path: Path) -> str:
+        # Repo files by their repo path; an image dir outside the repo (--images-dir) as images/<name>/...
+        try:
+            return str(path.relative_to(REPO))
+        except ValueError:
+            return str(Path("images") / path.relative_to(image.directory.parent))
+
+    files = {name(p): file_sha256(p) for p in input_files(image)}
     base = {"suite": image.base.suite, "variant": image.base.variant, "include": list(image.base.include),
             "download": list(image.base.download), "tarball": base_tarball.name,
             "sha256": file_sha256(base_tarball, cache_sidecar=True)}

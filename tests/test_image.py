@@ -172,14 +172,14 @@ def test_build_writes_template_and_manifest(built: dict) -> None:
 
 @pytest.mark.lxc
 @pytest.mark.slow
-def test_second_run_is_a_fast_no_op_and_force_is_not(built: dict, tmp_path: Path) -> None:
+def test_second_run_is_a_fast_no_op_and_inputs_change_the_hash(built: dict, tmp_path: Path) -> None:
     second, manifest_path = built["second"], built["out"] / "trainer-test" / "manifest.json"
     assert second.returncode == 0, second.stderr
     assert "up to date" in second.stdout and built["manifest"]["inputs_hash"][:12] in second.stdout
     assert built["second_s"] < 10, f"no-op took {built['second_s']:.1f}s"
     assert json.loads(manifest_path.read_text()) == built["manifest"], "the no-op leaves the manifest alone"
 
-    # A changed input (a copy of the image dir with one more role variable) changes the hash.
+    # A changed input (a copy of the image dir with one more line) changes the hash.
     images_dir = tmp_path / "images"
     shutil.copytree(REPO / "images" / "trainer", images_dir / "trainer")
     with (images_dir / "trainer" / "image.yml").open("a") as f:
@@ -187,6 +187,8 @@ def test_second_run_is_a_fast_no_op_and_force_is_not(built: dict, tmp_path: Path
     from images.build import inputs_digest
     changed, _ = inputs_digest(load_image("trainer", "test", images_dir), cached_rootfs_tarball())
     assert changed != built["manifest"]["inputs_hash"]
+    same, _ = inputs_digest(load_image("trainer", "test"), cached_rootfs_tarball())
+    assert same == built["manifest"]["inputs_hash"]
 
 
 @pytest.mark.lxc
