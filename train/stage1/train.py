@@ -74,8 +74,8 @@ class Stage1Config:
 # steps take a minute or two on 2 CPU cores and the loss falls from ~8.5 to ~3.
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"steps": 60, "batch_rows": 2, "row_len": 256, "lr": 3e-3, "warmup": 5},
-    "qwen35-0.8b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 3e-4, "warmup": 500},
-    "qwen35-2b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 2e-4, "warmup": 500},
+    "qwen35-0.8b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 3e-4, "warmup": 500, "ckpt_every": 500},
+    "qwen35-2b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 2e-4, "warmup": 500, "ckpt_every": 500},
 }
 
 
@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> Stage1Config:
     p.add_argument("--weights", default=None, help='mixture weights as JSON, e.g. \'{"gen_img": 2, "und": 1}\'')
     p.add_argument("--max-bad-fraction", type=float, default=d.max_bad_fraction)
     p.add_argument("--num-workers", type=int, default=d.num_workers)
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--ckpt-every", type=int, default=None)
     p.add_argument("--allow-slow-path", action="store_true", help="train on GPU without the fast kernels (loud)")
     p.add_argument("--deepspeed", choices=("auto", "on", "off"), default=d.deepspeed)
     p.add_argument("--deepspeed-config", default=None, help="DeepSpeed config json (default: ZeRO-2)")
