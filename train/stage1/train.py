@@ -74,8 +74,8 @@ class Stage1Config:
 # steps take a minute or two on 2 CPU cores and the loss falls from ~8.5 to ~3.
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"steps": 60, "batch_rows": 2, "row_len": 256, "lr": 3e-3, "warmup": 5},
-    "qwen35-0.8b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 3e-4, "warmup": 500},
-    "qwen35-2b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 2e-4, "warmup": 500},
+    "qwen35-0.8b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 3e-4, "warmup": 500, "ckpt_every": 500},
+    "qwen35-2b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 2e-4, "warmup": 500, "ckpt_every": 500},
 }
 
 
@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> Stage1Config:
     p.add_argument("--weights", default=None, help='mixture weights as JSON, e.g. \'{"gen_img": 2, "und": 1}\'')
     p.add_argument("--max-bad-fraction", type=float, default=d.max_bad_fraction)
     p.add_argument("--num-workers", type=int, default=d.num_workers)
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--ckpt-every", type=int, default=None)
     p.add_argument("--allow-slow-path", action="store_true", help="train on GPU without the fast kernels (loud)")
     p.add_argument("--deepspeed", choices=("auto", "on", "off"), default=d.deepspeed)
     p.add_argument("--deepspeed-config", default=None, help="DeepSpeed config json (default: ZeRO-2)")
@@ -186,11 +186,13 @@ def losses(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.
     return loss, per_task
 
 
-def reduce_task_losses(per_task: dict[str, torch.Tensor], dist_info: DistInfo) -> dict[str, float]:
-    stacked = torch.stack([per_task[t] for t in TASKS])  # [tasks, 2]
+def reduce_task_losses(per_task: dict[str, torch.Tensor], dist_info: DistInfo) -> tuple[float, dict[str, float]]:
+    """(loss over all ranks' tokens, per-task loss over all ranks) from per-rank (sum, count)."""
+    stacked = torch.stack([per_task[t] for t in TASKS])  # [tasks, 2], on the device (nccl needs CUDA)
     if dist_info.world_size > 1:
         torch.distributed.all_reduce(stacked)
-    return {t: float(s / c) for t, (s, c) in zip(TASKS, stacked.tolist(), strict=True) if c > 0}
+    total = float(stacked[:, 0].sum() / stacked[:, 1].sum().clamp(min=1))
+    return total, {t: float(s / c) for t, (s, c) in zip(TASKS, stacked.tolist(), strict=True) if c > 0}
 
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
@@ -241,11 +243,17 @@ def train(cfg: Stage1Config) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     engine = None
+    forward: torch.nn.Module = model
     if ds:
         import deepspeed
 
         engine, opt, _, sched = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(cfg, device)
+        )
+        forward = engine
+    elif dist_info.world_size > 1:  # --deepspeed off on several ranks: plain DDP keeps them in sync
+        forward = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
         )
 
     # Resume: model/optimizer/scheduler, RNG, step and the data position.
@@ -281,7 +289,7 @@ def train(cfg: Stage1Config) -> int:
         kwargs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in model_kwargs(batch).items()}
         kwargs.pop("labels")
         target = {k: batch[k].to(device) for k in ("labels", "task_ids")}
-        logits = (engine or model)(**kwargs).logits
+        logits = forward(**kwargs).logits
         loss, per_task = losses(logits, target)
         if engine is not None:
             engine.backward(loss)
@@ -298,11 +306,11 @@ def train(cfg: Stage1Config) -> int:
         timing = prof.end_step(batch["input_ids"].numel() * dist_info.world_size)
         step += 1
         if step % cfg.log_every == 0 or step == cfg.steps:
-            task_loss = reduce_task_losses(per_task, dist_info)
+            global_loss, task_loss = reduce_task_losses(per_task, dist_info)
             compiles, recompiles = compile_counts()
             tok_s = timing.tokens_per_s
             log.log_step({
-                "step": step, "loss": loss_value, "task_loss": task_loss, "tok_s": tok_s,
+                "step": step, "loss": global_loss, "task_loss": task_loss, "tok_s": tok_s,
                 "real_tok_s": tok_s * batch["packing_efficiency"],
                 "mfu": tok_s * flops_per_token / (peak_flops * dist_info.world_size),
                 "data_ms": timing.data_ms, "compute_ms": timing.compute_ms, "peak_mem_mb": peak_memory_mb(device),
@@ -319,7 +327,7 @@ def train(cfg: Stage1Config) -> int:
     if dist_info.is_main:
         summary = {
             "steps": step, "first_loss": first_loss, "last_loss": last_loss,
-            "mean_tok_s": prof.mean_tokens_per_s * dist_info.world_size if prof.total_s else None,
+            "mean_tok_s": prof.mean_tokens_per_s if prof.total_s else None,  # all ranks together
             "out_dir": str(out.resolve()), "metrics": str((out / "metrics.jsonl").resolve()),
             "checkpoint": str((out / "checkpoints").resolve()), "preset": cfg.preset,
         }
