@@ -39,7 +39,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name != module_name:
+            # Only a verb whose own module is absent is skipped; a missing dependency is a bug.
+            if exc.name is None or not module_name.startswith(exc.name):
                 raise
             continue
         p = sub.add_parser(verb, help=help_text, description=help_text)
@@ -51,7 +52,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser, runners = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    if passthrough:
+        if not hasattr(args, "extra"):
+            parser.error(f"'{args.verb}' takes no arguments after --")
+        args.extra = passthrough
     if not args.verb:
         parser.print_help()
         return 2

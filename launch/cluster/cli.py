@@ -1,0 +1,39 @@
+"""`launch cluster up | down | status`: the embedded single-node Slurm."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from launch.cluster.embedded import EmbeddedCluster, default_state_dir
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--gpus", type=int, help="GPUs to declare: the real ones by default; on a machine without "
+                   "the NVIDIA driver, N stand-in devices (major 195)")
+    p.add_argument("--cpus", type=int, help="CPUs to declare (default: this machine's)")
+    p.add_argument("--prolog", help="Slurm Prolog executable (e.g. the keepalive hook)")
+    p.add_argument("--epilog", help="Slurm Epilog executable")
+    p.add_argument("--state-dir", help=f"where configs, logs and data live (default {default_state_dir()})")
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = EmbeddedCluster(args.state_dir)
+    if args.action == "up":
+        t0 = time.monotonic()
+        started = cluster.up(gpus=args.gpus, cpus=args.cpus, prolog=args.prolog, epilog=args.epilog,
+                             progress=lambda msg: print(f"[cluster] {msg}", flush=True))
+        if not started:
+            print(f"embedded cluster is already up in {cluster.state_dir}; nothing changed")
+            return 0
+        print(f"embedded cluster up in {time.monotonic() - t0:.1f} s")
+        print(cluster.status_text())
+        print(f"\nto use Slurm's own commands here: export SLURM_CONF={cluster.slurm_conf}")
+        return 0
+    if args.action == "down":
+        stopped = cluster.down(progress=lambda msg: print(f"[cluster] {msg}", flush=True))
+        print("embedded cluster down" if stopped else f"no embedded cluster running in {cluster.state_dir}")
+        return 0
+    print(cluster.status_text())
+    return 0 if cluster.is_up() else 1

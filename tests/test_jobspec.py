@@ -1,0 +1,100 @@
+"""Job spec validation and the CLI's one-line errors (no Slurm needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.errors import LaunchError
+from launch.jobspec import find_spec, known_jobs, load_spec, parse_time_minutes
+
+REPO = Path(__file__).resolve().parents[1]
+
+GOOD = """
+name: demo
+entrypoint: some.module
+resources: {gpus_per_node: 2, time: "01:30:00"}
+args: {steps: 10}
+presets:
+  small: {args: {steps: 2}, resources: {gpus_per_node: 0}}
+"""
+
+
+def _spec(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_bundled_specs_are_valid():
+    jobs = known_jobs()
+    assert "stage1" in jobs
+    for name in jobs:
+        spec = find_spec(name)
+        for preset in spec.presets:
+            spec.resolve(preset)
+
+
+def test_preset_overrides_resources_and_args(tmp_path):
+    spec = load_spec(_spec(tmp_path, GOOD))
+    base = spec.resolve(None)
+    assert base.resources.gpus_per_node == 2 and base.resources.tasks_per_node == 2
+    small = spec.resolve("small")
+    assert small.resources.gpus_per_node == 0 and small.resources.tasks_per_node == 1
+    assert small.argv(["--x"]) == ["--steps", "2", "--x"]
+    assert base.resources.time_minutes == 90
+
+
+@pytest.mark.parametrize("value,minutes", [("1-00:00:00", 1440), ("00:20:00", 20), ("02:30", 150),
+                                           (45, 45), ("00:00:30", 1)])
+def test_parse_time(value, minutes):
+    assert parse_time_minutes(value) == minutes
+
+
+@pytest.mark.parametrize("text,needle", [
+    (GOOD + "bogus: 1\n", "unknown key 'bogus'"),
+    (GOOD.replace("gpus_per_node: 2,", "gpu_per_node: 2,"), "unknown key 'resources.gpu_per_node'"),
+    (GOOD.replace("gpus_per_node: 2,", "gpus_per_node: eight,"), "key 'resources.gpus_per_node': expected int"),
+    (GOOD.replace('"01:30:00"', '"soon"'), "key 'resources.time'"),
+    (GOOD.replace("{args: {steps: 2}", "{argz: {steps: 2}"), "unknown key 'presets.small.argz'"),
+    (GOOD.replace("entrypoint: some.module\n", ""), "missing required key 'entrypoint'"),
+    ("name: [unclosed\n", "invalid YAML at line"),
+])
+def test_bad_specs_name_file_and_key(tmp_path, text, needle):
+    path = _spec(tmp_path, text)
+    with pytest.raises(LaunchError) as err:
+        load_spec(path)
+    assert str(path) in str(err.value)
+    assert needle in str(err.value)
+
+
+def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LAUNCH_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "launch", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["submit", "stage1", "--preset", "huge", "--dry-run"], "unknown preset 'huge'"),
+    (["submit", "nosuchjob", "--dry-run"], "unknown job 'nosuchjob'"),
+    (["submit", "stage1", "--time", "later", "--dry-run"], "--time"),
+    (["status", "424242"], "job 424242 was not submitted from here"),
+])
+def test_cli_errors_are_one_line_without_traceback(tmp_path, args, needle):
+    out = _cli(args, tmp_path)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert needle in out.stderr
+
+
+def test_cli_bad_spec_file_is_one_line(tmp_path):
+    path = _spec(tmp_path, GOOD + "resourcez: {}\n")
+    out = _cli(["submit", str(path), "--dry-run"], tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"launch submit: error: {path}: unknown key 'resourcez' (known: " \
+        "name, description, entrypoint, resources, env, scratch, args, default_preset, presets, lock)"
