@@ -44,47 +44,54 @@ def _as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def optimal_edges(lengths: Sequence[int] | np.ndarray, n_buckets: int, granularity: int = 1,
-                  max_distinct: int = 2048) -> list[int]:
+                  max_distinct: int = 1024) -> list[int]:
     """Edges [0, e1, ..., max] (n_buckets buckets at most) minimising sum of (edge - length).
 
     Exact DP over distinct lengths rounded up to `granularity` (raised automatically so that at
     most `max_distinct` distinct values remain).
     """
+    return optimal_edges_all(lengths, n_buckets, granularity, max_distinct)[-1]
+
+
+def optimal_edges_all(lengths: Sequence[int] | np.ndarray, max_buckets: int, granularity: int = 1,
+                      max_distinct: int = 1024) -> list[list[int]]:
+    """The optimal edges for 1, 2, ..., max_buckets buckets, from one DP table."""
     arr = _as_lengths(lengths)
-    if n_buckets < 1:
+    if max_buckets < 1:
         raise ValueError("n_buckets must be >= 1")
     span = int(arr.max())
     granularity = max(granularity, -(-span // max_distinct))
     rounded = -(-arr // granularity) * granularity
     values, counts = np.unique(rounded, return_counts=True)
     u = len(values)
-    k_max = min(n_buckets, u)
+    k_max = min(max_buckets, u)
     # Padding is count*edge - sum(len); sum(len) is constant, so minimise sum(count_in_bucket*edge)
     # over rounded values (the rounding itself is the same for every choice of edges).
     cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.float64)  # cum[j] = count of values[:j]
     vals = values.astype(np.float64)
-    inf = np.inf
     # best[k][j]: min cost covering values[:j] with k buckets; the last bucket ends at values[j-1].
-    best = np.full((k_max + 1, u + 1), inf)
+    best = np.full((k_max + 1, u + 1), np.inf)
     arg = np.zeros((k_max + 1, u + 1), dtype=np.int64)
     best[0, 0] = 0.0
     for k in range(1, k_max + 1):
-        for j in range(1, u + 1):
-            # bucket covers values[i:j] for i in [0, j): cost (cum[j]-cum[i]) * vals[j-1]
-            cand = best[k - 1, :j] + (cum[j] - cum[:j]) * vals[j - 1]
+        for j in range(k, u + 1):
+            # the last bucket covers values[i:j], i in [k-1, j): cost (cum[j]-cum[i]) * vals[j-1]
+            cand = best[k - 1, k - 1:j] + (cum[j] - cum[k - 1:j]) * vals[j - 1]
             i = int(np.argmin(cand))
-            best[k, j], arg[k, j] = cand[i], i
-    k = int(np.argmin(best[1:, u])) + 1
-    edges: list[int] = []
-    j = u
-    while k > 0:
-        edges.append(int(values[j - 1]))
-        j = int(arg[k, j])
-        k -= 1
-    edges.append(0)
-    edges = sorted(set(edges))
-    edges[-1] = max(edges[-1], span)
-    return edges
+            best[k, j], arg[k, j] = cand[i], i + k - 1
+    result = []
+    for n in range(1, max_buckets + 1):
+        k = min(n, k_max)
+        edges: list[int] = [0]
+        j = u
+        while k > 0:
+            edges.append(int(values[j - 1]))
+            j = int(arg[k, j])
+            k -= 1
+        edges = sorted(set(edges))
+        edges[-1] = max(edges[-1], span)
+        result.append(edges)
+    return result
 
 
 def bucket_of(lengths: np.ndarray, edges: Sequence[int]) -> np.ndarray:
@@ -182,13 +189,18 @@ def composition_overlap(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> flo
 def auto_edges(lengths: np.ndarray, token_budget: int, max_loss: float = 0.03, max_buckets: int = 64) -> list[int]:
     """The fewest optimal buckets whose measured efficiency is within `max_loss` of sorted batching."""
     target = batch_stats(sorted_batches(lengths, token_budget), lengths).efficiency - max_loss
-    n = 2
-    while True:
-        edges = optimal_edges(lengths, n)
-        sampler = BucketedSampler(lengths, token_budget, edges=edges)
-        if sampler.stats(0).efficiency >= target or n >= max_buckets:
-            return edges
-        n = n * 2 if n < 16 else n + 8
+    table = optimal_edges_all(lengths, max_buckets)
+
+    def good(n: int) -> bool:
+        return BucketedSampler(lengths, token_budget, edges=table[n - 1]).stats(0).efficiency >= target
+
+    lo, hi = 1, max_buckets  # efficiency grows (up to batching noise) with the number of buckets
+    if not good(hi):
+        return table[hi - 1]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if good(mid) else (mid + 1, hi)
+    return table[lo - 1]
 
 
 def long_tail_lengths(n: int, seed: int = 0, lo: int = 467, hi: int = 8192, median: float = 1100.0,
