@@ -63,7 +63,7 @@ class ExtractConfig:
     out: str = field(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/extract-local")
     layers: str | None = None  # "1,16,31"; None: n_layers spread evenly over [1, L-3]
     n_layers: int = 5
-    token_budget: int = 4096  # padded tokens per batch (= per shard)
+    token_budget: int = 8192  # padded tokens per batch (= per shard); 65536 on an H200
     max_len: int = 8192
     dtype: str = "bfloat16"  # storage dtype of the hidden states
     seed: int = 0
