@@ -240,11 +240,11 @@ def extract(cfg: ExtractConfig) -> int:
     layers = parse_layers(cfg.layers, model.config.num_hidden_layers, cfg.n_layers)
 
     data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
-    if not cfg.data and not data_path.exists():
-        if dist_info.is_main:
+    if not cfg.data:
+        if dist_info.is_main and not data_path.exists():
             generate_synthetic(data_path, cfg.synthetic_samples, seed=cfg.seed, vocab=spec.vocab.base_vocab)
-        elif dist_info.world_size > 1:
-            torch.distributed.barrier()
+        if dist_info.world_size > 1:
+            torch.distributed.barrier()  # every rank reads the file rank 0 wrote
     samples = load_dataset(data_path, vocab=model.config.vocab_size, max_len=cfg.max_len)
     lengths = np.array([len(s) for s in samples])
     plan = plan_batches(lengths, cfg.token_budget)
