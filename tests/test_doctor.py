@@ -1,0 +1,622 @@
+"""`launch doctor`: every check in its PASS and its FAIL form.
+
+The FAIL forms come from a really broken environment, not from patched results: a package on
+PYTHONPATH whose import raises, a PATH with no C compiler, a cache on a read-only or full
+tmpfs mounted in a private mount namespace, a mount table reporting nfs (the
+LAUNCH_DOCTOR_MOUNTINFO seam: no NFS server here), Slurm variables that disagree, a lock the
+installed versions do not meet.
+
+Stand-ins, where this CPU machine cannot have the real thing (each test says so):
+- `fla`: the real package needs Triton and a CUDA GPU to import, so the PASS form of the
+  import check uses a package with fla's module layout (fla.ops.gated_delta_rule,
+  fla.modules.convolution). The real fla is exercised on the H200 (bench/RESULTS-doctor.md).
+- `nvidia-smi`: there is no NVIDIA driver here; a script on PATH answers the two queries the
+  doctor makes, in nvidia-smi's CSV format, to test the foreign-process check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from launch.doctor import fast_subset, run_checks
+from launch.doctor.context import DoctorContext
+from launch.doctor.gpus import check_gpus
+from launch.doctor.results import Status
+from launch.errors import LaunchError
+
+REPO = Path(__file__).resolve().parents[1]
+LIBZ3_ERROR = "libz3.so.4.15: cannot open shared object file: No such file or directory"
+
+
+# ---------------------------------------------------------------- helpers
+def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """This process's environment minus anything that would steer the checks, with caches in tmp."""
+    drop = ("SLURM_", "CUDA_VISIBLE_DEVICES", "CC", "TRITON_", "HF_HOME", "TORCHINDUCTOR_", "LAUNCH_", "XDG_CACHE_HOME")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update({
+        "PYTHONPATH": str(REPO),
+        "TRITON_CACHE_DIR": str(tmp_path / "cache" / "triton"),
+        "HF_HOME": str(tmp_path / "cache" / "hf"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache" / "inductor"),
+        "LAUNCH_KEEPALIVE_STATE": str(tmp_path / "no-keepalive" / "state.json"),
+        "LAUNCH_HOME": str(tmp_path / "launch-home"),
+    })
+    env.update(extra)
+    return env
+
+
+def by_check(results) -> dict:
+    return {r.check: r for r in results}
+
+
+def run_doctor_cli(args: list[str], env: dict[str, str], prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*(prefix or []), sys.executable, "-m", "launch", "doctor", *args],
+                          env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
+
+
+def write_job(tmp_path: Path, gpus: int = 1, lock: dict[str, str] | None = None) -> Path:
+    spec = {"name": "doctorjob", "entrypoint": "train.stage1",
+            "resources": {"nodes": 1, "gpus_per_node": gpus, "cpus_per_task": 1, "time": "00:05:00"}}
+    if lock is not None:
+        spec["lock"] = lock
+    path = tmp_path / "jobs" / "doctorjob.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec))  # JSON is YAML
+    return path
+
+
+def write_package(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(textwrap.dedent(text))
+    return root
+
+
+def broken_fla(tmp_path: Path) -> Path:
+    """An `fla` whose import fails the way fla+tilelang did on the H200 without z3's library."""
+    return write_package(tmp_path / "broken", {"fla/__init__.py": f"raise ImportError({LIBZ3_ERROR!r})\n"})
+
+
+def standin_fla(tmp_path: Path) -> Path:
+    """Stand-in with fla's module layout (the real fla needs Triton + CUDA to import)."""
+    return write_package(tmp_path / "standin", {
+        "fla/__init__.py": "",
+        "fla/ops/__init__.py": "",
+        "fla/ops/gated_delta_rule/__init__.py": "def chunk_gated_delta_rule(*a, **k): ...\n",
+        "fla/modules/__init__.py": "",
+        "fla/modules/convolution.py": "def causal_conv1d(*a, **k): ...\n",
+    })
+
+
+def real_mountinfo() -> str:
+    return Path("/proc/self/mountinfo").read_text()
+
+
+def can_unshare_mounts() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+needs_mount_ns = pytest.mark.skipif(not can_unshare_mounts(), reason="needs root and unshare -m (private mount namespace)")
+
+
+# ---------------------------------------------------------------- kernels
+def test_fla_import_error_shows_real_exception_and_fails_for_gpu_job(tmp_path):
+    env = clean_env(tmp_path, PYTHONPATH=f"{broken_fla(tmp_path)}{os.pathsep}{REPO}")
+    job = write_job(tmp_path, gpus=1)
+    out = run_doctor_cli(["--job", str(job)], env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    fla_row = next(line for line in out.stdout.splitlines() if line.startswith("kernels.fla"))
+    assert "FAIL" in fla_row and "not installed" not in fla_row
+    flat = " ".join(out.stdout.split())  # the table wraps long cells
+    assert "ImportError: libz3.so.4.15: cannot open shared object file" in flat
+    assert "fla/__init__.py:1" in flat  # where it was raised
+
+
+def test_fla_import_error_is_a_warning_on_cpu_without_gpu_job(tmp_path):
+    env = clean_env(tmp_path, PYTHONPATH=f"{broken_fla(tmp_path)}{os.pathsep}{REPO}")
+    res = by_check(run_checks(env=env))
+    assert res["kernels.fla"].status is Status.WARN
+    assert LIBZ3_ERROR in res["kernels.fla"].found
+    assert res["kernels.gdn_fwd_bwd"].status is Status.SKIP
+
+
+def test_fla_not_installed_fails_for_gpu_job_and_skips_on_cpu(tmp_path):
+    env = clean_env(tmp_path)
+    gpu_job = by_check(run_checks(str(write_job(tmp_path, gpus=2)), env))
+    assert gpu_job["kernels.fla"].status is Status.FAIL
+    assert gpu_job["kernels.fla"].found == "not installed"
+    assert "flash-linear-attention" in gpu_job["kernels.fla"].fix
+    assert gpu_job["kernels.causal_conv"].status is Status.FAIL
+    cpu = by_check(run_checks(env=env))
+    assert cpu["kernels.fla"].status is Status.SKIP
+
+
+def test_fla_and_varlen_conv_import_pass(tmp_path):
+    """Stand-in fla (see module docstring): the import checks PASS and name fla's conv."""
+    env = clean_env(tmp_path, PYTHONPATH=f"{standin_fla(tmp_path)}{os.pathsep}{REPO}")
+    res = by_check(run_checks(str(write_job(tmp_path, gpus=1)), env))
+    assert res["kernels.fla"].status is Status.PASS, res["kernels.fla"]
+    assert res["kernels.causal_conv"].status is Status.PASS
+    assert "fla's Triton causal_conv1d" in res["kernels.causal_conv"].found
+
+
+def test_broken_causal_conv1d_shows_its_error(tmp_path):
+    """causal-conv1d built for another torch fails with an undefined symbol; show that text."""
+    bad_conv = write_package(tmp_path / "conv", {
+        "causal_conv1d/__init__.py": "raise ImportError('causal_conv1d_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')\n"})
+    env = clean_env(tmp_path, PYTHONPATH=os.pathsep.join([str(bad_conv), str(standin_fla(tmp_path)), str(REPO)]))
+    res = by_check(run_checks(str(write_job(tmp_path, gpus=1)), env))
+    assert res["kernels.causal_conv"].status is Status.WARN
+    assert "undefined symbol: _ZN3c104cuda9SetDevice" in res["kernels.causal_conv"].found
+
+
+def test_old_transformers_fails_packing_check(tmp_path):
+    """A transformers below 5.9 on the path: really installed metadata, really too old."""
+    site = tmp_path / "old"
+    dist = site / "transformers-5.8.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 5.8.0\n")
+    (site / "transformers").mkdir()
+    (site / "transformers" / "__init__.py").write_text("")
+    env = clean_env(tmp_path, PYTHONPATH=f"{site}{os.pathsep}{REPO}")
+    out = run_doctor_cli(["--json"], env)
+    rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    assert out.returncode == 1
+    assert rows["kernels.transformers"]["status"] == "FAIL"
+    assert "5.8.0 < 5.9" in rows["kernels.transformers"]["found"]
+    assert rows["kernels.transformers"]["fix"] == "pip install 'transformers>=5.9'"
+    ok = {r["check"]: r for r in json.loads(run_doctor_cli(["--json"], clean_env(tmp_path)).stdout)["checks"]}
+    assert ok["kernels.transformers"]["status"] == "PASS"
+
+
+# ---------------------------------------------------------------- compiler
+def test_compiler_pass(tmp_path):
+    res = by_check(run_checks(env=clean_env(tmp_path)))
+    assert res["triton.cc"].status is Status.PASS, res["triton.cc"]
+    assert "built and loaded" in res["triton.cc"].found
+
+
+def test_no_compiler_on_path_fails(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = clean_env(tmp_path, PATH=str(bin_dir))
+    out = run_doctor_cli([], env)
+    assert out.returncode == 1
+    row = next(line for line in out.stdout.splitlines() if line.startswith("triton.cc"))
+    assert "FAIL" in row and "no C compiler" in row
+    assert "Traceback" not in out.stderr
+
+
+def test_cc_pointing_nowhere_fails(tmp_path):
+    res = by_check(run_checks(env=clean_env(tmp_path, CC=str(tmp_path / "no-such-cc"))))
+    assert res["triton.cc"].status is Status.FAIL
+    assert "CC=" in res["triton.cc"].found
+
+
+# ---------------------------------------------------------------- caches
+def test_caches_pass_on_local_disk(tmp_path):
+    res = by_check(run_checks(env=clean_env(tmp_path)))
+    for name in ("cache.triton", "cache.hf", "cache.inductor"):
+        assert res[name].status is Status.PASS, res[name]
+    assert (tmp_path / "cache" / "triton").is_dir()
+
+
+def test_cache_defaults_follow_the_libraries(tmp_path):
+    from launch.doctor.caches import resolve_cache_dirs
+
+    dirs = resolve_cache_dirs({"HOME": "/h", "USER": "al/ice", "TMPDIR": "/scratch/tmp"})
+    assert dirs["cache.triton"][1] == Path("/h/.triton/cache")
+    assert dirs["cache.hf"][1] == Path("/h/.cache/huggingface")
+    assert dirs["cache.inductor"][1] == Path("/scratch/tmp/torchinductor_al_ice")
+    assert resolve_cache_dirs({"HOME": "/h", "TRITON_HOME": "/t"})["cache.triton"][1] == Path("/t/.triton/cache")
+
+
+def test_cache_on_nfs_fails(tmp_path):
+    nfs_dir = tmp_path / "shared"
+    nfs_dir.mkdir()
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(real_mountinfo() + f"999 1 0:99 / {nfs_dir} rw,relatime - nfs4 fileserver:/export rw,vers=4.2\n")
+    env = clean_env(tmp_path, LAUNCH_DOCTOR_MOUNTINFO=str(mountinfo), TRITON_CACHE_DIR=str(nfs_dir / "triton"))
+    out = run_doctor_cli([], env)
+    assert out.returncode == 1
+    row = " ".join(line for line in out.stdout.splitlines() if line.startswith(("cache.triton", " ")))
+    assert "FAIL" in row and "nfs4 (fileserver:/export" in row
+    assert "export TRITON_CACHE_DIR=" in out.stdout
+    res = by_check(run_checks(env=env))
+    assert res["cache.triton"].status is Status.FAIL
+    assert res["cache.hf"].status is Status.PASS  # only the cache on that mount
+
+
+def test_mountinfo_escapes_and_longest_prefix(tmp_path):
+    from launch.doctor.mounts import mount_of, parse_mountinfo
+
+    share = tmp_path / "my share"
+    (share / "x").mkdir(parents=True)
+    (tmp_path / "my shareX").mkdir()
+    escaped = str(share).replace(" ", "\\040")
+    mounts = parse_mountinfo(
+        "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        f"2 1 0:50 / {escaped} rw,relatime shared:5 - lustre 10.0.0.1@tcp:/fs rw\n"
+    )
+    assert mounts[1].mount_point == str(share) and mounts[1].is_network
+    assert mount_of(share / "x" / "not-yet-created", mounts).fstype == "lustre"
+    assert mount_of(tmp_path / "my shareX", mounts).fstype == "ext4"
+
+
+@needs_mount_ns
+def test_unwritable_cache_fails(tmp_path):
+    """A read-only tmpfs over the cache dir, in a private mount namespace (root cannot write it)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    env = clean_env(tmp_path, HF_HOME=str(ro / "hf"))
+    script = f"mount -t tmpfs -o ro,size=1m tmpfs {ro} && exec \"$@\""
+    out = run_doctor_cli(["--json"], env, prefix=["unshare", "-m", "sh", "-c", script, "sh"])
+    assert out.returncode == 1, out.stderr
+    rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    assert rows["cache.hf"]["status"] == "FAIL"
+    assert "not writable: Read-only file system" in rows["cache.hf"]["found"]
+    assert rows["cache.triton"]["status"] == "PASS"
+
+
+@needs_mount_ns
+def test_cache_without_free_space_fails(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    env = clean_env(tmp_path, TORCHINDUCTOR_CACHE_DIR=str(small / "inductor"))
+    script = f"mount -t tmpfs -o size=1m tmpfs {small} && exec \"$@\""
+    out = run_doctor_cli(["--json"], env, prefix=["unshare", "-m", "sh", "-c", script, "sh"])
+    rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    assert rows["cache.inductor"]["status"] == "FAIL"
+    assert "GiB free < 2 GiB" in rows["cache.inductor"]["found"]
+    assert "tmpfs" in rows["cache.inductor"]["found"]
+
+
+def test_cache_path_under_a_file_fails(tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    res = by_check(run_checks(env=clean_env(tmp_path, TRITON_CACHE_DIR=str(blocker / "triton"))))
+    assert res["cache.triton"].status is Status.FAIL
+    assert "Not a directory" in res["cache.triton"].found
+
+
+# ---------------------------------------------------------------- GPUs and Slurm
+SLURM_2GPU = {"SLURM_JOB_ID": "4242", "SLURM_JOB_GPUS": "0,1", "SLURM_GPUS_ON_NODE": "2"}
+
+
+def gpu_ctx(tmp_path: Path, **env: str) -> DoctorContext:
+    return DoctorContext(env=clean_env(tmp_path, **env))
+
+
+def test_gpu_count_matches_allocation(tmp_path):
+    res = by_check(check_gpus(gpu_ctx(tmp_path, CUDA_VISIBLE_DEVICES="0,1", **SLURM_2GPU)))
+    assert res["gpus.count"].status is Status.PASS, res["gpus.count"]
+
+
+def test_gpu_count_mismatch_fails(tmp_path):
+    res = by_check(check_gpus(gpu_ctx(tmp_path, CUDA_VISIBLE_DEVICES="0", **SLURM_2GPU)))
+    assert res["gpus.count"].status is Status.FAIL
+    assert "1 visible" in res["gpus.count"].found and "2 allocated" in res["gpus.count"].found
+
+
+def test_slurm_context_pass_and_renumbered_pass(tmp_path):
+    res = by_check(run_checks(env=clean_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1", **SLURM_2GPU)))
+    assert res["slurm.context"].status is Status.PASS, res["slurm.context"]
+    # ConstrainDevices=yes: Slurm renumbers the job's GPUs 2,3 to 0,1; still consistent.
+    env = clean_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1", SLURM_JOB_ID="7", SLURM_JOB_GPUS="2,3")
+    assert by_check(run_checks(env=env))["slurm.context"].status is Status.PASS
+
+
+def test_slurm_gres_mismatch_fails_via_cli(tmp_path):
+    env = clean_env(tmp_path, CUDA_VISIBLE_DEVICES="3", **SLURM_2GPU)
+    out = run_doctor_cli([], env)
+    assert out.returncode == 1
+    flat = " ".join(out.stdout.split())
+    assert "SLURM_JOB_GPUS=0,1 but CUDA_VISIBLE_DEVICES=3" in flat
+    assert "Traceback" not in out.stderr
+
+
+def test_outside_allocation_fails_only_when_expected(tmp_path):
+    env = clean_env(tmp_path)
+    assert by_check(run_checks(env=env))["slurm.context"].status is Status.SKIP
+    res = by_check(run_checks(env=env, expect_allocation=True))
+    assert res["slurm.context"].status is Status.FAIL
+    assert "keepalive yields GPUs only to Slurm jobs" in res["slurm.context"].fix
+
+
+def test_keepalive_released_passes_and_still_held_fails(tmp_path):
+    state = tmp_path / "keepalive.json"
+    state.write_text(json.dumps({"held": [2, 3], "released": {"4242": [0, 1]}}))
+    env = {"CUDA_VISIBLE_DEVICES": "0,1", "LAUNCH_KEEPALIVE_STATE": str(state), **SLURM_2GPU}
+    res = by_check(check_gpus(gpu_ctx(tmp_path, **env)))
+    assert res["gpus.keepalive"].status is Status.PASS
+    assert "released to job 4242" in res["gpus.keepalive"].found
+    # The holder (`launch keepalive run`) writes its pid too; this process stands for a live one.
+    state.write_text(json.dumps({"pid": os.getpid(), "held": [0, 1, 2, 3], "released": {}}))
+    res = by_check(check_gpus(gpu_ctx(tmp_path, **env)))
+    assert res["gpus.keepalive"].status is Status.FAIL
+    assert "still holds GPUs [0, 1]" in res["gpus.keepalive"].found
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    state.write_text(json.dumps({"pid": dead.pid, "held": [0, 1, 2, 3], "released": {}}))
+    res = by_check(check_gpus(gpu_ctx(tmp_path, **env)))
+    assert res["gpus.keepalive"].status is Status.WARN and "is stale" in res["gpus.keepalive"].found
+
+
+def test_keepalive_state_absent_warns_in_gpu_allocation(tmp_path):
+    res = by_check(check_gpus(gpu_ctx(tmp_path, CUDA_VISIBLE_DEVICES="0,1", **SLURM_2GPU)))
+    assert res["gpus.keepalive"].status is Status.WARN
+    assert by_check(check_gpus(gpu_ctx(tmp_path)))["gpus.keepalive"].status is Status.SKIP
+
+
+def fake_nvidia_smi(bin_dir: Path, apps: list[tuple[int, str]]) -> None:
+    """Stand-in nvidia-smi (no NVIDIA driver here): 4 H200s; compute apps as (pid, gpu uuid)."""
+    gpus = "\n".join(f"{i}, GPU-{i}aaa, NVIDIA H200, 9.0, 580.159.04" for i in range(4))
+    procs = "\n".join(f"{pid}, {uuid}, 1024" for pid, uuid in apps)
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\ncase \"$1\" in\n  --query-gpu=*) printf '%s\\n' '{gpus}' ;;\n"
+                      f"  --query-compute-apps=*) printf '%s' '{procs}' ;;\n  *) exit 9 ;;\nesac\n")
+    script.chmod(0o755)
+
+
+def test_foreign_process_on_job_gpu_fails(tmp_path):
+    """Stand-in nvidia-smi reports a real, unrelated process (a sleep) on GPU 1 of the job."""
+    stray = subprocess.Popen(["sleep", "60"])
+    try:
+        fake_nvidia_smi(tmp_path / "bin", [(stray.pid, "GPU-1aaa"), (999999, "GPU-3aaa")])
+        path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
+        res = by_check(check_gpus(gpu_ctx(tmp_path, PATH=path, CUDA_VISIBLE_DEVICES="0,1", **SLURM_2GPU)))
+        assert res["gpus.foreign_procs"].status is Status.FAIL
+        assert f"GPU 1: pid {stray.pid} (sleep" in res["gpus.foreign_procs"].found
+        assert "999999" not in res["gpus.foreign_procs"].found  # GPU 3 is not the job's
+        assert res["gpus.count"].status is Status.PASS  # 2 of the 4 GPUs visible
+    finally:
+        stray.kill()
+        stray.wait()
+
+
+def test_no_foreign_process_passes(tmp_path):
+    fake_nvidia_smi(tmp_path / "bin", [(os.getpid(), "GPU-0aaa")])  # the doctor itself is not foreign
+    path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    res = by_check(check_gpus(gpu_ctx(tmp_path, PATH=path, CUDA_VISIBLE_DEVICES="0,1", **SLURM_2GPU)))
+    assert res["gpus.foreign_procs"].status is Status.PASS
+    # CUDA_VISIBLE_DEVICES naming a GPU the node lacks: fewer visible than allocated.
+    res = by_check(check_gpus(gpu_ctx(tmp_path, PATH=path, CUDA_VISIBLE_DEVICES="0,7", **SLURM_2GPU)))
+    assert res["gpus.count"].status is Status.FAIL
+
+
+# ---------------------------------------------------------------- versions
+def test_version_lock_pass_and_mismatch(tmp_path):
+    env = clean_env(tmp_path)
+    ok = by_check(run_checks(str(write_job(tmp_path, gpus=0, lock={"torch": ">=2.0", "pyyaml": ">=6"})), env))
+    assert ok["versions.lock"].status is Status.PASS, ok["versions.lock"]
+    assert "torch 2." in ok["versions.recorded"].found
+    job = write_job(tmp_path, gpus=0, lock={"torch": "==0.0.1", "flash-linear-attention": ">=0.6 ; extra == 'gpu'"})
+    out = run_doctor_cli(["--job", str(job)], env)
+    assert out.returncode == 1
+    flat = " ".join(out.stdout.split())
+    assert "versions.lock | FAIL" in flat and "torch 2." in flat and "(lock: ==0.0.1)" in flat
+    assert "flash-linear-attention" not in flat.split("versions.lock")[1]  # gpu-only entry skipped on CPU job
+
+
+def test_lock_file_option_and_bad_lock_line(tmp_path):
+    lock = tmp_path / "constraints.txt"
+    lock.write_text("# pins\ntransformers>=99\n")
+    out = run_doctor_cli(["--lock", str(lock)], clean_env(tmp_path))
+    assert out.returncode == 1 and "transformers 5." in " ".join(out.stdout.split())
+    lock.write_text("torch >>> 2\n")
+    out = run_doctor_cli(["--lock", str(lock)], clean_env(tmp_path))
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and f"{lock}:1: not a requirement line" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------- CLI and fast subset
+def test_cli_healthy_machine_exits_zero_with_table(tmp_path):
+    out = run_doctor_cli(["--job", "stage1", "--preset", "tiny"], clean_env(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    header = out.stdout.splitlines()[0]
+    assert [c.strip() for c in header.split("|")] == ["check", "status", "found", "fix"]
+    assert "0 FAIL" in out.stdout
+
+
+def test_cli_user_errors_are_one_line(tmp_path):
+    env = clean_env(tmp_path)
+    for args, text in ((["--job", "nosuchjob"], "unknown job 'nosuchjob'"),
+                       (["--job", "stage1", "--preset", "nope"], "unknown preset 'nope'"),
+                       (["--lock", str(tmp_path / "missing.txt")], "no such file")):
+        out = run_doctor_cli(args, env)
+        assert out.returncode == 2, args
+        assert text in out.stderr and "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_fast_subset_returns_results_and_skips_gdn(tmp_path):
+    env = clean_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1", **SLURM_2GPU)
+    results = fast_subset("stage1", env=env, stream=None)
+    res = by_check(results)
+    assert not any(r.status is Status.FAIL for r in results)
+    assert res["slurm.context"].status is Status.PASS
+    assert res["versions.lock"].status is Status.PASS  # stage1's lock, CPU entries only
+
+
+def test_fast_subset_raises_doctor_message_on_fail(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    env = clean_env(tmp_path, PATH=str(bin_dir), CUDA_VISIBLE_DEVICES="0", **SLURM_2GPU)
+    with pytest.raises(LaunchError) as err:
+        fast_subset("stage1", env=env, stream=None)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "triton.cc: no C compiler" in msg and "apt-get install gcc python3-dev" in msg
+    assert "gpus.count: 1 visible" in msg
+    assert err.value.exit_code == 1
+    with pytest.raises(LaunchError, match="slurm.context: not inside a Slurm allocation"):
+        fast_subset(None, env=clean_env(tmp_path), stream=None)
+
+
+def test_fast_subset_with_spec_not_found_warns_instead_of_failing(tmp_path):
+    env = clean_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1", **SLURM_2GPU)
+    res = by_check(fast_subset("job-not-on-this-node", env=env, stream=None))
+    assert res["versions.lock"].status is Status.WARN
+    assert "unknown job 'job-not-on-this-node'" in res["versions.lock"].found
+
+
+def test_gdn_reference_matches_transformers_recurrence():
+    """The oracle the GPU check compares fla against equals transformers' own token-by-token
+    gated delta rule (real transformers, CPU, float32)."""
+    torch = pytest.importorskip("torch")
+    qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    from launch.doctor.kernel_probe import reference_gdn
+
+    torch.manual_seed(1)
+    T, H, K, V = 24, 2, 8, 6
+    q, k, v = torch.randn(1, T, H, K), torch.nn.functional.normalize(torch.randn(1, T, H, K), dim=-1), torch.randn(1, T, H, V)
+    g, beta = torch.nn.functional.logsigmoid(torch.randn(1, T, H)), torch.rand(1, T, H)
+    expected, _ = qwen.torch_recurrent_gated_delta_rule(q, k, v, g, beta)
+    got = reference_gdn(q[0], k[0], v[0], g[0], beta[0], scale=K**-0.5)
+    torch.testing.assert_close(got, expected[0], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- --on-cluster (real embedded Slurm)
+@pytest.mark.slurm
+def test_on_cluster_runs_inside_an_allocation_with_the_jobs_gpus(slurm_cluster, tmp_path):
+    """The doctor as a Slurm job on the embedded cluster (stand-in GPUs, see conftest): it sees
+    the GRES binding Slurm made for the job's 2 GPUs, and still fails the missing GPU kernels."""
+    env = {**clean_env(tmp_path), **slurm_cluster.env()}
+    job = write_job(tmp_path, gpus=2, lock={"torch": ">=2.0"})
+    out = run_doctor_cli(["--on-cluster", "--job", str(job), "--json"], env)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "doctor submitted as Slurm job" in out.stderr
+    rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    assert out.returncode == 1
+    assert rows["slurm.context"]["status"] == "PASS", rows["slurm.context"]
+    assert rows["gpus.count"]["status"] == "PASS" and "2 visible = 2 allocated" in rows["gpus.count"]["found"]
+    assert rows["kernels.fla"]["status"] == "FAIL"  # the job wants GPUs; fla is not installed here
+    # In the job, caches are where `launch submit` puts them: per-job node-local scratch.
+    assert "/launch-" in rows["cache.triton"]["found"] and rows["cache.triton"]["status"] == "PASS"
+    assert rows["versions.lock"]["status"] == "PASS"
+
+
+@pytest.mark.slurm
+def test_on_cluster_cpu_job_passes(slurm_cluster, tmp_path):
+    env = {**clean_env(tmp_path), **slurm_cluster.env()}
+    out = run_doctor_cli(["--on-cluster", "--job", str(write_job(tmp_path, gpus=0))], env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "slurm.context         | PASS   | job " in out.stdout
+
+
+def test_on_cluster_without_slurm_is_one_line(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    out = run_doctor_cli(["--on-cluster"], clean_env(tmp_path, PATH=str(bin_dir)))
+    assert out.returncode == 2 and "'sbatch' not found" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slurm
+def test_submit_preflight_fails_the_job_early_with_the_doctors_message(launch_env, tmp_path):
+    """`launch submit` runs fast_subset inside the job (launch.runner); a job whose environment
+    names a C compiler that does not exist stops before its entrypoint, and the doctor's
+    message reaches `launch logs`. The same job with a working compiler runs."""
+    from conftest import run_launch
+
+    spec = tmp_path / "preflightjob.yaml"
+    body = {"name": "preflightjob", "entrypoint": "fixture_entry",
+            "resources": {"nodes": 1, "gpus_per_node": 2, "cpus_per_task": 1, "time": "00:05:00"},
+            "env": {"CC": "/nonexistent/cc"}}
+    spec.write_text(json.dumps(body))
+    out = run_launch(["submit", str(spec), "--follow"], launch_env)
+    assert out.returncode != 0
+    job_id = out.stdout.splitlines()[0].split()[-1]
+    logs = run_launch(["logs", job_id], launch_env)
+    text = logs.stdout + logs.stderr
+    assert "triton.cc: no C compiler: CC=/nonexistent/cc names no executable" in " ".join(text.split())
+    assert "fixture done" not in text and "SLURM_JOB_ID=" not in text  # the entrypoint never ran
+
+    body["env"] = {}
+    spec.write_text(json.dumps(body))
+    out = run_launch(["submit", str(spec), "--follow"], launch_env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "fixture done" in out.stdout
+
+
+def test_per_task_gpu_binding_is_consistent(tmp_path):
+    """8 GPUs, 8 tasks on the node, each bound to one: task 3 sees GPU 3 only."""
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7", "SLURM_GPUS_ON_NODE": "8",
+           "SLURM_NTASKS_PER_NODE": "8", "CUDA_VISIBLE_DEVICES": "3"}
+    res = by_check(run_checks(env=clean_env(tmp_path, **env)))
+    assert res["gpus.count"].status is Status.PASS, res["gpus.count"]
+    assert res["slurm.context"].status is Status.PASS, res["slurm.context"]
+    env["CUDA_VISIBLE_DEVICES"] = "3,4"  # two per task when each should have one
+    res = by_check(run_checks(env=clean_env(tmp_path, **env)))
+    assert res["gpus.count"].status is Status.FAIL and res["slurm.context"].status is Status.FAIL
+
+
+def test_kernel_import_that_kills_the_interpreter_is_reported(tmp_path):
+    """An extension that segfaults on import (ABI mismatch) must not take the doctor down."""
+    crashing = write_package(tmp_path / "crash", {"fla/__init__.py": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"})
+    env = clean_env(tmp_path, PYTHONPATH=f"{crashing}{os.pathsep}{REPO}")
+    res = by_check(run_checks(str(write_job(tmp_path, gpus=1)), env))
+    assert res["kernels.fla"].status is Status.FAIL
+    assert "killed by SIGSEGV" in res["kernels.fla"].found
+
+
+def test_old_driver_without_compute_cap_field_still_lists_gpus(tmp_path):
+    """Stand-in nvidia-smi of a pre-510 driver: the compute_cap query fails, the plain one works."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-smi"
+    script.write_text("#!/bin/sh\ncase \"$1\" in\n"
+                      "  *compute_cap*) echo 'Field \"compute_cap\" is not a valid field to query.'; exit 2 ;;\n"
+                      "  --query-gpu=*) echo '0, GPU-0aaa, Tesla V100, 470.82.01' ;;\n  *) exit 0 ;;\nesac\n")
+    script.chmod(0o755)
+    ctx = gpu_ctx(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert [(g.index, g.compute_cap, g.driver) for g in ctx.gpus] == [(0, None, "470.82.01")]
+
+
+def fake_dist(site: Path, name: str, version: str) -> None:
+    """Installed-package metadata for `name` (what importlib.metadata reads), without the code."""
+    dist = site / f"{name}-{version}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_hopper_with_bad_triton_needs_tilelang(tmp_path):
+    """Stand-in nvidia-smi reporting an H200 (sm_90) and triton 3.6.0's metadata on the path:
+    without tilelang the row FAILs with the fix; a tilelang whose import fails shows its real
+    error; an importable tilelang (stand-in: the real one needs CUDA) makes it PASS."""
+    fake_nvidia_smi(tmp_path / "bin", [])
+    site = tmp_path / "site"
+    fake_dist(site, "triton", "3.6.0")
+    path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
+
+    def hopper_row(*extra: Path) -> dict:
+        env = clean_env(tmp_path, PATH=path, PYTHONPATH=os.pathsep.join([*map(str, extra), str(site), str(REPO)]))
+        out = run_doctor_cli(["--json", "--no-gdn"], env)
+        assert "Traceback" not in out.stderr, out.stderr
+        return {r["check"]: r for r in json.loads(out.stdout)["checks"]}["kernels.hopper_triton"]
+
+    row = hopper_row()
+    assert row["status"] == "FAIL"
+    assert "Hopper with triton 3.6.0 (>=3.4,<3.7.1)" in row["found"] and "tilelang: not installed" in row["found"]
+    assert "triton>=3.7.1" in row["fix"] and "tilelang" in row["fix"]
+    broken = write_package(tmp_path / "broken_tl", {"tilelang/__init__.py": f"raise OSError({LIBZ3_ERROR!r})\n"})
+    row = hopper_row(broken)
+    assert row["status"] == "FAIL" and f"OSError: {LIBZ3_ERROR}" in row["found"]
+    working = write_package(tmp_path / "tl", {"tilelang/__init__.py": ""})
+    assert hopper_row(working)["status"] == "PASS"
