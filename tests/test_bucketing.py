@@ -97,3 +97,19 @@ def test_cli_prints_table_and_rejects_bad_file(tmp_path, capsys):
     assert main(["--lengths", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.txt:2" in err[0]
+
+
+def test_launch_buckets_verb_module(tmp_path, capsys):
+    """launch/buckets.py (the `launch buckets` verb once cli.VERBS routes it) prints the same table."""
+    import argparse
+
+    from launch import buckets
+
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(str(x) for x in long_tail_lengths(2000, seed=5)) + "\n")
+    p = argparse.ArgumentParser()
+    buckets.add_arguments(p)
+    assert buckets.run(p.parse_args(["--lengths", str(lengths), "--buckets", "4"])) == 0
+    assert "bucketed (optimised, 4 buckets)" in capsys.readouterr().out
+    assert buckets.run(p.parse_args(["--lengths", str(tmp_path / "missing")])) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -30,8 +30,9 @@ def parse_topology(text: str) -> int:
 
 
 class BoundedSender:
-    def __init__(self, dst: int, queue_depth: int) -> None:
+    def __init__(self, dst: int, queue_depth: int, device: torch.device) -> None:
         self.dst = dst
+        self.device = device  # NCCL sends CUDA tensors, gloo CPU ones
         self.depth = max(1, queue_depth)
         self.inflight: deque[list] = deque()  # per message: its works and tensors (kept alive until sent)
         self.waits = 0  # times the queue was full: the drafter was the bottleneck
@@ -40,8 +41,8 @@ class BoundedSender:
         if len(self.inflight) >= self.depth:
             self.waits += 1
             self._wait_oldest()
-        tensors = [batch[k].contiguous() for k in FIELDS]
-        header = torch.tensor([d for t in tensors for d in _padded_shape(t)], dtype=torch.long)
+        tensors = [batch[k].to(self.device, DTYPES[k]).contiguous() for k in FIELDS]
+        header = torch.tensor([d for t in tensors for d in _padded_shape(t)], dtype=torch.long, device=self.device)
         works = [dist.isend(header, self.dst)] + [dist.isend(t, self.dst) for t in tensors]
         self.inflight.append([works, header, tensors])
 
@@ -64,13 +65,13 @@ def _padded_shape(t: torch.Tensor) -> list[int]:
     return list(t.shape) + [-1] * (MAX_DIMS - t.dim())
 
 
-def recv_batch(src: int) -> dict[str, torch.Tensor]:
-    header = torch.empty(MAX_DIMS * len(FIELDS), dtype=torch.long)
+def recv_batch(src: int, device: torch.device) -> dict[str, torch.Tensor]:
+    header = torch.empty(MAX_DIMS * len(FIELDS), dtype=torch.long, device=device)
     dist.recv(header, src)
     out = {}
     for i, key in enumerate(FIELDS):
         shape = [d for d in header[i * MAX_DIMS:(i + 1) * MAX_DIMS].tolist() if d >= 0]
-        t = torch.empty(shape, dtype=DTYPES[key])
+        t = torch.empty(shape, dtype=DTYPES[key], device=device)
         dist.recv(t, src)
         out[key] = t
     return out

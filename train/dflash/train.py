@@ -170,9 +170,10 @@ def target_batch(model, capture, samples: list[np.ndarray], cfg: DFlashConfig, s
     hidden, final = target_forward(model.model, capture, ids.to(device))
     lengths = torch.tensor(lens)
     anchors = sample_anchors(lengths, cfg.anchors, cfg.block_size, step_generator(cfg.seed, step))
-    final_blocks = gather_block_positions(final.float().cpu(), anchors, cfg.block_size)
-    return {"input_ids": ids, "lengths": lengths, "hidden": hidden.float().cpu(), "anchors": anchors,
-            "final_blocks": final_blocks}
+    final_blocks = gather_block_positions(final, anchors.to(final.device), cfg.block_size)
+    # Sent as fp32 (the drafter trains in fp32 on CPU; a bf16 wire format is a possible saving on GPUs).
+    return {"input_ids": ids, "lengths": lengths, "hidden": hidden.float(), "anchors": anchors,
+            "final_blocks": final_blocks.float()}
 
 
 def load_online_dataset(cfg: DFlashConfig, vocab_base: int, vocab: int, is_main: bool, barrier) -> list[np.ndarray]:
@@ -200,6 +201,7 @@ def train(cfg: DFlashConfig) -> int:
     drafter_rank = n_targets if online else 0
     is_drafter = dist_info.rank == drafter_rank
     barrier = torch.distributed.barrier if online else (lambda: None)
+    wire = device if dist_info.backend == "nccl" else torch.device("cpu")  # where sent/received tensors live
     out = Path(cfg.out)
     log = MetricsLogger(out, enabled=is_drafter, tensorboard=False)
 
@@ -227,7 +229,7 @@ def train(cfg: DFlashConfig) -> int:
 
     if online and not is_drafter:
         del embed_w, head_w
-        sender = BoundedSender(drafter_rank, cfg.queue_depth)
+        sender = BoundedSender(drafter_rank, cfg.queue_depth, wire)
         t0, sent = time.perf_counter(), 0
         for step, _epoch, ids in batch_stream(sampler, start):
             if step >= cfg.steps:
@@ -270,7 +272,7 @@ def train(cfg: DFlashConfig) -> int:
         s, epoch, ids = next(stream)
         assert s == step
         if online:
-            batch = recv_batch(step % n_targets)
+            batch = recv_batch(step % n_targets, wire)
             final_blocks = batch["final_blocks"].to(device)
         else:
             batch = data.batch(ids)
