@@ -47,19 +47,18 @@ def test_offline_training_loss_falls_and_logits_only_at_anchor_blocks(shards, tm
 
     monkeypatch.setattr(dflash_train, "TargetHead", WatchedHead)
     out = tmp_path / "run"
-    assert dflash_train.main(["--data", str(shards), "--out", str(out), "--steps", "30", *FAST], guard=False) == 0
+    assert dflash_train.main(["--data", str(shards), "--out", str(out), "--steps", "20", *FAST], guard=False) == 0
     recs = _metrics(out)
-    assert len(recs) == 30
+    assert len(recs) == 20
     first = sum(r["loss"] for r in recs[:5]) / 5
     last = sum(r["loss"] for r in recs[-5:]) / 5
-    # The tiny random target has a small-norm lm_head (std 0.02), so logits sharpen slowly: ~8.5 -> ~7.3
-    assert last < first - 0.5, (first, last)
+    assert last < first - 1.5, (first, last)  # ~9 -> ~6 in 20 steps
     assert recs[-1]["acc"] > recs[0]["acc"]
     # lm_head saw only [rows, hidden] inputs: the anchor-block rows, never a [batch, seq, hidden] tensor.
     max_rows = max(r["batch_rows"] for r in recs) * 3 * 7
     assert seen and all(len(s) == 2 and s[0] <= max_rows for s in seen)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 30 and (out / "drafter.pt").is_file()
+    assert summary["steps"] == 20 and (out / "drafter.pt").is_file()
     # Padding is measured per step; the epochs of the bucketed shuffle advanced.
     assert max(r["epoch"] for r in recs) >= 1
 

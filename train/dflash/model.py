@@ -182,6 +182,16 @@ class Drafter(nn.Module):
             x = layer(x, ctx, pos_q, pos_kv, mask)
         return self.norm(x).view(bsz, n_anchor, k, h)
 
+    @torch.no_grad()
+    def match_output_scale(self, lm_head_weight: torch.Tensor) -> None:
+        """Initialise the final norm so logits through the frozen head start with unit std.
+
+        A trained target's lm_head rows have norms near 1 and this is close to a no-op; a random-init
+        target (std 0.02) would otherwise give near-uniform logits that take many steps to sharpen.
+        """
+        logit_std = float(lm_head_weight.float().std()) * math.sqrt(self.cfg.hidden_size)
+        self.norm.weight.fill_(1.0 / max(logit_std, 1e-6))
+
     def save(self, path: Path) -> None:
         torch.save({"config": asdict(self.cfg), "state_dict": self.state_dict()}, path)
 

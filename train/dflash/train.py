@@ -248,6 +248,7 @@ def train(cfg: DFlashConfig) -> int:
     head = TargetHead(embed_w.to(device), head_w.to(device)).to(device)
     del target
     drafter = Drafter(dcfg).to(device)
+    drafter.match_output_scale(head.lm_head.weight)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s))
     if latest is not None:
