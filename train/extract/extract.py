@@ -272,6 +272,11 @@ def extract(cfg: ExtractConfig) -> int:
             say(f"# removed {tmp.name}: a write cut short by an earlier crash")
     index = {name: e for name, e in read_index(out).items()}
     mine = {name: e for name, e in index.items() if int(name[6:11]) % dist_info.world_size == dist_info.rank}
+    if dist_info.world_size > 1:
+        # Every rank has read the merged index, and rank 0's tmp cleanup is over, before any rank
+        # rewrites its own index or starts a shard (a resume may use a different world size).
+        torch.distributed.barrier()
+    write_index(out, dist_info.rank, mine)
     say(f"# extract: preset={cfg.preset} layers={layers} samples={len(samples)} shards={len(plan)} "
         f"world={dist_info.world_size} device={device.type} lm_head=never called")
 
