@@ -4,4 +4,5 @@ import sys
 
 from train.stage1.train import main
 
-sys.exit(main(guard=True))
+if __name__ == "__main__":
+    sys.exit(main(guard=True))

@@ -1,0 +1,115 @@
+"""Atomic checkpoints: verified on load, partial/corrupt ones refused; resume is exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.stage1_fixtures import make_data, run, step_records
+from train.common.checkpoint import CheckpointError, CheckpointManager, verify
+
+
+def _write(payload: dict):
+    def write(tmp: Path) -> None:
+        for name, value in payload.items():
+            torch.save(value, tmp / name)
+
+    return write
+
+
+def test_save_latest_prune(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        mgr.save(step, _write({"model.pt": {"w": torch.full((3,), float(step))}}))
+    assert (tmp_path / "latest").read_text().strip() == "step_00000003"
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]
+    latest = mgr.latest()
+    assert latest is not None and torch.load(latest / "model.pt")["w"][0] == 3.0
+    assert set(verify(latest)["files"]) == {"model.pt"}
+
+
+def test_no_checkpoint_is_none(tmp_path: Path) -> None:
+    assert CheckpointManager(tmp_path / "nothing").latest() is None
+
+
+def test_interrupted_save_is_invisible(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _write({"model.pt": {"w": torch.ones(2)}}))
+
+    def dies(tmp: Path) -> None:
+        torch.save({"w": torch.zeros(2)}, tmp / "model.pt")
+        raise KeyboardInterrupt  # e.g. the job is killed mid-write
+
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(2, dies)
+    assert (tmp_path / ".tmp-step_00000002").exists()
+    assert mgr.latest() == tmp_path / "step_00000001"
+    mgr.save(3, _write({"model.pt": {"w": torch.ones(2)}}))  # next save cleans the leftover
+    assert not (tmp_path / ".tmp-step_00000002").exists()
+
+
+def test_corrupt_file_is_named(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path)
+    path = mgr.save(5, _write({"model.pt": {"w": torch.ones(100)}, "optim.pt": {"s": 1}}))
+    data = bytearray((path / "optim.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "optim.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"optim\.pt is corrupt") as exc:
+        mgr.latest()
+    assert str(path / "optim.pt") in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_partial_checkpoint_without_manifest_is_refused(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path)
+    path = mgr.save(5, _write({"model.pt": {"w": torch.ones(2)}}))
+    (path / "MANIFEST.json").unlink()
+    with pytest.raises(CheckpointError, match=r"MANIFEST\.json is missing: checkpoint .* is partial"):
+        mgr.latest()
+
+
+def test_truncated_file_is_refused(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path)
+    path = mgr.save(5, _write({"model.pt": {"w": torch.ones(1000)}}))
+    with open(path / "model.pt", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=r"model\.pt is corrupt"):
+        mgr.latest()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_data(tmp_path_factory.mktemp("ckpt-data"))
+
+
+def test_resume_gives_same_step_and_next_batch(tmp_path: Path, data: Path) -> None:
+    """Run 4 steps straight; separately run 2, stop, re-run the same argv to 4: identical."""
+    straight = tmp_path / "straight"
+    assert run(straight, data, 4) == 0
+    resumed = tmp_path / "resumed"
+    assert run(resumed, data, 2, "--ckpt-every", "2") == 0
+    assert (resumed / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert run(resumed, data, 4, "--ckpt-every", "2") == 0
+
+    a, b = step_records(straight), step_records(resumed)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]  # resumed at step 3, not 1
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["batch_index"] == rb["batch_index"]
+        assert ra["batch_digest"] == rb["batch_digest"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5, abs=1e-6)
+        assert rb["lr"] == pytest.approx(ra["lr"])
+
+
+def test_corrupt_checkpoint_stops_run_with_one_line(tmp_path: Path, data: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert run(out, data, 1) == 0
+    model_file = out / "checkpoints" / "step_00000001" / "model.pt"
+    model_file.write_bytes(model_file.read_bytes()[:-10])
+    capsys.readouterr()
+    assert run(out, data, 2) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"train.stage1: error: {model_file} is corrupt (size/sha256 differ from MANIFEST.json); "
+        f"delete checkpoint {model_file.parent}"
+    )

@@ -1,0 +1,59 @@
+"""Distributed layout from the Slurm environment (parsed by submitit), and the 1-process case."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.common.distributed import init_distributed, slurm_layout
+
+
+def _clear_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("SLURM_") or key in ("MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(key)
+
+
+def test_layout_from_slurm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear_slurm(monkeypatch)
+    monkeypatch.setenv("SLURM_JOB_ID", "4321")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_PROCID", "11")
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    rank, world, local, addr, port = slurm_layout()
+    assert (rank, world, local, addr) == (11, 16, 3, "gpu07")
+    assert 20000 <= port < 40000
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert slurm_layout()[4] == port  # every rank of the job agrees on the port
+
+
+def test_single_process_needs_no_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear_slurm(monkeypatch)
+    info = init_distributed(torch.device("cpu"))
+    assert (info.rank, info.world_size, info.initialized_here) == (0, 1, False)
+    assert not torch.distributed.is_initialized()
+
+
+def test_forced_one_rank_gloo_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed wants a process group even for one process: gloo on CPU."""
+    from train.common.distributed import shutdown_distributed
+
+    _clear_slurm(monkeypatch)
+    import socket
+
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    info = init_distributed(torch.device("cpu"), force_group=True)
+    try:
+        assert info.initialized_here and info.backend == "gloo"
+        t = torch.ones(2)
+        torch.distributed.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        shutdown_distributed(info)
+    assert not torch.distributed.is_initialized()

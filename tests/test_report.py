@@ -1,0 +1,74 @@
+"""`launch report`: PNGs from a metrics.jsonl, by directory or by job id; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _metrics(run_dir: Path, n: int = 12) -> None:
+    run_dir.mkdir(parents=True)
+    lines = [json.dumps({"event": "header", "preset": "tiny"})]
+    for s in range(1, n + 1):
+        lines.append(json.dumps({
+            "event": "step", "step": s, "loss": 8.0 / s, "task_loss": {"und": 8.0 / s, "gen_img": 9.0 / s},
+            "tok_s": 1000 + s, "mfu": 1e-6 * s, "data_ms": 1.0, "compute_ms": 100.0,
+        }))
+    lines.append('{"event": "step", "step": 13, "lo')  # torn last line of a killed run
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _valid_png(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, []
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, kind
+        chunks.append(kind)
+        pos += 12 + length
+    assert chunks[0] == b"IHDR" and chunks[-1] == b"IEND" and b"IDAT" in chunks
+    return struct.unpack(">II", data[16:24])
+
+
+def _launch(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LAUNCH_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "launch", "report", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_report_from_directory(tmp_path: Path) -> None:
+    from launch.report import read_steps, write_plots
+
+    run_dir = tmp_path / "run"
+    _metrics(run_dir)
+    steps = read_steps(run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 13))
+    paths = write_plots(steps, run_dir / "plots", "run")
+    assert sorted(p.name for p in paths) == ["loss.png", "mfu.png", "task_loss.png", "tok_s.png"]
+    for p in paths:
+        width, height = _valid_png(p)
+        assert width > 100 and height > 100
+
+
+def test_report_cli_by_job_id_and_errors(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    _metrics(home / "runs" / "stage1" / "4242")
+    proc = _launch(["4242", "--out", str(tmp_path / "png")], home)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.split()) == 4
+    _valid_png(tmp_path / "png" / "loss.png")
+
+    missing = _launch(["999"], home)
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("launch report: error: no run found for '999'")
+    assert len(missing.stderr.strip().splitlines()) == 1

@@ -1,0 +1,41 @@
+"""The tiny stage-1 run on CPU (guard off: this tests the loop, not the Slurm entry)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from tests.stage1_fixtures import make_data, run, step_records
+from train.stage1.data import TASKS
+
+STEP_FIELDS = {"step", "loss", "task_loss", "tok_s", "real_tok_s", "mfu", "data_ms", "compute_ms", "peak_mem_mb",
+               "compiles", "recompiles", "lr", "packing_efficiency", "batch_index", "batch_digest"}
+
+
+def test_tiny_run_learns_and_logs(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert run(out, make_data(tmp_path), 20, "--ckpt-every", "10") == 0
+    stdout = capsys.readouterr().out
+
+    header, *_ = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert header["event"] == "header" and "torchtitan" in header["mfu_convention"]
+    assert "# MFU (torchtitan)" in stdout and "kernels[cpu]" in stdout
+
+    recs = step_records(out)
+    assert [r["step"] for r in recs] == list(range(1, 21))
+    for r in recs:
+        assert STEP_FIELDS <= set(r), STEP_FIELDS - set(r)
+        assert r["data_ms"] >= 0 and r["compute_ms"] > 0 and r["tok_s"] > 0 and 0 < r["mfu"] < 1
+        assert set(r["task_loss"]) <= set(TASKS)
+    assert set().union(*(r["task_loss"] for r in recs)) == set(TASKS)  # every task was trained on
+    first = statistics.mean(r["loss"] for r in recs[:3])
+    last = statistics.mean(r["loss"] for r in recs[-3:])
+    assert last < first - 1.0, (first, last)
+    assert "| data " in stdout and "compute" in stdout and "tok/s" in stdout
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["first_loss"] == recs[0]["loss"]
+    assert summary["last_loss"] == recs[-1]["loss"] and summary["mean_tok_s"] > 0
+    assert Path(summary["out_dir"]) == out.resolve()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000020"
