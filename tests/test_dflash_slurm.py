@@ -31,13 +31,16 @@ def _loss_fell(run_dir: Path) -> tuple[float, float]:
 
 
 def test_extract_then_offline_dflash(launch_env):
-    out = run_launch(["submit", "extract", "--preset", "tiny", "--follow"], launch_env, timeout=300)
+    # Two tasks: ranks write alternate shards and their own index files (gloo group on CPU).
+    out = run_launch(["submit", "extract", "--preset", "tiny", "--gpus-per-node", "2", "--follow"], launch_env,
+                     timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     shards = _job_dir(launch_env, out.stdout, "extract")
     assert "samples/s" in out.stdout
     summary = json.loads((shards / "summary.json").read_text())
     assert summary["complete"] and summary["written"] == summary["shards"] >= 2
     assert len(list(shards.glob("shard_*.safetensors"))) == summary["shards"]
+    assert (shards / "index.00000.json").is_file() and (shards / "index.00001.json").is_file()
 
     out = run_launch(["submit", "dflash", "--preset", "tiny", "--arg", f"data={shards}", "--follow"],
                      launch_env, timeout=300)

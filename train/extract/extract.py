@@ -325,7 +325,9 @@ def extract(cfg: ExtractConfig) -> int:
             f"{done_tokens / dt:.0f} tok/s | {entry.bytes / 2**20:.1f} MiB | {entry.location}")
     capture.remove()
     if dist_info.world_size > 1:
-        torch.distributed.barrier()
+        counts = torch.tensor([written, skipped, done_samples], dtype=torch.long)
+        torch.distributed.all_reduce(counts)  # also the barrier before the completeness check
+        written, skipped, done_samples = counts.tolist()
     complete = len(read_index(out)) == len(plan)
     if dist_info.is_main:
         summary = {"shards": len(plan), "written": written, "skipped": skipped, "complete": complete,
