@@ -149,3 +149,31 @@ def test_guard_refuses_outside_slurm(tmp_path, monkeypatch, capsys):
         ex.main(["--out", str(tmp_path)])
     assert exc.value.code == 3
     assert "refusing to run outside a Slurm allocation" in capsys.readouterr().err
+
+
+def test_sigkill_midway_then_resume(tmp_path, data):
+    """A real kill (SIGKILL, no cleanup) during extraction; the resumed run completes exactly once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "x"
+    code = ("import sys; from train.extract.extract import main; "
+            f"sys.exit(main({['--out', str(out), '--data', str(data), *SMALL]!r}, guard=False))")
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / index_name(0)).exists() and read_index(out):
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "extraction finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    total = json.loads((out / "meta.json").read_text())["shards"]
+    assert 0 < len(read_index(out)) < total
+    assert _run(out, data) == 0
+    assert sorted(_all_samples(out)) == list(range(20))
+    assert len(read_index(out)) == total
