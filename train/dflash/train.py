@@ -66,7 +66,7 @@ class DFlashConfig:
     anchors: int = 4  # anchors sampled per row
     steps: int = 40
     token_budget: int = 2048  # padded tokens per batch
-    max_len: int = 8192
+    max_len: int = 8192  # online: samples are cut to this many tokens
     lr: float = 3e-3
     warmup: int = 4
     weight_decay: float = 0.0
@@ -198,6 +198,9 @@ def train(cfg: DFlashConfig) -> int:
     if online and dist_info.world_size != n_targets + 1:
         raise ConfigError(f"--topology {cfg.topology} needs {n_targets + 1} ranks, this job has "
                           f"{dist_info.world_size}; set the job's GPUs/tasks to {n_targets + 1}")
+    if not online and dist_info.world_size > 1:
+        raise ConfigError(f"--mode offline trains one drafter on one rank; this job has {dist_info.world_size} "
+                          "tasks (use the `offline` preset, or --gpus-per-node 1)")
     drafter_rank = n_targets if online else 0
     is_drafter = dist_info.rank == drafter_rank
     barrier = torch.distributed.barrier if online else (lambda: None)

@@ -26,7 +26,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -352,4 +352,4 @@ def _adoptable(path: Path, batch: list[int]) -> bool:
     return sorted({int(k.split(".")[0]) for k in keys}) == sorted(batch) and len(keys) == 3 * len(batch)
 
 
-__all__ = ["ExtractConfig", "asdict", "extract", "main"]
+__all__ = ["ExtractConfig", "extract", "main"]
