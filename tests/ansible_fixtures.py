@@ -1,0 +1,249 @@
+"""Fixtures for the Ansible tests: a cached Debian rootfs, stand-in GPU nodes, a `pct` stand-in.
+
+The rootfs (minbase plus python3 and python3-apt, which Ansible's apt module needs) is built once with debootstrap and cached as a .tar.zst under $LAUNCH_CACHE (or
+~/.cache/launch-tests). The test container has no network (`lxc.net.0.type = empty`), so the
+cache build also runs `apt-get update` and `apt-get install --download-only` for the small
+package set the roles install in tests, inside the rootfs through chroot: apt inside the
+container then installs them for real, from its own local archive, with no mirror access.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+SUITE = "bookworm"
+# The packages the roles install in the tests (toolchain's and python_env's small test set).
+TEST_APT_PACKAGES = ("gcc", "libc6-dev", "python3-dev", "python3-venv")
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("LAUNCH_CACHE") or Path.home() / ".cache" / "launch-tests")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def debian_mirror() -> str:
+    """The Debian mirror apt on this machine already uses (deb822 or one-line sources)."""
+    sources = sorted(Path("/etc/apt/sources.list.d").glob("*.sources")) + [Path("/etc/apt/sources.list")]
+    for path in sources:
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if line.startswith("URIs:") and len(words) > 1 and "security" not in words[1]:
+                return words[1]
+            if line.startswith("deb ") and len(words) > 1 and "security" not in words[1]:
+                return words[1]
+    return "http://deb.debian.org/debian"
+
+
+def cached_rootfs_tarball() -> Path:
+    """Path of the cached rootfs tarball, building it (about a minute) when absent."""
+    key = hashlib.sha256(f"{SUITE} minbase python3 python3-apt {' '.join(TEST_APT_PACKAGES)}".encode()).hexdigest()[:12]
+    tarball = cache_dir() / f"rootfs-{SUITE}-minbase-{key}.tar.zst"
+    if tarball.exists():
+        return tarball
+    work = Path(tempfile.mkdtemp(prefix="rootfs-", dir=cache_dir()))
+    rootfs = work / "rootfs"
+    try:
+        subprocess.run(
+            ["debootstrap", "--variant=minbase", "--include=python3,python3-apt", SUITE, str(rootfs), debian_mirror()],
+            check=True, stdout=subprocess.DEVNULL,
+        )
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
+        subprocess.run(["chroot", str(rootfs), "apt-get", "update", "-q"], check=True, env=env,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["chroot", str(rootfs), "apt-get", "install", "-y", "-q", "--download-only",
+             "--no-install-recommends", *TEST_APT_PACKAGES],
+            check=True, env=env, stdout=subprocess.DEVNULL,
+        )
+        partial = tarball.with_suffix(".partial")
+        subprocess.run(["tar", "--zstd", "--numeric-owner", "-cpf", str(partial), "-C", str(rootfs), "."],
+                       check=True)
+        partial.rename(tarball)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return tarball
+
+
+REPO = Path(__file__).resolve().parents[1]
+ANSIBLE_DIR = REPO / "ansible"
+PLAYBOOK = ANSIBLE_DIR / "playbooks" / "provision.yml"
+CHECK_INVENTORY = ANSIBLE_DIR / "tools" / "check_inventory.py"
+# The stand-in NVIDIA major. A real host's majors come from /proc/devices; this machine has no
+# NVIDIA driver, so the tests give gpu_host a stand-in /proc/devices that lists 195 (the
+# number the NVIDIA driver registers for nvidia-frontend) among ordinary devices.
+STANDIN_MAJOR = 195
+STANDIN_PROC_DEVICES = f"""Character devices:
+  1 mem
+  4 /dev/vc/0
+  5 /dev/tty
+ 10 misc
+{STANDIN_MAJOR} nvidia-frontend
+226 drm
+
+Block devices:
+  8 sd
+259 blkext
+"""
+RECAP = re.compile(r"^(\S+)\s*: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
+
+
+def ansible_bin(name: str) -> str:
+    """An Ansible executable from the interpreter's own venv (the project's `provision` extra)."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def make_standin_gpus(root: Path, gpus: int) -> tuple[Path, Path]:
+    """Stand-in device nodes (major 195, made with mknod; root only) and a stand-in /proc/devices.
+
+    Returns (dev_dir, proc_devices). dev_dir holds nvidia0..N-1, nvidiactl, nvidia-uvm and an
+    nvidia-caps directory, like a real GPU host's /dev.
+    """
+    dev = root / "dev"
+    (dev / "nvidia-caps").mkdir(parents=True)
+    nodes = {f"nvidia{i}": i for i in range(gpus)} | {"nvidiactl": 255, "nvidia-uvm": 254,
+                                                       "nvidia-caps/nvidia-cap1": 1}
+    for name, minor in nodes.items():
+        os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(STANDIN_MAJOR, minor))
+    proc_devices = root / "proc-devices"
+    proc_devices.write_text(STANDIN_PROC_DEVICES)
+    return dev, proc_devices
+
+
+def write_inventory(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def run_playbook(inventory: Path, *args: str, playbook: Path = PLAYBOOK, timeout: int = 600,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], dict[str, dict[str, int]]]:
+    """Run ansible-playbook the way `make provision` does; returns the process and the recap per host."""
+    full_env = {**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+                "ANSIBLE_FORCE_COLOR": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([ansible_bin("ansible-playbook"), "-i", str(inventory), *args, str(playbook)],
+                          capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    recap = {m[0]: {"ok": int(m[1]), "changed": int(m[2]), "unreachable": int(m[3]), "failed": int(m[4])}
+             for m in RECAP.findall(proc.stdout)}
+    return proc, recap
+
+
+def lxc_inventory(tmp: Path, *, name: str, lxc_path: Path, dev: Path, proc_devices: Path, scratch: Path,
+                  template: Path, gpus: list[int], expected_gpus: int, munge_key_b64: str) -> dict:
+    """The inventory of inventory/local.yml's shape, for a throwaway container in tmp.
+
+    Small package sets (toolchain: gcc, libc6-dev, python3-dev; python_env: venv only) keep the
+    run short; the container has no network, so apt installs from the .debs cached in the rootfs.
+    """
+    return {"all": {"children": {
+        "container_hosts": {"children": {"lxc_hosts": {"hosts": {"localhost": {
+            "ansible_connection": "local",
+            "ansible_python_interpreter": sys.executable,
+            "lxc_container_backend": "lxc",
+            "lxc_container_lxc_path": str(lxc_path),
+            # The minimal test rootfs has no systemd; a sleeping init keeps the container up.
+            "lxc_container_init_cmd": "/bin/sleep infinity",
+            "gpu_host_require_gpu": False,
+            "gpu_host_expected_gpus": expected_gpus,
+            "gpu_host_proc_devices": str(proc_devices),
+            "gpu_host_dev_dir": str(dev),
+            "gpu_host_scratch_path": str(scratch),
+            "gpu_host_scratch_must_be_mountpoint": False,
+        }}}}},
+        "gpu_containers": {"children": {"localhost_containers": {
+            "vars": {
+                "container_host": "localhost",
+                "ansible_connection": "lxc_attach",
+                "lxc_attach_lxc_path": str(lxc_path),
+                "python_env_flavour": "cpu",
+                "python_env_packages": [],
+                "toolchain_packages": ["gcc", "libc6-dev", "python3-dev"],
+                "toolchain_apt_update_cache": False,
+                "slurm_install_packages": False,
+                "slurm_manage_services": False,
+                "slurm_munge_user": "root",
+                "slurm_munge_key_b64": munge_key_b64,
+            },
+            "hosts": {name: {
+                "ct_template": str(template),
+                "ct_cores": 2,
+                "ct_memory_mb": 2048,
+                "ct_gpus": gpus,
+                "ct_scratch_host_path": str(scratch),
+                "ct_scratch_mount": "/scratch",
+                "node_caches_root": "/scratch/cache",
+            }},
+        }}},
+        "slurm_controllers": {"hosts": {name: None}},
+    }}}
+
+
+def lxc_attach(lxc_path: Path, name: str, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a shell script inside the container (as the lxc_attach connection does)."""
+    return subprocess.run(
+        ["lxc-attach", "-P", str(lxc_path), "-n", name, "--clear-env", "-v",
+         "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "--", "/bin/sh", "-c", script],
+        capture_output=True, text=True, check=check, timeout=120,
+    )
+
+
+def destroy_container(lxc_path: Path, name: str) -> None:
+    subprocess.run(["lxc-stop", "-P", str(lxc_path), "-n", name, "-k"], capture_output=True, check=False)
+    subprocess.run(["lxc-destroy", "-P", str(lxc_path), "-n", name], capture_output=True, check=False)
+
+
+# A stand-in for Proxmox's `pct` (no Proxmox host here). It appends its argv to $PCT_LOG and
+# keeps just enough state to answer like pct: `create` writes <conf dir>/<vmid>.conf with the
+# keys pct would write, `set` updates them, `status`/`start`/`reboot` track running/stopped,
+# `exec` succeeds. The role's GPU block is then written into that conf by the role itself.
+PCT_STANDIN = r'''#!/usr/bin/env python3
+import os, sys
+from pathlib import Path
+args = sys.argv[1:]
+with open(os.environ["PCT_LOG"], "a") as log:
+    log.write("pct " + " ".join(args) + "\n")
+conf_dir = Path(os.environ["PCT_CONF_DIR"])
+verb, vmid = args[0], args[1]
+conf, state = conf_dir / f"{vmid}.conf", conf_dir / f"{vmid}.state"
+def options(rest):
+    return {rest[i][2:]: rest[i + 1] for i in range(0, len(rest) - 1, 2) if rest[i].startswith("--")}
+if verb == "create":
+    opts = options(args[3:])
+    keys = ["arch: amd64"] + [f"{k}: {opts[k]}" for k in ("cores", "features", "hostname", "memory", "net0", "onboot", "rootfs") if k in opts]
+    keys += ["ostype: ubuntu", "unprivileged: 0" if opts.get("unprivileged") == "0" else "unprivileged: 1"]
+    conf.write_text("\n".join(keys) + "\n")
+    state.write_text("stopped")
+elif verb == "set":
+    lines = dict(line.split(": ", 1) for line in conf.read_text().splitlines() if ": " in line and not line.startswith("lxc."))
+    lxc_lines = [line for line in conf.read_text().splitlines() if line.startswith(("lxc.", "#"))]
+    lines.update(options(args[2:]))
+    conf.write_text("".join(f"{k}: {v}\n" for k, v in sorted(lines.items())) + "".join(l + "\n" for l in lxc_lines))
+elif verb == "status":
+    print("status: " + (state.read_text() if state.exists() else "unknown"))
+elif verb in ("start", "reboot"):
+    state.write_text("running")
+elif verb == "exec":
+    pass
+else:
+    sys.exit(f"pct stand-in: unsupported verb {verb}")
+'''
+
+
+def install_pct_standin(bin_dir: Path) -> Path:
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    pct = bin_dir / "pct"
+    pct.write_text(PCT_STANDIN)
+    pct.chmod(0o755)
+    return pct
