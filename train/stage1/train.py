@@ -156,10 +156,12 @@ def use_deepspeed(cfg: Stage1Config, device: torch.device, world_size: int) -> b
     return cfg.deepspeed == "on" or (cfg.deepspeed == "auto" and device.type == "cuda" and world_size > 1)
 
 
-def make_optimizer(model: torch.nn.Module, cfg: Stage1Config, device: torch.device) -> torch.optim.Optimizer:
-    # fused=True: one kernel for the whole update on CUDA instead of a loop over tensors.
+def make_optimizer(model: torch.nn.Module, cfg: Stage1Config, device: torch.device,
+                   fused: bool | None = None) -> torch.optim.Optimizer:
+    # fused (default on CUDA): one kernel for the whole update instead of a loop over tensors.
+    fused = device.type == "cuda" if fused is None else fused
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                             fused=device.type == "cuda")
+                             fused=fused or None)
 
 
 def deepspeed_config(cfg: Stage1Config, device: torch.device) -> dict[str, Any]:
