@@ -64,6 +64,8 @@ VARIANTS = {
     "+cce": Variant("+cce", True, True, "cce", False),
     "+liger": Variant("+liger", True, True, "liger", False),
     "fast": Variant("fast", True, True, "auto", True),
+    "fast-liger": Variant("fast-liger", True, True, "liger", True),
+    "fast-logits": Variant("fast-logits", True, True, "logits", True),
 }
 
 

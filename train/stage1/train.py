@@ -78,7 +78,7 @@ class Stage1Config:
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"steps": 60, "batch_rows": 2, "row_len": 256, "lr": 3e-3, "warmup": 5},
     "qwen35-0.8b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 3e-4, "warmup": 500, "ckpt_every": 500},
-    "qwen35-2b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 2e-4, "warmup": 500, "ckpt_every": 500},
+    "qwen35-2b": {"steps": 20000, "batch_rows": 2, "row_len": 8192, "lr": 2e-4, "warmup": 500, "ckpt_every": 500},
 }
 
 
