@@ -28,6 +28,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "doctor": ("launch.doctor", "preflight checks: kernels, compiler, caches, GPUs, versions"),
     "keepalive": ("launch.keepalive.cli", "GPU keepalive holder and its Slurm hooks"),
     "report": ("launch.report", "plot a job's loss, tok/s and MFU to PNG"),
+    "buckets": ("launch.buckets", "bucket edges and padding efficiency for a lengths file"),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,33 @@ def test_corrupt_checkpoint_stops_run_with_one_line(tmp_path: Path, data: Path, 
         f"train.stage1: error: {model_file} is corrupt (size/sha256 differ from MANIFEST.json); "
         f"delete checkpoint {model_file.parent}"
     )
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_checkpoint_resume_on_cpu(tmp_path: Path, data: Path) -> None:
+    """The GPU code path (DeepSpeed ZeRO-2 engine, its own checkpoint files inside ours) on a
+    1-rank gloo group: resumes at the saved step with the same next batch and the same loss.
+    Each run is its own process, as in a job (DeepSpeed keeps process-wide comm state)."""
+    import subprocess
+    import sys
+
+    from tests.stage1_fixtures import FAST_ARGS
+
+    def run_process(out: Path, steps: int, *extra: str) -> None:
+        argv = [*FAST_ARGS, "--out", str(out), "--data-dir", str(data), "--steps", str(steps), "--deepspeed", "on",
+                *extra]
+        code = f"import sys; from train.stage1.train import main; sys.exit(main({argv!r}, guard=False))"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                              env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+                                   "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_process(straight, 3)
+    run_process(resumed, 2, "--ckpt-every", "2")
+    assert (resumed / "checkpoints" / "step_00000002" / "deepspeed").is_dir()
+    run_process(resumed, 3, "--ckpt-every", "2")
+    a, b = step_records(straight), step_records(resumed)
+    assert [r["step"] for r in b] == [1, 2, 3]
+    assert b[2]["batch_digest"] == a[2]["batch_digest"]
+    assert b[2]["loss"] == pytest.approx(a[2]["loss"], rel=1e-5)

@@ -57,3 +57,35 @@ def test_forced_one_rank_gloo_group(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         shutdown_distributed(info)
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.slow
+def test_two_rank_ddp_training_on_gloo(tmp_path) -> None:
+    """Two trainer processes laid out by a (faked, guard-off) Slurm env: gloo rendezvous, DDP,
+    per-rank trainer state in one checkpoint."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.stage1_fixtures import FAST_ARGS, make_data
+
+    data = make_data(tmp_path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "run"
+    code = ("import sys; from train.stage1.train import main; "
+            f"sys.exit(main({[*FAST_ARGS, '--out', str(out), '--data-dir', str(data), '--steps', '2', '--ckpt-every', '2', '--deepspeed', 'off', '--num-workers', '0']!r}, guard=False))")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    base.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), SLURM_JOB_ID="99", SLURM_NTASKS="2",
+                SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", MASTER_PORT=str(port))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "world=2" in outputs[0] and "step     2" in outputs[0]
+    assert "step" not in outputs[1]  # only rank 0 logs
+    ckpt = out / "checkpoints" / "step_00000002"
+    assert {p.name for p in ckpt.iterdir()} >= {"model.pt", "trainer_rank00000.pt", "trainer_rank00001.pt"}

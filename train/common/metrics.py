@@ -109,7 +109,7 @@ class MetricsLogger:
         mfu = record.get("mfu")
         self.print(
             f"step {record['step']:>5} | loss {_fmt(record['loss'], '.4f')} | {tasks} | "
-            f"tok/s {_fmt(record.get('tok_s'), '.0f')} | MFU {_fmt(None if mfu is None else 100 * mfu, '.2f')}% | "
+            f"tok/s {_fmt(record.get('tok_s'), '.0f')} | MFU {_fmt(None if mfu is None else 100 * mfu, '.3g')}% | "
             f"data {_fmt(record.get('data_ms'), '.1f')} ms | compute {_fmt(record.get('compute_ms'), '.1f')} ms | "
             f"peak mem {_fmt(record.get('peak_mem_mb'), '.0f')} MB | recompiles {record.get('recompiles', 0)}"
         )

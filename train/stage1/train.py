@@ -26,16 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from launch.fsutil import atomic_write_text
 from train.common.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
-from train.common.distributed import DistInfo, init_distributed, shutdown_distributed
+from train.common.distributed import DistInfo, init_distributed, shutdown_distributed, slurm_layout
 from train.common.fastpath import FastPathError
+from train.common.losses import LossImplError, select_loss_impl
 from train.common.metrics import MetricsLogger, compile_counts, peak_memory_mb
 from train.common.packing import IGNORE_INDEX, model_kwargs
 from train.common.profiler import StepProfiler
 from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data, generate_synthetic
+from train.stage1.objective import CausalLMObjective
 
 ENTRYPOINT = "train.stage1"
 
@@ -68,14 +69,16 @@ class Stage1Config:
     init_from: str | None = None
     log_every: int = 1
     wandb_project: str | None = None
+    # auto: a fused linear cross-entropy (no full-vocab logits) on CUDA, plain logits on CPU.
+    loss_impl: str = "auto"
 
 
 # Per-preset defaults for what the command line leaves unset. tiny: 512 tokens a step, so 60
 # steps take a minute or two on 2 CPU cores and the loss falls from ~8.5 to ~3.
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"steps": 60, "batch_rows": 2, "row_len": 256, "lr": 3e-3, "warmup": 5},
-    "qwen35-0.8b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 3e-4, "warmup": 500},
-    "qwen35-2b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 2e-4, "warmup": 500},
+    "qwen35-0.8b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 3e-4, "warmup": 500, "ckpt_every": 500},
+    "qwen35-2b": {"steps": 20000, "batch_rows": 2, "row_len": 8192, "lr": 2e-4, "warmup": 500, "ckpt_every": 500},
 }
 
 
@@ -95,13 +98,15 @@ def parse_args(argv: list[str] | None) -> Stage1Config:
     p.add_argument("--weights", default=None, help='mixture weights as JSON, e.g. \'{"gen_img": 2, "und": 1}\'')
     p.add_argument("--max-bad-fraction", type=float, default=d.max_bad_fraction)
     p.add_argument("--num-workers", type=int, default=d.num_workers)
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--ckpt-every", type=int, default=None)
     p.add_argument("--allow-slow-path", action="store_true", help="train on GPU without the fast kernels (loud)")
     p.add_argument("--deepspeed", choices=("auto", "on", "off"), default=d.deepspeed)
     p.add_argument("--deepspeed-config", default=None, help="DeepSpeed config json (default: ZeRO-2)")
     p.add_argument("--init-from", default=None, help="local transformers checkpoint dir")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--wandb-project", default=None)
+    p.add_argument("--loss-impl", choices=("auto", "logits", "cce", "liger"), default=d.loss_impl,
+                   help="next-token loss kernel (auto: fused on CUDA)")
     a = p.parse_args(argv)
     weights = None
     if a.weights:
@@ -145,8 +150,18 @@ def lr_lambda(cfg: Stage1Config):
     return f
 
 
-def use_deepspeed(cfg: Stage1Config, device: torch.device) -> bool:
-    return cfg.deepspeed == "on" or (cfg.deepspeed == "auto" and device.type == "cuda")
+def use_deepspeed(cfg: Stage1Config, device: torch.device, world_size: int) -> bool:
+    # ZeRO-2 shards optimizer state and gradients across ranks; with one rank it only adds
+    # overhead over a fused AdamW, so `auto` takes it on several CUDA ranks.
+    return cfg.deepspeed == "on" or (cfg.deepspeed == "auto" and device.type == "cuda" and world_size > 1)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Stage1Config, device: torch.device,
+                   fused: bool | None = None) -> torch.optim.Optimizer:
+    # fused (default on CUDA): one kernel for the whole update instead of a loop over tensors.
+    fused = device.type == "cuda" if fused is None else fused
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                             fused=fused or None)
 
 
 def deepspeed_config(cfg: Stage1Config, device: torch.device) -> dict[str, Any]:
@@ -165,17 +180,14 @@ def deepspeed_config(cfg: Stage1Config, device: torch.device) -> dict[str, Any]:
     }
 
 
-def losses(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def losses(per_token: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean next-token loss, and per-task (sum, count) pairs for logging.
 
-    Labels are unshifted (packing.py): the logit at t-1 is scored against labels[t], and that
-    term belongs to task_ids[t].
+    `per_token` [B, T-1] is train.common.losses.token_losses: the term predicting labels[t] from
+    position t-1, which belongs to task_ids[t] (labels are unshifted, packing.py).
     """
     labels = batch["labels"][:, 1:]
     tasks = batch["task_ids"][:, 1:]
-    per_token = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view_as(labels)
     valid = labels != IGNORE_INDEX
     loss = per_token.sum() / valid.sum().clamp(min=1)
     per_task = {}
@@ -186,11 +198,13 @@ def losses(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.
     return loss, per_task
 
 
-def reduce_task_losses(per_task: dict[str, torch.Tensor], dist_info: DistInfo) -> dict[str, float]:
-    stacked = torch.stack([per_task[t] for t in TASKS])  # [tasks, 2]
+def reduce_task_losses(per_task: dict[str, torch.Tensor], dist_info: DistInfo) -> tuple[float, dict[str, float]]:
+    """(loss over all ranks' tokens, per-task loss over all ranks) from per-rank (sum, count)."""
+    stacked = torch.stack([per_task[t] for t in TASKS])  # [tasks, 2], on the device (nccl needs CUDA)
     if dist_info.world_size > 1:
         torch.distributed.all_reduce(stacked)
-    return {t: float(s / c) for t, (s, c) in zip(TASKS, stacked.tolist(), strict=True) if c > 0}
+    total = float(stacked[:, 0].sum() / stacked[:, 1].sum().clamp(min=1))
+    return total, {t: float(s / c) for t, (s, c) in zip(TASKS, stacked.tolist(), strict=True) if c > 0}
 
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
@@ -206,7 +220,7 @@ def main(argv: list[str] | None = None, guard: bool = True) -> int:
         require_slurm_allocation(ENTRYPOINT)
     try:
         return train(cfg)
-    except (DataError, CheckpointError, ConfigError, FastPathError) as exc:
+    except (DataError, CheckpointError, ConfigError, FastPathError, LossImplError) as exc:
         print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
         return 1
 
@@ -217,7 +231,7 @@ def train(cfg: Stage1Config) -> int:
 
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ds = use_deepspeed(cfg, device)
+    ds = use_deepspeed(cfg, device, world_size=slurm_layout()[1])
     dist_info = init_distributed(device, force_group=ds)
     if device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank)
@@ -237,15 +251,23 @@ def train(cfg: Stage1Config) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, spec = build_model(cfg.preset, device=device, dtype=dtype, init_from=cfg.init_from)
     fastpath.install_kernels(model, kernels)
+    loss_impl = select_loss_impl(device, cfg.loss_impl)
+    objective = CausalLMObjective(model, loss_impl)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    opt = make_optimizer(model, cfg, device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     engine = None
+    forward: torch.nn.Module = objective
     if ds:
         import deepspeed
 
         engine, opt, _, sched = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(cfg, device)
+            model=objective, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(cfg, device)
+        )
+        forward = engine
+    elif dist_info.world_size > 1:  # --deepspeed off on several ranks: plain DDP keeps them in sync
+        forward = torch.nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None
         )
 
     # Resume: model/optimizer/scheduler, RNG, step and the data position.
@@ -267,7 +289,7 @@ def train(cfg: Stage1Config) -> int:
         "preset": cfg.preset, "params": spec.n_params, "vocab": spec.vocab.padded_vocab, "device": device.type,
         "world": dist_info.world_size, "deepspeed": ds, "row_len": cfg.row_len, "batch_rows": cfg.batch_rows,
         "start_step": step, "steps": cfg.steps, "flops_per_token": f"{flops_per_token:.4g}",
-        "mfu_peak": f"{peak_flops:.4g} ({peak_source})",
+        "mfu_peak": f"{peak_flops:.4g} ({peak_source})", "loss_impl": loss_impl,
     })
     log.print("# " + kernels.header().replace("\n", "\n# "))
 
@@ -278,31 +300,18 @@ def train(cfg: Stage1Config) -> int:
         prof.start_step()
         batch = next(data)
         prof.data_ready()
-        kwargs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in model_kwargs(batch).items()}
-        kwargs.pop("labels")
-        target = {k: batch[k].to(device) for k in ("labels", "task_ids")}
-        logits = (engine or model)(**kwargs).logits
-        loss, per_task = losses(logits, target)
-        if engine is not None:
-            engine.backward(loss)
-            engine.step()
-        else:
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
+        loss, per_task = train_step(forward, model, opt, sched, engine, batch, device, cfg.grad_clip)
         loss_value = float(loss.detach())  # .item() syncs; the profiler's end_step syncs anyway
         # tokens/s and MFU count every token of the packed rows, padding included (torchtitan);
         # real_tok_s leaves the padding out.
         timing = prof.end_step(batch["input_ids"].numel() * dist_info.world_size)
         step += 1
         if step % cfg.log_every == 0 or step == cfg.steps:
-            task_loss = reduce_task_losses(per_task, dist_info)
+            global_loss, task_loss = reduce_task_losses(per_task, dist_info)
             compiles, recompiles = compile_counts()
             tok_s = timing.tokens_per_s
             log.log_step({
-                "step": step, "loss": loss_value, "task_loss": task_loss, "tok_s": tok_s,
+                "step": step, "loss": global_loss, "task_loss": task_loss, "tok_s": tok_s,
                 "real_tok_s": tok_s * batch["packing_efficiency"],
                 "mfu": tok_s * flops_per_token / (peak_flops * dist_info.world_size),
                 "data_ms": timing.data_ms, "compute_ms": timing.compute_ms, "peak_mem_mb": peak_memory_mb(device),
@@ -319,7 +328,7 @@ def train(cfg: Stage1Config) -> int:
     if dist_info.is_main:
         summary = {
             "steps": step, "first_loss": first_loss, "last_loss": last_loss,
-            "mean_tok_s": prof.mean_tokens_per_s * dist_info.world_size if prof.total_s else None,
+            "mean_tok_s": prof.mean_tokens_per_s if prof.total_s else None,  # all ranks together
             "out_dir": str(out.resolve()), "metrics": str((out / "metrics.jsonl").resolve()),
             "checkpoint": str((out / "checkpoints").resolve()), "preset": cfg.preset,
         }
@@ -329,6 +338,30 @@ def train(cfg: Stage1Config) -> int:
     log.close()
     shutdown_distributed(dist_info)
     return 0
+
+
+def train_step(forward: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+               engine: Any, batch: dict[str, Any], device: torch.device,
+               grad_clip: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One optimizer step on one batch: forward (model + loss), backward, clip, update.
+
+    bench/stage1_gpu.py times exactly this function.
+    """
+    kwargs = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
+              for k, v in model_kwargs(batch).items()}
+    target = {k: batch[k].to(device, non_blocking=True) for k in ("labels", "task_ids")}
+    per_token = forward(**kwargs)
+    loss, per_task = losses(per_token, target)
+    if engine is not None:
+        engine.backward(loss)
+        engine.step()
+    else:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    return loss, per_task
 
 
 def batch_digest(batch: dict[str, Any]) -> str:

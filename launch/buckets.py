@@ -1,0 +1,27 @@
+"""`launch buckets --lengths FILE`: optimised bucket edges, their efficiency, sorted/random baselines.
+
+A thin CLI over train.common.bucketing (numpy only; no torch import, so the CLI stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", required=True, help="sample lengths: one per line, or a .npy array")
+    p.add_argument("--buckets", type=int, default=None, help="number of buckets (default: fewest within 3 points "
+                   "of sorted batching)")
+    p.add_argument("--token-budget", type=int, default=None, help="padded tokens per batch (default 8 x longest)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from train.common.bucketing import main
+
+    argv = ["--lengths", args.lengths, "--seed", str(args.seed)]
+    if args.buckets is not None:
+        argv += ["--buckets", str(args.buckets)]
+    if args.token_budget is not None:
+        argv += ["--token-budget", str(args.token_budget)]
+    return main(argv)

@@ -1,0 +1,146 @@
+"""DFlash drafter: offline training from shards, anchor-only logits, block masking, resume, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.dflash import train as dflash_train
+from train.dflash.model import (
+    Drafter,
+    TargetHead,
+    block_inputs,
+    drafter_config,
+    gather_block_positions,
+    sample_anchors,
+)
+from train.extract import extract as ex
+from train.extract.data import generate_synthetic
+
+FAST = ["--block-size", "8", "--anchors", "3", "--token-budget", "160", "--lr", "1e-2", "--warmup", "2"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("extract")
+    data = generate_synthetic(root / "data.jsonl", 24, seed=3, vocab=4096, min_len=12, max_len=40, median=24)
+    out = root / "shards"
+    assert ex.main(["--out", str(out), "--data", str(data), "--layers", "1,2", "--token-budget", "160",
+                    "--max-len", "40"], guard=False) == 0
+    return out
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "step"]
+
+
+def test_offline_training_loss_falls_and_logits_only_at_anchor_blocks(shards, tmp_path, monkeypatch):
+    seen: list[tuple[int, ...]] = []
+
+    class WatchedHead(TargetHead):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.lm_head.register_forward_pre_hook(lambda m, inp: seen.append(tuple(inp[0].shape)))
+
+    monkeypatch.setattr(dflash_train, "TargetHead", WatchedHead)
+    out = tmp_path / "run"
+    assert dflash_train.main(["--data", str(shards), "--out", str(out), "--steps", "20", *FAST], guard=False) == 0
+    recs = _metrics(out)
+    assert len(recs) == 20
+    first = sum(r["loss"] for r in recs[:5]) / 5
+    last = sum(r["loss"] for r in recs[-5:]) / 5
+    assert last < first - 1.5, (first, last)  # ~9 -> ~6 in 20 steps
+    assert recs[-1]["acc"] > recs[0]["acc"]
+    # lm_head saw only [rows, hidden] inputs: the anchor-block rows, never a [batch, seq, hidden] tensor.
+    max_rows = max(r["batch_rows"] for r in recs) * 3 * 7
+    assert seen and all(len(s) == 2 and s[0] <= max_rows for s in seen)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 20 and (out / "drafter.pt").is_file()
+    # Padding is measured per step; the epochs of the bucketed shuffle advanced.
+    assert max(r["epoch"] for r in recs) >= 1
+
+
+def test_resume_continues_at_the_saved_step(shards, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--data", str(shards), "--out", str(out), "--ckpt-every", "3", *FAST]
+    assert dflash_train.main([*args, "--steps", "3"], guard=False) == 0
+    assert dflash_train.main([*args, "--steps", "5"], guard=False) == 0
+    assert "resumed from" in capsys.readouterr().out
+    steps = [r["step"] for r in _metrics(out)]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def test_block_sees_context_only_up_to_its_anchor():
+    torch.manual_seed(0)
+    cfg = drafter_config("tiny", 64, 2, 300, 4)
+    drafter = Drafter(cfg).eval()
+    head = TargetHead(torch.randn(300, 64), torch.randn(300, 64))
+    ids = torch.randint(0, 299, (1, 20))
+    hidden = torch.randn(1, 20, 128)
+    anchors = torch.tensor([[3, 10]])
+    lengths = torch.tensor([20])
+    blocks, labels = block_inputs(ids, anchors, 4, cfg.mask_token_id)
+    assert blocks[0, 0].tolist() == [int(ids[0, 3])] + [cfg.mask_token_id] * 3
+    assert labels[0, 1].tolist() == ids[0, 11:14].tolist()
+    base = drafter(hidden, head.embed_tokens(blocks), anchors, lengths)
+    later = hidden.clone()
+    later[:, 4:] += 5.0  # context after anchor 3 changes
+    moved = drafter(later, head.embed_tokens(blocks), anchors, lengths)
+    torch.testing.assert_close(base[0, 0], moved[0, 0])  # block of anchor 3: unchanged
+    assert not torch.allclose(base[0, 1], moved[0, 1])  # block of anchor 10 sees positions 4..10
+
+
+def test_anchor_sampling_and_gather():
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([20, 5, 9])
+    anchors = sample_anchors(lengths, 4, 8, gen)
+    assert (anchors[0] >= 0).all() and (anchors[0] <= 12).all() and len(set(anchors[0].tolist())) == 4
+    assert (anchors[1] == -1).all()  # too short for one block
+    assert anchors[2, 0] in (0, 1) and anchors[2, 2] == -1
+    final = torch.arange(3 * 20, dtype=torch.float32).view(3, 20, 1)
+    got = gather_block_positions(final, anchors, 8)
+    assert got.shape == (3, 4, 7, 1)
+    a = int(anchors[0, 1])
+    assert got[0, 1, :, 0].tolist() == [float(a + j) for j in range(7)]
+
+
+def test_online_target_side_never_calls_lm_head(tmp_path):
+    cfg = dflash_train.DFlashConfig(mode="online", layers="1,2", block_size=4, anchors=2, out=str(tmp_path))
+    model, _spec, layers, capture = dflash_train.build_target(cfg, torch.device("cpu"))
+
+    def refuse(_m, _i):
+        raise AssertionError("target lm_head called")
+
+    model.lm_head.register_forward_pre_hook(refuse)
+    import numpy as np
+
+    samples = [np.arange(32, 52), np.arange(40, 50)]
+    batch = dflash_train.target_batch(model, capture, samples, cfg, step=0, device=torch.device("cpu"))
+    assert batch["hidden"].shape == (2, 20, 2 * 256)
+    assert batch["final_blocks"].shape == (2, 2, 3, 256)
+
+
+def test_corrupt_shard_is_one_clear_line(shards, tmp_path, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(shards, broken)
+    victim = sorted(broken.glob("shard_*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    code = dflash_train.main(["--data", str(broken), "--out", str(tmp_path / "o"), "--steps", "2", *FAST],
+                             guard=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1
+    assert str(victim) in err[0] and "corrupt shard" in err[0]
+
+
+def test_config_errors(tmp_path, capsys):
+    assert dflash_train.main(["--mode", "offline", "--out", str(tmp_path)], guard=False) == 2
+    assert "needs --data" in capsys.readouterr().err
+    assert dflash_train.main(["--mode", "online", "--topology", "2-2"], guard=False) == 2
+    assert "k-1" in capsys.readouterr().err
+    assert dflash_train.main(["--data", str(tmp_path / "nope"), "--out", str(tmp_path)], guard=False) == 1
+    assert "no such extraction directory" in capsys.readouterr().err

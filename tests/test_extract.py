@@ -1,0 +1,179 @@
+"""Hidden-state extraction: no lm_head, right layers captured, batched shards, crash-safe resume, sync."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.extract import extract as ex
+from train.extract.data import generate_synthetic
+from train.extract.shards import index_name, read_index, read_shard
+
+SMALL = ["--layers", "1,2", "--token-budget", "96", "--max-len", "32"]
+
+
+@pytest.fixture()
+def data(tmp_path: Path) -> Path:
+    return generate_synthetic(tmp_path / "data.jsonl", 20, seed=1, vocab=4096, min_len=8, max_len=32, median=16)
+
+
+@pytest.fixture()
+def no_lm_head(monkeypatch):
+    """Every target built by the extractor gets an lm_head that fails the test if it is ever called."""
+    from train.stage1 import model as stage1_model
+
+    real = stage1_model.build_model
+
+    def build(*args, **kwargs):
+        model, spec = real(*args, **kwargs)
+
+        def refuse(_module, _inputs):
+            raise AssertionError("lm_head was called during extraction")
+
+        model.lm_head.register_forward_pre_hook(refuse)
+        return model, spec
+
+    monkeypatch.setattr(stage1_model, "build_model", build)
+
+
+def _run(out: Path, data: Path, *extra: str) -> int:
+    return ex.main(["--out", str(out), "--data", str(data), *SMALL, *extra], guard=False)
+
+
+def _all_samples(out: Path) -> list[int]:
+    seen: list[int] = []
+    for name in sorted(p.name for p in out.glob("shard_*.safetensors")):
+        seen += sorted(read_shard(out / name))
+    return seen
+
+
+def test_default_layers_spread_from_1_to_L_minus_3():
+    assert ex.default_layers(64, 5) == [1, 16, 31, 46, 61]
+    assert ex.default_layers(4, 5) == [1]
+
+
+def test_capture_equals_hidden_states_and_skips_lm_head():
+    from train.stage1.model import build_model
+
+    torch.manual_seed(0)
+    model, _ = build_model("tiny")
+    model.eval()
+    calls = []
+    model.lm_head.register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    ids = torch.randint(32, 200, (2, 20))
+    with torch.no_grad():
+        full = model(input_ids=ids, output_hidden_states=True)
+    calls.clear()
+    capture = ex.HiddenCapture(model.model, [1, 2])
+    hidden, final = ex.target_forward(model.model, capture, ids)
+    assert calls == []  # base model only
+    assert hidden.shape == (2, 20, 2 * model.config.hidden_size)
+    # layer i = output of decoder layer i = hidden_states[i + 1]
+    torch.testing.assert_close(hidden[..., :256], full.hidden_states[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden[..., 256:], full.hidden_states[3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, full.hidden_states[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_crash_and_resume_covers_dataset_exactly_once(tmp_path, data, no_lm_head, capsys):
+    out = tmp_path / "x"
+    assert _run(out, data, "--stop-after", "3") == 0
+    index = read_index(out)
+    assert len(index) == 3
+    # Simulate a crash: the third shard was renamed but never indexed, and a fourth was cut short.
+    entries = json.loads((out / index_name(0)).read_text())["shards"]
+    dropped = sorted(entries)[-1]
+    del entries[dropped]
+    (out / index_name(0)).write_text(json.dumps({"shards": entries}))
+    (out / ".shard_00003.safetensors.zz.tmp").write_bytes(b"partial")
+    kept = {n: os.stat(out / n).st_ino for n in entries}
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["shards"] > 4
+    capsys.readouterr()
+
+    assert _run(out, data) == 0
+    log = capsys.readouterr().out
+    assert f"adopted {dropped}" in log and "removed .shard_00003" in log and "samples/s" in log
+    assert not list(out.glob(".*.tmp"))
+    assert {n: os.stat(out / n).st_ino for n in entries} == kept  # complete shards were not rewritten
+    seen = _all_samples(out)
+    assert sorted(seen) == list(range(20))  # every sample, each exactly once
+    assert sorted(i for e in read_index(out).values() for i in e.samples) == list(range(20))
+    assert len(read_index(out)) == meta["shards"]
+    shard = read_shard(out / "shard_00000.safetensors")
+    some = next(iter(shard.values()))
+    assert some["hidden"].shape[1] == 2 * 256 and some["final"].shape[1] == 256
+    assert some["hidden"].dtype == torch.bfloat16 and some["input_ids"].dtype == torch.int32
+
+    # A third run has nothing to do.
+    assert _run(out, data) == 0
+    assert '"written": 0' in capsys.readouterr().out
+
+
+def test_sync_deletes_only_verified_copies(tmp_path, data, no_lm_head, capsys):
+    store = tmp_path / "store"
+    store.mkdir()
+    out = tmp_path / "x"
+    assert _run(out, data, "--sync-cmd", f"cp {{src}} {store}/{{name}}",
+                "--sync-check-cmd", f"sha256sum {store}/{{name}}") == 0
+    assert not list(out.glob("shard_*"))
+    index = read_index(out)
+    assert all(e.location == "synced" for e in index.values())
+    assert sorted(i for p in store.iterdir() for i in read_shard(p)) == list(range(20))
+
+    # A copy that does not verify: the local shard stays, one clear line, exit 1.
+    out2 = tmp_path / "y"
+    capsys.readouterr()
+    assert _run(out2, data, "--sync-cmd", "true", "--sync-check-cmd", "echo deadbeef") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not verify" in err[0] and "local shard is kept" in err[0]
+    assert (out2 / "shard_00000.safetensors").is_file()
+
+
+def test_bad_input_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "input_ids": [1, 2, 3]}\n{"id": 2}\n')
+    assert ex.main(["--out", str(tmp_path / "o"), "--data", str(bad), *SMALL], guard=False) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl:2" in err[0]
+    assert ex.main(["--layers", "9", "--out", str(tmp_path / "o2"), "--data", str(bad)], guard=False) != 0
+
+
+def test_guard_refuses_outside_slurm(tmp_path, monkeypatch, capsys):
+    for var in ("SLURM_JOB_ID", "SLURM_JOBID"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        ex.main(["--out", str(tmp_path)])
+    assert exc.value.code == 3
+    assert "refusing to run outside a Slurm allocation" in capsys.readouterr().err
+
+
+def test_sigkill_midway_then_resume(tmp_path, data):
+    """A real kill (SIGKILL, no cleanup) during extraction; the resumed run completes exactly once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "x"
+    code = ("import sys; from train.extract.extract import main; "
+            f"sys.exit(main({['--out', str(out), '--data', str(data), *SMALL]!r}, guard=False))")
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / index_name(0)).exists() and read_index(out):
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "extraction finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    total = json.loads((out / "meta.json").read_text())["shards"]
+    assert 0 < len(read_index(out)) < total
+    assert _run(out, data) == 0
+    assert sorted(_all_samples(out)) == list(range(20))
+    assert len(read_index(out)) == total

@@ -1,0 +1,331 @@
+"""DFlash drafter training: offline from extraction shards, or online with k target ranks.
+
+`python -m train.dflash --mode offline --data <extraction dir>` or
+`python -m train.dflash --mode online --topology 2-1` (world size k+1), behind the Slurm guard;
+`main(argv, guard=False)` only for tests.
+
+One step: a bucketed-shuffle batch (train.common.bucketing; new compositions every epoch) ->
+anchors sampled per row (seeded by step) -> the drafter predicts the block after each anchor ->
+weighted CE on the true tokens (+ optional KL to the verifier), with logits ONLY at the anchor
+blocks: drafter slots and the target's gathered final hidden states go through the frozen lm_head,
+never a [batch, seq, vocab] tensor.
+
+Files under --out (default $LAUNCH_JOB_DIR): metrics.jsonl, checkpoints/ (drafter + optimizer,
+resumed from on a re-run with the same argv), drafter.pt (final weights + config), summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from launch.fsutil import atomic_write_text
+from train.common.bucketing import BucketedSampler
+from train.common.checkpoint import CheckpointError, CheckpointManager
+from train.common.distributed import init_distributed, shutdown_distributed
+from train.common.fastpath import FastPathError
+from train.common.metrics import MetricsLogger
+from train.dflash.data import ShardDataset, batch_stream, pad_samples
+from train.dflash.model import (
+    Drafter,
+    DrafterConfig,
+    TargetHead,
+    block_inputs,
+    drafter_config,
+    drafter_loss,
+    gather_block_positions,
+    sample_anchors,
+)
+from train.dflash.online import BoundedSender, parse_topology, recv_batch
+from train.extract.data import DatasetError, generate_synthetic, load_dataset
+from train.extract.shards import ShardError
+
+ENTRYPOINT = "train.dflash"
+
+
+@dataclass
+class DFlashConfig:
+    mode: str = "offline"  # offline | online
+    data: str | None = None  # offline: extraction dir; online: jsonl (None: synthetic in <out>/data.jsonl)
+    topology: str = "2-1"  # online: k target ranks - 1 drafter rank
+    preset: str = "tiny"  # online: the target's stage-1 preset
+    init_from: str | None = None  # online: local checkpoint of the target
+    layers: str | None = None  # online: captured target layers (default: n_layers spread over 1..L-3)
+    n_layers: int = 5
+    drafter: str = "tiny"  # drafter preset or JSON file of DrafterConfig fields
+    block_size: int = 16
+    anchors: int = 4  # anchors sampled per row
+    steps: int = 40
+    token_budget: int = 2048  # padded tokens per batch
+    max_len: int = 8192  # online: samples are cut to this many tokens
+    lr: float = 3e-3
+    warmup: int = 4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float | None = 7.0  # slot loss weights exp(-(j-1)/gamma); 0 = uniform
+    kl_weight: float = 0.0  # weight of KL(verifier || drafter) on the anchor blocks
+    queue_depth: int = 4  # online: messages in flight per target rank
+    seed: int = 0
+    synthetic_samples: int = 160
+    out: str = field(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/dflash-local")
+    ckpt_every: int = 50
+    log_every: int = 1
+    allow_slow_path: bool = False
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_args(argv: list[str] | None) -> DFlashConfig:
+    d = DFlashConfig()
+    p = argparse.ArgumentParser(prog="python -m train.dflash", description="DFlash drafter training")
+    for name, value in asdict(d).items():
+        flag = "--" + name.replace("_", "-")
+        if name == "allow_slow_path":
+            p.add_argument(flag, action="store_true")
+        elif name == "mode":
+            p.add_argument(flag, choices=("offline", "online"), default=value)
+        else:
+            kind = {int: int, float: float}.get(type(value), str)
+            p.add_argument(flag, type=float if name == "gamma" else kind, default=value)
+    cfg = DFlashConfig(**vars(p.parse_args(argv)))
+    if cfg.mode == "offline" and not cfg.data:
+        raise ConfigError("--mode offline needs --data <extraction dir> (from `launch submit extract`)")
+    for name in ("steps", "anchors", "token_budget", "ckpt_every", "log_every", "queue_depth"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
+    if cfg.mode == "online":
+        try:
+            parse_topology(cfg.topology)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return cfg
+
+
+def main(argv: list[str] | None = None, guard: bool = True) -> int:
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as exc:
+        print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
+        return 2
+    if guard:
+        from train.common.slurm_guard import require_slurm_allocation
+
+        require_slurm_allocation(ENTRYPOINT)
+    try:
+        return train(cfg)
+    except (ShardError, DatasetError, CheckpointError, ConfigError, FastPathError, ValueError) as exc:
+        print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def lr_at(cfg: DFlashConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+# ---------------------------------------------------------------------------------------------
+# the target side (online mode): frozen base model, hooks, anchors, gathered final states
+
+
+def build_target(cfg: DFlashConfig, device: torch.device):
+    from train.common import fastpath
+    from train.extract.extract import HiddenCapture, parse_layers
+    from train.stage1.model import build_model
+
+    kernels = fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)
+    torch.manual_seed(cfg.seed)  # the same random-init target on every rank
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, spec = build_model(cfg.preset, device=device, dtype=dtype, init_from=cfg.init_from)
+    fastpath.install_kernels(model, kernels)
+    model.eval().requires_grad_(False)
+    layers = parse_layers(cfg.layers, model.config.num_hidden_layers, cfg.n_layers)
+    return model, spec, layers, HiddenCapture(model.model, layers)
+
+
+def target_batch(model, capture, samples: list[np.ndarray], cfg: DFlashConfig, step: int,
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """What a target rank sends for one step: context, anchors and final states at the anchor blocks."""
+    from train.extract.extract import pad_batch, target_forward
+
+    ids, lens = pad_batch(samples)
+    hidden, final = target_forward(model.model, capture, ids.to(device))
+    lengths = torch.tensor(lens)
+    anchors = sample_anchors(lengths, cfg.anchors, cfg.block_size, step_generator(cfg.seed, step))
+    final_blocks = gather_block_positions(final, anchors.to(final.device), cfg.block_size)
+    # Sent as fp32 (the drafter trains in fp32 on CPU; a bf16 wire format is a possible saving on GPUs).
+    return {"input_ids": ids, "lengths": lengths, "hidden": hidden.float(), "anchors": anchors,
+            "final_blocks": final_blocks.float()}
+
+
+def load_online_dataset(cfg: DFlashConfig, vocab_base: int, vocab: int, is_main: bool, barrier) -> list[np.ndarray]:
+    path = Path(cfg.data) if cfg.data else Path(cfg.out) / "data.jsonl"
+    if not cfg.data and not path.exists() and is_main:
+        generate_synthetic(path, cfg.synthetic_samples, seed=cfg.seed, vocab=vocab_base)
+    barrier()
+    return load_dataset(path, vocab=vocab, max_len=cfg.max_len)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def train(cfg: DFlashConfig) -> int:
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    online = cfg.mode == "online"
+    dist_info = init_distributed(device, force_group=online)
+    if device.type == "cuda":
+        device = torch.device("cuda", dist_info.local_rank)
+    n_targets = parse_topology(cfg.topology) if online else 0
+    if online and dist_info.world_size != n_targets + 1:
+        raise ConfigError(f"--topology {cfg.topology} needs {n_targets + 1} ranks, this job has "
+                          f"{dist_info.world_size}; set the job's GPUs/tasks to {n_targets + 1}")
+    if not online and dist_info.world_size > 1:
+        raise ConfigError(f"--mode offline trains one drafter on one rank; this job has {dist_info.world_size} "
+                          "tasks (use the `offline` preset, or --gpus-per-node 1)")
+    drafter_rank = n_targets if online else 0
+    is_drafter = dist_info.rank == drafter_rank
+    barrier = torch.distributed.barrier if online else (lambda: None)
+    wire = device if dist_info.backend == "nccl" else torch.device("cpu")  # where sent/received tensors live
+    out = Path(cfg.out)
+    log = MetricsLogger(out, enabled=is_drafter, tensorboard=False)
+
+    # The data and the target's head: from the shards (offline) or the live target (online).
+    target = None
+    if online:
+        target, spec, layers, capture = build_target(cfg, device)
+        samples = load_online_dataset(cfg, spec.vocab.base_vocab, target.config.vocab_size, dist_info.is_main,
+                                      barrier)
+        lengths = np.array([len(s) for s in samples])
+        hidden_size = target.config.hidden_size
+        embed_w, head_w = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+        data = None
+    else:
+        data = ShardDataset(cfg.data)
+        lengths, layers, hidden_size = data.lengths, data.layers, data.hidden_size
+        embed_w, head_w = data.head_weights()
+    sampler = BucketedSampler(lengths, cfg.token_budget, seed=cfg.seed)
+    dcfg: DrafterConfig = drafter_config(cfg.drafter, hidden_size, len(layers), embed_w.shape[0], cfg.block_size)
+
+    ckpts = CheckpointManager(out / "checkpoints", keep=2)
+    latest = ckpts.latest()
+    start = int(latest.name.split("_")[1]) if latest is not None else 0
+    barrier()  # every rank has read the start step before the drafter may write a newer checkpoint
+
+    if online and not is_drafter:
+        del embed_w, head_w
+        sender = BoundedSender(drafter_rank, cfg.queue_depth, wire)
+        t0, sent = time.perf_counter(), 0
+        for step, _epoch, ids in batch_stream(sampler, start):
+            if step >= cfg.steps:
+                break
+            if step % n_targets == dist_info.rank:
+                sender.send(target_batch(target, capture, [samples[i] for i in ids], cfg, step, device))
+                sent += 1
+        sender.close()
+        print(f"# target rank {dist_info.rank}: sent {sent} batches in {time.perf_counter() - t0:.1f}s, "
+              f"queue full {sender.waits} times", flush=True)
+        barrier()
+        shutdown_distributed(dist_info)
+        return 0
+
+    # The drafter rank.
+    head = TargetHead(embed_w.to(device), head_w.to(device)).to(device)
+    del target
+    drafter = Drafter(dcfg).to(device)
+    drafter.match_output_scale(head.lm_head.weight)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s))
+    if latest is not None:
+        state = torch.load(latest / "drafter.pt", map_location=device, weights_only=False)
+        drafter.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        log.print(f"# resumed from {latest} at step {start}")
+    n_params = sum(p.numel() for p in drafter.parameters())
+    log.header({"mode": cfg.mode, "topology": cfg.topology if online else "-", "drafter_params": n_params,
+                "target_layers": layers, "block_size": dcfg.block_size, "anchors": cfg.anchors,
+                "buckets": sampler.edges, "bucket_efficiency": f"{sampler.stats(0).efficiency:.3f}",
+                "start_step": start, "steps": cfg.steps, "device": device.type})
+
+    stream = batch_stream(sampler, start)
+    first = last = None
+    t_start = time.perf_counter()
+    real_tokens = 0
+    step = start
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        s, epoch, ids = next(stream)
+        assert s == step
+        if online:
+            batch = recv_batch(step % n_targets, wire)
+            final_blocks = batch["final_blocks"].to(device)
+        else:
+            batch = data.batch(ids)
+            batch["anchors"] = sample_anchors(batch["lengths"], cfg.anchors, cfg.block_size,
+                                              step_generator(cfg.seed, step))
+            final_blocks = gather_block_positions(batch["final"], batch["anchors"], cfg.block_size).to(device)
+        t_data = time.perf_counter()
+        input_ids, anchors = batch["input_ids"].to(device), batch["anchors"].to(device)
+        blocks, labels = block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id)
+        hidden = drafter(batch["hidden"].to(device), head.embed_tokens(blocks), anchors, batch["lengths"].to(device))
+        loss, stats = drafter_loss(head, hidden, labels, final_blocks, cfg.kl_weight, cfg.gamma or None)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        step += 1
+        loss_value = float(loss.detach())
+        first = loss_value if first is None else first
+        last = loss_value
+        n_real = int(batch["lengths"].sum())
+        real_tokens += n_real
+        t_end = time.perf_counter()
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            log.log_step({"step": step, "loss": loss_value, "task_loss": {}, "epoch": epoch, **stats,
+                          "tok_s": n_real / (t_end - t0), "data_ms": 1000 * (t_data - t0),
+                          "compute_ms": 1000 * (t_end - t_data), "batch_rows": len(ids),
+                          "padding_efficiency": n_real / batch["input_ids"].numel(), "lr": sched.get_last_lr()[0]})
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            save_checkpoint(ckpts, step, drafter, opt, sched, cfg)
+    drafter.save(out / ".drafter.pt.tmp")
+    os.replace(out / ".drafter.pt.tmp", out / "drafter.pt")
+    summary = {"mode": cfg.mode, "steps": step, "first_loss": first, "last_loss": last,
+               "real_tok_s": real_tokens / max(1e-9, time.perf_counter() - t_start),
+               "drafter": str((out / "drafter.pt").resolve()), "drafter_params": n_params}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    log.print(f"# done: {json.dumps(summary)}")
+    log.close()
+    barrier()
+    shutdown_distributed(dist_info)
+    return 0
+
+
+def save_checkpoint(ckpts: CheckpointManager, step: int, drafter: Drafter, opt, sched, cfg: DFlashConfig) -> None:
+    def write(tmp: Path) -> None:
+        torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "config": asdict(cfg), "drafter_config": asdict(drafter.cfg), "step": step}, tmp / "drafter.pt")
+
+    ckpts.save(step, write, is_main=True)
+
+
+__all__ = ["DFlashConfig", "main", "pad_samples"]

@@ -1,0 +1,355 @@
+"""Hidden-state extraction: the frozen target model's captured layers, to batched safetensors shards.
+
+`python -m train.extract --preset tiny` runs behind the Slurm guard; `main(argv, guard=False)`
+exists only for tests. The target's forward goes through the base model (`model.model`): lm_head
+is never called, so no full-vocab logits exist (248k vocab x 64k tokens was ~30 GB per GPU in the
+reference run). Hidden states are captured by forward hooks on the chosen decoder layers only.
+
+Batches are planned once from the dataset's lengths (sorted by length, cut under a token
+budget: extraction has no convergence to protect, so it pads least), and shard k always holds plan
+batch k; ranks take k = rank, rank + world, ... A re-run with the same arguments resumes: complete
+shards are skipped, a shard left un-indexed by a crash is verified and adopted, tmp files are
+removed. See train/extract/shards.py for the layout.
+
+`--sync-cmd 'cp {src} /store/{name}'` copies each finished shard elsewhere; with
+`--sync-check-cmd 'sha256sum /store/{name}'` (first field: the copy's sha256) the local file is
+deleted once the copy's hash matches. Without a check command nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from launch.fsutil import atomic_write_bytes, atomic_write_text
+from train.common.distributed import init_distributed, shutdown_distributed
+from train.common.fastpath import FastPathError
+from train.extract.data import DatasetError, generate_synthetic, load_dataset
+from train.extract.shards import (
+    HEAD,
+    META,
+    ShardEntry,
+    ShardError,
+    read_index,
+    remove_tmp_files,
+    sha256_file,
+    shard_keys,
+    shard_name,
+    write_index,
+    write_shard,
+)
+
+ENTRYPOINT = "train.extract"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class ExtractConfig:
+    preset: str = "tiny"
+    init_from: str | None = None
+    data: str | None = None  # jsonl of {"id", "input_ids"}; None: <out>/data.jsonl, synthetic, made when absent
+    synthetic_samples: int = 160
+    out: str = field(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/extract-local")
+    layers: str | None = None  # "1,16,31"; None: n_layers spread evenly over [1, L-3]
+    n_layers: int = 5
+    token_budget: int = 8192  # padded tokens per batch (= per shard); 65536 on an H200
+    max_len: int = 8192
+    dtype: str = "bfloat16"  # storage dtype of the hidden states
+    seed: int = 0
+    sync_cmd: str | None = None
+    sync_check_cmd: str | None = None
+    stop_after: int | None = None  # write at most this many shards, then stop (tests, partial runs)
+    allow_slow_path: bool = False
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_args(argv: list[str] | None) -> ExtractConfig:
+    d = ExtractConfig()
+    p = argparse.ArgumentParser(prog="python -m train.extract", description="hidden-state extraction to shards")
+    p.add_argument("--preset", default=d.preset)
+    p.add_argument("--init-from", default=None, help="local transformers checkpoint dir of the target")
+    p.add_argument("--data", default=None, help='jsonl, one {"id", "input_ids": [...]} per line')
+    p.add_argument("--synthetic-samples", type=int, default=d.synthetic_samples)
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--layers", default=None, help="comma-separated decoder layer indices (0-based) to capture")
+    p.add_argument("--n-layers", type=int, default=d.n_layers, help="without --layers: how many, spread over 1..L-3")
+    p.add_argument("--token-budget", type=int, default=d.token_budget, help="padded tokens per batch/shard")
+    p.add_argument("--max-len", type=int, default=d.max_len)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--sync-cmd", default=None, help="shell template with {src} and {name}, run per finished shard")
+    p.add_argument("--sync-check-cmd", default=None,
+                   help="shell template with {name} printing the copy's sha256 first; local file deleted on match")
+    p.add_argument("--stop-after", type=int, default=None, help="stop after writing this many shards")
+    p.add_argument("--allow-slow-path", action="store_true")
+    cfg = ExtractConfig(**vars(p.parse_args(argv)))
+    if cfg.token_budget < 2 or cfg.max_len < 2 or cfg.n_layers < 1:
+        raise ConfigError("--token-budget and --max-len must be >= 2, --n-layers >= 1")
+    if cfg.max_len > cfg.token_budget:
+        raise ConfigError(f"--max-len {cfg.max_len} exceeds --token-budget {cfg.token_budget}: a long sample "
+                          "would not fit a batch; raise the budget or lower --max-len")
+    if cfg.sync_check_cmd and not cfg.sync_cmd:
+        raise ConfigError("--sync-check-cmd needs --sync-cmd")
+    return cfg
+
+
+def default_layers(num_layers: int, n: int) -> list[int]:
+    """n layers spread evenly over [1, L-3] (64 layers, n=5: 1, 16, 31, 46, 61)."""
+    hi = max(1, num_layers - 3)
+    return sorted({int(round(x)) for x in np.linspace(1, hi, n)})
+
+
+def parse_layers(text: str | None, num_layers: int, n: int) -> list[int]:
+    if not text:
+        return default_layers(num_layers, n)
+    try:
+        layers = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--layers must be comma-separated integers, got {text!r}") from None
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if not layers or bad:
+        raise ConfigError(f"--layers {text!r}: indices must lie in [0, {num_layers - 1}] for this target")
+    return layers
+
+
+def plan_batches(lengths: np.ndarray, token_budget: int) -> list[list[int]]:
+    from train.common.bucketing import sorted_batches
+
+    return [sorted(int(i) for i in b) for b in sorted_batches(lengths, token_budget)]
+
+
+class HiddenCapture:
+    """Forward hooks on the chosen decoder layers: their outputs, and nothing else, are kept."""
+
+    def __init__(self, base_model: torch.nn.Module, layers: list[int]) -> None:
+        self.layers = layers
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._handles = [base_model.layers[i].register_forward_hook(self._hook(i)) for i in layers]
+
+    def _hook(self, i: int):
+        def hook(_module, _inputs, output):
+            self.outputs[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def take(self) -> torch.Tensor:
+        """[B, T, n_layers * hidden], captured layers concatenated in layer order."""
+        out = torch.cat([self.outputs[i] for i in self.layers], dim=-1)
+        self.outputs.clear()
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def target_forward(base_model: torch.nn.Module, capture: HiddenCapture, input_ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(captured hidden [B,T,n*H], final normed hidden [B,T,H]) from the base model: no lm_head.
+
+    Rows are right-padded; every token mixer is causal, so real tokens never see the padding.
+    """
+    pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    with torch.no_grad():
+        final = base_model(input_ids=input_ids, position_ids=pos, use_cache=False).last_hidden_state
+    return capture.take(), final
+
+
+def pad_batch(samples: list[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
+    lengths = [len(s) for s in samples]
+    ids = torch.zeros(len(samples), max(lengths), dtype=torch.long)
+    for r, s in enumerate(samples):
+        ids[r, : len(s)] = torch.from_numpy(s)
+    return ids, lengths
+
+
+def _run_shell(template: str, **fields: str) -> subprocess.CompletedProcess[str]:
+    cmd = template.format(**{k: shlex.quote(v) for k, v in fields.items()})
+    return subprocess.run(cmd, shell=True, capture_output=True, text=True)
+
+
+def sync_shard(cfg: ExtractConfig, path: Path, entry: ShardEntry) -> str:
+    """Copy a finished shard with --sync-cmd; delete it locally only if --sync-check-cmd confirms it."""
+    assert cfg.sync_cmd
+    done = _run_shell(cfg.sync_cmd, src=str(path), name=path.name)
+    if done.returncode != 0:
+        raise ShardError(f"--sync-cmd failed for {path} (exit {done.returncode}: "
+                         f"{(done.stderr.strip().splitlines() or [''])[-1]}); the local shard is kept")
+    if not cfg.sync_check_cmd:
+        return "local"
+    check = _run_shell(cfg.sync_check_cmd, name=path.name)
+    remote = (check.stdout.split() or [""])[0]
+    if check.returncode != 0 or remote != entry.sha256:
+        raise ShardError(f"synced copy of {path.name} does not verify (sha256 {remote or 'unreadable'} != "
+                         f"{entry.sha256}); the local shard is kept")
+    path.unlink()
+    return "synced"
+
+
+def main(argv: list[str] | None = None, guard: bool = True) -> int:
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as exc:
+        print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
+        return 2
+    if guard:
+        from train.common.slurm_guard import require_slurm_allocation
+
+        require_slurm_allocation(ENTRYPOINT)
+    try:
+        return extract(cfg)
+    except (DatasetError, ShardError, ConfigError, FastPathError, ValueError) as exc:
+        print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def extract(cfg: ExtractConfig) -> int:
+    from safetensors.torch import save
+
+    from train.common import fastpath
+    from train.stage1.model import build_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dist_info = init_distributed(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", dist_info.local_rank)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    say = (lambda line: print(line, flush=True)) if dist_info.is_main else (lambda line: None)
+
+    kernels = fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)
+    torch.manual_seed(cfg.seed)  # the same random-init target on every rank and every resume
+    model_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, spec = build_model(cfg.preset, device=device, dtype=model_dtype, init_from=cfg.init_from)
+    fastpath.install_kernels(model, kernels)
+    model.eval().requires_grad_(False)
+    base = model.model
+    layers = parse_layers(cfg.layers, model.config.num_hidden_layers, cfg.n_layers)
+
+    data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
+    if not cfg.data:
+        if dist_info.is_main and not data_path.exists():
+            generate_synthetic(data_path, cfg.synthetic_samples, seed=cfg.seed, vocab=spec.vocab.base_vocab)
+        if dist_info.world_size > 1:
+            torch.distributed.barrier()  # every rank reads the file rank 0 wrote
+    samples = load_dataset(data_path, vocab=model.config.vocab_size, max_len=cfg.max_len)
+    lengths = np.array([len(s) for s in samples])
+    plan = plan_batches(lengths, cfg.token_budget)
+    meta = {
+        "preset": cfg.preset, "init_from": cfg.init_from, "layers": layers, "hidden_size": model.config.hidden_size,
+        "vocab_size": model.config.vocab_size, "dtype": cfg.dtype, "data": str(data_path.resolve()),
+        "samples": len(samples), "shards": len(plan), "token_budget": cfg.token_budget, "seed": cfg.seed,
+        "plan_sha256": hashlib.sha256(json.dumps(plan).encode()).hexdigest(),
+    }
+    if (out / META).exists():
+        old = json.loads((out / META).read_text())
+        changed = [k for k in ("preset", "layers", "samples", "plan_sha256", "dtype", "init_from") if old.get(k) != meta[k]]
+        if changed:
+            raise ConfigError(f"{out}: holds an extraction with different {', '.join(changed)}; "
+                              "use a new --out or the same arguments as before")
+    elif dist_info.is_main:
+        # The head first, then meta.json: a directory with a meta.json always has its head.
+        head = {"embed_tokens": base.embed_tokens.weight.detach().cpu().contiguous(),
+                "lm_head": model.lm_head.weight.detach().cpu().clone()}  # a copy: tied weights share memory
+        atomic_write_bytes(out / HEAD, save(head))
+        atomic_write_text(out / META, json.dumps(meta, indent=1) + "\n")
+
+    if dist_info.is_main:
+        for tmp in remove_tmp_files(out):
+            say(f"# removed {tmp.name}: a write cut short by an earlier crash")
+    index = {name: e for name, e in read_index(out).items()}
+    mine = {name: e for name, e in index.items() if int(name[6:11]) % dist_info.world_size == dist_info.rank}
+    if dist_info.world_size > 1:
+        # Every rank has read the merged index, and rank 0's tmp cleanup is over, before any rank
+        # rewrites its own index or starts a shard (a resume may use a different world size).
+        torch.distributed.barrier()
+    write_index(out, dist_info.rank, mine)
+    say(f"# extract: preset={cfg.preset} layers={layers} samples={len(samples)} shards={len(plan)} "
+        f"world={dist_info.world_size} device={device.type} lm_head=never called")
+
+    capture = HiddenCapture(base, layers)
+    store = DTYPES[cfg.dtype]
+    t0 = time.perf_counter()
+    done_samples = done_tokens = written = skipped = 0
+    for k, batch in enumerate(plan):
+        if k % dist_info.world_size != dist_info.rank:
+            continue
+        name, path = shard_name(k), out / shard_name(k)
+        entry = mine.get(name)
+        if entry is not None and (entry.location == "synced" or _whole(path, entry)):
+            if entry.location == "local" and cfg.sync_cmd:
+                entry.location = sync_shard(cfg, path, entry)
+                write_index(out, dist_info.rank, mine)
+            skipped += 1
+            continue
+        if entry is None and path.exists() and _adoptable(path, batch):
+            mine[name] = ShardEntry(batch, [int(lengths[i]) for i in batch], path.stat().st_size, sha256_file(path))
+            write_index(out, dist_info.rank, mine)
+            say(f"# adopted {name}: whole but not yet indexed (crash after its rename)")
+            skipped += 1
+            continue
+        if cfg.stop_after is not None and written >= cfg.stop_after:
+            break
+        ids, lens = pad_batch([samples[i] for i in batch])
+        hidden, final = target_forward(base, capture, ids.to(device))
+        tensors = {
+            idx: {"input_ids": ids[r, :n].to(torch.int32),
+                  "hidden": hidden[r, :n].to(store).cpu(), "final": final[r, :n].to(store).cpu()}
+            for r, (idx, n) in enumerate(zip(batch, lens, strict=True))
+        }
+        size, digest = write_shard(path, tensors, metadata={"samples": ",".join(map(str, batch))})
+        entry = ShardEntry(batch, lens, size, digest)
+        mine[name] = entry
+        write_index(out, dist_info.rank, mine)
+        if cfg.sync_cmd:
+            entry.location = sync_shard(cfg, path, entry)
+            write_index(out, dist_info.rank, mine)
+        written += 1
+        done_samples += len(batch)
+        done_tokens += sum(lens)
+        dt = time.perf_counter() - t0
+        say(f"shard {k + 1}/{len(plan)} | {len(batch)} samples | {done_samples / dt:.1f} samples/s | "
+            f"{done_tokens / dt:.0f} tok/s | {entry.bytes / 2**20:.1f} MiB | {entry.location}")
+    capture.remove()
+    if dist_info.world_size > 1:
+        counts = torch.tensor([written, skipped, done_samples], dtype=torch.long)
+        torch.distributed.all_reduce(counts)  # also the barrier before the completeness check
+        written, skipped, done_samples = counts.tolist()
+    complete = len(read_index(out)) == len(plan)
+    if dist_info.is_main:
+        summary = {"shards": len(plan), "written": written, "skipped": skipped, "complete": complete,
+                   "samples_per_s": done_samples / max(1e-9, time.perf_counter() - t0), "out": str(out.resolve())}
+        if complete:
+            atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+        say(f"# done: {json.dumps(summary)}")
+    shutdown_distributed(dist_info)
+    return 0
+
+
+def _whole(path: Path, entry: ShardEntry) -> bool:
+    """An indexed local shard still there at its recorded size (else it is rewritten)."""
+    return path.is_file() and path.stat().st_size == entry.bytes
+
+
+def _adoptable(path: Path, batch: list[int]) -> bool:
+    try:
+        keys = shard_keys(path)
+    except ShardError:
+        return False
+    return sorted({int(k.split(".")[0]) for k in keys}) == sorted(batch) and len(keys) == 3 * len(batch)
+
+
+__all__ = ["ExtractConfig", "extract", "main"]

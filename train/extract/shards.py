@@ -1,0 +1,162 @@
+"""Batched safetensors shards of captured hidden states, their index, and their verification.
+
+Layout of an extraction directory:
+    meta.json                 preset, captured layers, hidden size, dtype, the batch plan's digest
+    target_head.safetensors   the target's (frozen) input embedding and lm_head weights, for DFlash
+    shard_00000.safetensors   ONE file per batch; per sample i of the batch:
+                                  "{i}.input_ids" int32 [len]
+                                  "{i}.hidden"    [len, n_layers * hidden]  (captured layers, concatenated)
+                                  "{i}.final"     [len, hidden]  (last layer after the final norm: the
+                                                  verifier's input; lm_head is applied later, at anchors only)
+    index.00000.json          per writing rank: shard name -> samples, lengths, bytes, sha256, location
+
+A shard becomes visible only by an atomic rename after fsync, and enters the index (itself
+replaced atomically) after that; so a crash leaves either a tmp file (removed on resume), a whole
+shard not yet indexed (verified and adopted on resume), or a whole indexed shard.
+Why one file per batch: one file per sample cost 2,725 file operations per batch and saturated the
+system CPU (3.5 vs 11.3 samples/s per GPU in the reference run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launch.fsutil import atomic_write_bytes, atomic_write_text
+
+META = "meta.json"
+HEAD = "target_head.safetensors"
+
+
+class ShardError(RuntimeError):
+    """A shard or index that cannot be trusted; one line naming the file and what to do."""
+
+
+def shard_name(k: int) -> str:
+    return f"shard_{k:05d}.safetensors"
+
+
+def index_name(rank: int) -> str:
+    return f"index.{rank:05d}.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def encode_shard(samples: dict[int, dict[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> bytes:
+    from safetensors.torch import save
+
+    flat = {f"{i}.{key}": t.contiguous() for i, tensors in samples.items() for key, t in tensors.items()}
+    return save(flat, metadata=metadata)
+
+
+def write_shard(path: Path, samples: dict[int, dict[str, torch.Tensor]], metadata: dict[str, str] | None = None
+                ) -> tuple[int, str]:
+    """Atomically write one shard; returns (bytes, sha256)."""
+    data = encode_shard(samples, metadata)
+    atomic_write_bytes(path, data)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def shard_keys(path: Path) -> list[str]:
+    """Tensor names in a shard's header; ShardError if the file is not a whole safetensors file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != size:
+            raise ValueError(f"truncated: {size} bytes, header says {8 + n + end}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ShardError(f"{path}: corrupt shard ({exc}); delete it and re-run extraction to rewrite it") from None
+    return [k for k in header if k != "__metadata__"]
+
+
+def read_shard(path: Path, expect_bytes: int | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """Samples of a shard by sample index; ShardError (one line naming the file) if it is corrupt."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise ShardError(f"{path}: shard listed in the index is missing; re-run extraction to rewrite it")
+    if expect_bytes is not None and path.stat().st_size != expect_bytes:
+        raise ShardError(f"{path}: corrupt shard ({path.stat().st_size} bytes, index says {expect_bytes}); "
+                         "delete it and re-run extraction to rewrite it")
+    shard_keys(path)
+    try:
+        flat = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types for a damaged file
+        raise ShardError(f"{path}: corrupt shard ({str(exc).splitlines()[0]}); delete it and re-run extraction") from None
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in flat.items():
+        idx, _, name = key.partition(".")
+        out.setdefault(int(idx), {})[name] = t
+    return out
+
+
+@dataclass
+class ShardEntry:
+    samples: list[int]
+    lengths: list[int]
+    bytes: int
+    sha256: str
+    location: str = "local"  # local | synced (copied elsewhere, verified, deleted here)
+
+
+def read_index(root: Path) -> dict[str, ShardEntry]:
+    """All ranks' index files merged: shard name -> entry."""
+    merged: dict[str, ShardEntry] = {}
+    for path in sorted(root.glob("index.*.json")):
+        try:
+            data = json.loads(path.read_text())
+            for name, entry in data["shards"].items():
+                merged[name] = ShardEntry(**entry)
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ShardError(f"{path}: unreadable index ({exc}); restore it or delete it to re-verify shards") from None
+    return merged
+
+
+def write_index(root: Path, rank: int, entries: dict[str, ShardEntry]) -> None:
+    data = {"shards": {name: e.__dict__ for name, e in sorted(entries.items())}}
+    atomic_write_text(root / index_name(rank), json.dumps(data) + "\n")
+
+
+def read_meta(root: Path) -> dict[str, Any]:
+    path = root / META
+    if not path.is_file():
+        raise ShardError(f"{root}: no {META}; is this an extraction output directory?")
+    return json.loads(path.read_text())
+
+
+def remove_tmp_files(root: Path) -> list[Path]:
+    """Leftovers of writes cut short by a crash (atomic_write_bytes' temp names)."""
+    removed = []
+    for tmp in root.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
