@@ -49,7 +49,7 @@ test: deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
-	$(PY) -m ruff check launch train tests bench
+	$(PY) -m ruff check launch train tests bench images
 
 demo: deps
 	$(PY) -m launch.demo

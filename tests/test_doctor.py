@@ -9,7 +9,7 @@ installed versions do not meet.
 Stand-ins, where this CPU machine cannot have the real thing (each test says so):
 - `fla`: the real package needs Triton and a CUDA GPU to import, so the PASS form of the
   import check uses a package with fla's module layout (fla.ops.gated_delta_rule,
-  fla.modules.convolution). The real fla is exercised on the H200 (bench/RESULTS-doctor.md).
+  fla.modules.convolution). The real fla is exercised on the H200 (bench/RESULTS.md).
 - `nvidia-smi`: there is no NVIDIA driver here; a script on PATH answers the two queries the
   doctor makes, in nvidia-smi's CSV format, to test the foreign-process check.
 """
