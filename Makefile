@@ -50,6 +50,7 @@ test: deps
 
 lint: venv
 	$(PY) -m ruff check launch train tests bench images
+	$(MAKE) --no-print-directory provision-lint provision-syntax
 
 demo: deps
 	$(PY) -m launch.demo
