@@ -30,6 +30,7 @@ from tests.ansible_fixtures import (
     ansible_bin,
     cached_rootfs_tarball,
     destroy_container,
+    install_pct_lxc_standin,
     install_pct_standin,
     lxc_attach,
     lxc_inventory,
@@ -157,6 +158,84 @@ def test_proxmox_backend_pct_commands_and_conf_block(tmp_path: Path) -> None:
     assert second.returncode == 0 and recap["kpro6"]["changed"] == 0, second.stdout[-3000:]
     assert all(line.startswith(("pct status", "pct exec")) for line in log.read_text().splitlines())
     assert (conf_dir / "200.conf").read_text() == conf
+
+
+@pytest.mark.lxc
+@pytest.mark.slow
+@needs_lxc
+def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp_path: Path) -> None:
+    """The `proxmox` backend run against tests/pct_lxc_standin.py, a documented stand-in `pct`
+    (no Proxmox here) that maps pct verbs onto real LXC and generates the LXC config from the
+    emulated /etc/pve/lxc/<vmid>.conf, raw GPU block included. Real: Ansible, the role, LXC, the
+    cached bookworm rootfs. Stand-ins: `pct`, the GPU nodes (major 195), /proc/devices.
+    """
+    vmid = "200"
+    dev, proc_devices = make_standin_gpus(tmp_path, gpus=3)
+    conf_dir, lxc_path, scratch, log = tmp_path / "pve-lxc", tmp_path / "lxc", tmp_path / "scratch", tmp_path / "pct.log"
+    for path in (conf_dir, lxc_path, scratch):
+        path.mkdir()
+    template = cached_rootfs_tarball()
+    install_pct_lxc_standin(tmp_path / "bin")
+    inventory = write_inventory(tmp_path / "pve.yml", {"all": {"children": {
+        "container_hosts": {"children": {"pve_hosts": {"hosts": {"localhost": {
+            "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+            "lxc_container_backend": "proxmox", "lxc_container_pve_conf_dir": str(conf_dir),
+            "gpu_host_require_gpu": False, "gpu_host_expected_gpus": 3,
+            "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(dev),
+            "gpu_host_scratch_path": str(scratch), "gpu_host_scratch_must_be_mountpoint": False,
+        }}}}},
+        "gpu_containers": {"children": {"localhost_containers": {
+            "vars": {"container_host": "localhost"},
+            "hosts": {"pve-ct": {"ct_vmid": int(vmid), "ct_hostname": "trainer-standin",
+                                 "ct_template": f"local:vztmpl/{template.name}", "ct_rootfs_storage": "local",
+                                 "ct_cores": 2, "ct_memory_mb": 2048, "ct_gpus": [0, 1],
+                                 "ct_scratch_host_path": str(scratch), "ct_scratch_mount": "/scratch"}},
+        }}},
+    }}})
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(log), "PCT_CONF_DIR": str(conf_dir),
+           "PCT_LXC_PATH": str(lxc_path), "PCT_TEMPLATE_DIR": str(template.parent),
+           "PCT_INIT_CMD": "/bin/sleep infinity"}  # the minimal test rootfs has no systemd
+
+    def pct(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["pct", *args], capture_output=True, text=True, timeout=120, check=check,
+                              env={**os.environ, **env})
+
+    try:
+        first, recap = run_playbook(inventory, "--limit", "localhost", env=env, timeout=600)
+        assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+        assert recap["localhost"]["failed"] == 0 and recap["localhost"]["changed"] > 0
+        calls = log.read_text().splitlines()
+        assert calls[0].startswith(f"pct create {vmid} local:vztmpl/{template.name} --hostname trainer-standin")
+        assert f"pct set {vmid} --mp0 {scratch},mp=/scratch" in calls and f"pct start {vmid}" in calls
+
+        assert pct("status", vmid).stdout.strip() == "status: running"
+        assert subprocess.run(["lxc-info", "-P", str(lxc_path), "-n", vmid, "-s", "-H"], capture_output=True,
+                              text=True, check=True).stdout.strip() == "RUNNING"
+        lxc_config = (lxc_path / vmid / "config").read_text()
+        assert f"lxc.rootfs.path = dir:{lxc_path / vmid / 'rootfs'}" in lxc_config.splitlines()
+        assert f"lxc.mount.entry = {dev}/nvidia0 dev/nvidia0 none bind,optional,create=file" in lxc_config
+        (lxc_path / vmid / "rootfs" / "etc" / "launch-rootfs-marker").write_text(vmid)
+        assert pct("exec", vmid, "--", "cat", "/etc/launch-rootfs-marker").stdout == vmid  # its own rootfs
+        assert pct("exec", vmid, "--", "hostname").stdout.strip() == "trainer-standin"
+
+        nodes = pct("exec", vmid, "--", "stat", "-c", "%n %F %t", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl",
+                    "/dev/nvidia-uvm", "/dev/nvidia-caps/nvidia-cap1").stdout.splitlines()
+        assert [line.rsplit(" ", 1)[1] for line in nodes] == [f"{STANDIN_MAJOR:x}"] * 5, nodes
+        assert all("character special file" in line for line in nodes), nodes
+        assert pct("exec", vmid, "--", "test", "-e", "/dev/nvidia2", check=False).returncode != 0  # not in ct_gpus
+        # The raw cgroup2 allow line reached LXC: opening gets to the (absent) driver, ENXIO, not EPERM.
+        probe = pct("exec", vmid, "--", "python3", "-c", "open('/dev/nvidia0', 'rb')", check=False)
+        assert "No such device or address" in probe.stderr, probe.stderr
+        pct("exec", vmid, "--", "sh", "-c", "echo hi > /scratch/probe")
+        assert (scratch / "probe").read_text() == "hi\n"
+
+        log.write_text("")
+        second, recap = run_playbook(inventory, "--limit", "localhost", env=env, timeout=600)
+        assert second.returncode == 0 and recap["localhost"]["changed"] == 0, second.stdout[-3000:]
+        assert all(line.startswith(("pct status", "pct exec")) for line in log.read_text().splitlines())
+    finally:
+        pct("destroy", vmid, check=False)
+        destroy_container(lxc_path, vmid)
 
 
 # --- real LXC container -----------------------------------------------------------------------
