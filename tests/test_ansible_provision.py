@@ -6,7 +6,8 @@ Stand-ins, because this machine has neither a GPU nor Proxmox:
 - GPU device nodes: character devices with the NVIDIA major 195, made with mknod in a temp
   dir, plus a stand-in /proc/devices listing 195 as `nvidia-frontend` (tests/ansible_fixtures.py);
 - `pct`: a small script on PATH that logs its argv and keeps a CT config file (PCT_STANDIN in
-  tests/ansible_fixtures.py). What runs on a real Proxmox host is tested only through it.
+  tests/ansible_fixtures.py), and tests/pct_lxc_standin.py, which maps pct verbs onto lxc-*
+  commands on a real container. What runs on a real Proxmox host is tested only through them.
 """
 
 from __future__ import annotations
@@ -392,6 +393,23 @@ def test_slurm_config_and_keepalive_hooks_inside(provisioned: Provisioned) -> No
     assert key[0] == "400 root" and key[1] == provisioned.munge_key
     proc, _, _ = provisioned.runs["first"]
     assert provisioned.munge_key not in proc.stdout + proc.stderr  # no_log
+
+
+@pytest.mark.lxc
+@pytest.mark.slow
+def test_project_is_installed_in_the_venv_the_keepalive_runs(provisioned: Provisioned) -> None:
+    """python_env installs `launch` and `train` (a wheel built on the controller, --no-deps, offline):
+    the keepalive unit and the Slurm hooks run `<venv>/bin/python -m launch.keepalive.cli`."""
+    from launch.keepalive.systemd import render_unit
+
+    venv_python = "/opt/launch/venv/bin/python"
+    assert provisioned.attach(f"cd / && {venv_python} -m launch.keepalive.cli unit").stdout == render_unit(venv_python)
+    paths = provisioned.attach(f"cd / && {venv_python} -c 'import launch, train; print(launch.__file__, train.__file__)'")
+    assert all(path.startswith("/opt/launch/venv/lib/python3.") and "/site-packages/" in path
+               for path in paths.stdout.split()), paths.stdout
+    wanted = subprocess.run([sys.executable, str(ANSIBLE_DIR / "tools" / "project_wheel.py"), "hash", str(ANSIBLE_DIR.parent)],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert provisioned.attach("cat /opt/launch/venv/launch-project.sha256").stdout.strip() == wanted
 
 
 @pytest.mark.lxc
