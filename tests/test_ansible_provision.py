@@ -239,6 +239,41 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         destroy_container(lxc_path, vmid)
 
 
+# --- the project wheel python_env installs ----------------------------------------------------
+
+PROJECT_WHEEL = ANSIBLE_DIR / "tools" / "project_wheel.py"
+
+
+def test_project_wheel_hash_follows_the_sources_and_the_build_is_cached(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for name in ("launch", "train"):
+        shutil.copytree(ANSIBLE_DIR.parent / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ANSIBLE_DIR.parent / name, src / name)
+
+    def tool(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(PROJECT_WHEEL), *args], capture_output=True, text=True, timeout=300)
+
+    before = tool("hash", str(src)).stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", before)
+    (src / "launch" / "__pycache__").mkdir(exist_ok=True)
+    (src / "launch" / "__pycache__" / "x.pyc").write_bytes(b"bytecode")
+    assert tool("hash", str(src)).stdout.strip() == before, "bytecode is not a source"
+    wheel = Path(tool("build", str(src), str(tmp_path / "cache")).stdout.strip())
+    assert wheel.parent.name == before and wheel.name.endswith("-py3-none-any.whl")
+    assert not (src / "build").exists() and not list(src.glob("*.egg-info")), "built from a copy"
+    import zipfile
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "launch/keepalive/cli.py" in names and "launch/keepalive/slurm-hook.sh" in names and "train/__init__.py" in names
+    mtime = wheel.stat().st_mtime_ns
+    assert tool("build", str(src), str(tmp_path / "cache")).stdout.strip() == str(wheel)
+    assert wheel.stat().st_mtime_ns == mtime, "a cached wheel is not rebuilt"
+    (src / "launch" / "errors.py").write_text((src / "launch" / "errors.py").read_text() + "# changed\n")
+    assert tool("hash", str(src)).stdout.strip() != before
+    bad = tool("hash", str(tmp_path / "nowhere"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
 # --- real LXC container -----------------------------------------------------------------------
 
 class Provisioned:
