@@ -209,3 +209,16 @@ def install_pct_standin(bin_dir: Path) -> Path:
     pct.write_text(PCT_STANDIN)
     pct.chmod(0o755)
     return pct
+
+
+# The stand-in `pct` that maps pct verbs onto real LXC (see its docstring): no Proxmox here.
+PCT_LXC_STANDIN = Path(__file__).with_name("pct_lxc_standin.py")
+
+
+def install_pct_lxc_standin(bin_dir: Path) -> Path:
+    """Put `pct` (tests/pct_lxc_standin.py, run by this interpreter) in bin_dir."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    pct = bin_dir / "pct"
+    pct.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{PCT_LXC_STANDIN}" "$@"\n')
+    pct.chmod(0o755)
+    return pct

@@ -6,7 +6,8 @@ Stand-ins, because this machine has neither a GPU nor Proxmox:
 - GPU device nodes: character devices with the NVIDIA major 195, made with mknod in a temp
   dir, plus a stand-in /proc/devices listing 195 as `nvidia-frontend` (tests/ansible_fixtures.py);
 - `pct`: a small script on PATH that logs its argv and keeps a CT config file (PCT_STANDIN in
-  tests/ansible_fixtures.py). What runs on a real Proxmox host is tested only through it.
+  tests/ansible_fixtures.py), and tests/pct_lxc_standin.py, which maps pct verbs onto lxc-*
+  commands on a real container. What runs on a real Proxmox host is tested only through them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tests.ansible_fixtures import (
     ansible_bin,
     cached_rootfs_tarball,
     destroy_container,
+    install_pct_lxc_standin,
     install_pct_standin,
     lxc_attach,
     lxc_inventory,
@@ -157,6 +159,119 @@ def test_proxmox_backend_pct_commands_and_conf_block(tmp_path: Path) -> None:
     assert second.returncode == 0 and recap["kpro6"]["changed"] == 0, second.stdout[-3000:]
     assert all(line.startswith(("pct status", "pct exec")) for line in log.read_text().splitlines())
     assert (conf_dir / "200.conf").read_text() == conf
+
+
+@pytest.mark.lxc
+@pytest.mark.slow
+@needs_lxc
+def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp_path: Path) -> None:
+    """The `proxmox` backend run against tests/pct_lxc_standin.py, a documented stand-in `pct`
+    (no Proxmox here) that maps pct verbs onto real LXC and generates the LXC config from the
+    emulated /etc/pve/lxc/<vmid>.conf, raw GPU block included. Real: Ansible, the role, LXC, the
+    cached bookworm rootfs. Stand-ins: `pct`, the GPU nodes (major 195), /proc/devices.
+    """
+    vmid = "200"
+    dev, proc_devices = make_standin_gpus(tmp_path, gpus=3)
+    conf_dir, lxc_path, scratch, log = tmp_path / "pve-lxc", tmp_path / "lxc", tmp_path / "scratch", tmp_path / "pct.log"
+    for path in (conf_dir, lxc_path, scratch):
+        path.mkdir()
+    template = cached_rootfs_tarball()
+    install_pct_lxc_standin(tmp_path / "bin")
+    inventory = write_inventory(tmp_path / "pve.yml", {"all": {"children": {
+        "container_hosts": {"children": {"pve_hosts": {"hosts": {"localhost": {
+            "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+            "lxc_container_backend": "proxmox", "lxc_container_pve_conf_dir": str(conf_dir),
+            "gpu_host_require_gpu": False, "gpu_host_expected_gpus": 3,
+            "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(dev),
+            "gpu_host_scratch_path": str(scratch), "gpu_host_scratch_must_be_mountpoint": False,
+        }}}}},
+        "gpu_containers": {"children": {"localhost_containers": {
+            "vars": {"container_host": "localhost"},
+            "hosts": {"pve-ct": {"ct_vmid": int(vmid), "ct_hostname": "trainer-standin",
+                                 "ct_template": f"local:vztmpl/{template.name}", "ct_rootfs_storage": "local",
+                                 "ct_cores": 2, "ct_memory_mb": 2048, "ct_gpus": [0, 1],
+                                 "ct_scratch_host_path": str(scratch), "ct_scratch_mount": "/scratch"}},
+        }}},
+    }}})
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(log), "PCT_CONF_DIR": str(conf_dir),
+           "PCT_LXC_PATH": str(lxc_path), "PCT_TEMPLATE_DIR": str(template.parent),
+           "PCT_INIT_CMD": "/bin/sleep infinity"}  # the minimal test rootfs has no systemd
+
+    def pct(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["pct", *args], capture_output=True, text=True, timeout=120, check=check,
+                              env={**os.environ, **env})
+
+    try:
+        first, recap = run_playbook(inventory, "--limit", "localhost", env=env, timeout=600)
+        assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+        assert recap["localhost"]["failed"] == 0 and recap["localhost"]["changed"] > 0
+        calls = log.read_text().splitlines()
+        assert calls[0].startswith(f"pct create {vmid} local:vztmpl/{template.name} --hostname trainer-standin")
+        assert f"pct set {vmid} --mp0 {scratch},mp=/scratch" in calls and f"pct start {vmid}" in calls
+
+        assert pct("status", vmid).stdout.strip() == "status: running"
+        assert subprocess.run(["lxc-info", "-P", str(lxc_path), "-n", vmid, "-s", "-H"], capture_output=True,
+                              text=True, check=True).stdout.strip() == "RUNNING"
+        lxc_config = (lxc_path / vmid / "config").read_text()
+        assert f"lxc.rootfs.path = dir:{lxc_path / vmid / 'rootfs'}" in lxc_config.splitlines()
+        assert f"lxc.mount.entry = {dev}/nvidia0 dev/nvidia0 none bind,optional,create=file" in lxc_config
+        (lxc_path / vmid / "rootfs" / "etc" / "launch-rootfs-marker").write_text(vmid)
+        assert pct("exec", vmid, "--", "cat", "/etc/launch-rootfs-marker").stdout == vmid  # its own rootfs
+        assert pct("exec", vmid, "--", "hostname").stdout.strip() == "trainer-standin"
+
+        nodes = pct("exec", vmid, "--", "stat", "-c", "%n %F %t", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl",
+                    "/dev/nvidia-uvm", "/dev/nvidia-caps/nvidia-cap1").stdout.splitlines()
+        assert [line.rsplit(" ", 1)[1] for line in nodes] == [f"{STANDIN_MAJOR:x}"] * 5, nodes
+        assert all("character special file" in line for line in nodes), nodes
+        assert pct("exec", vmid, "--", "test", "-e", "/dev/nvidia2", check=False).returncode != 0  # not in ct_gpus
+        # The raw cgroup2 allow line reached LXC: opening gets to the (absent) driver, ENXIO, not EPERM.
+        probe = pct("exec", vmid, "--", "python3", "-c", "open('/dev/nvidia0', 'rb')", check=False)
+        assert "No such device or address" in probe.stderr, probe.stderr
+        pct("exec", vmid, "--", "sh", "-c", "echo hi > /scratch/probe")
+        assert (scratch / "probe").read_text() == "hi\n"
+
+        log.write_text("")
+        second, recap = run_playbook(inventory, "--limit", "localhost", env=env, timeout=600)
+        assert second.returncode == 0 and recap["localhost"]["changed"] == 0, second.stdout[-3000:]
+        assert all(line.startswith(("pct status", "pct exec")) for line in log.read_text().splitlines())
+    finally:
+        pct("destroy", vmid, check=False)
+        destroy_container(lxc_path, vmid)
+
+
+# --- the project wheel python_env installs ----------------------------------------------------
+
+PROJECT_WHEEL = ANSIBLE_DIR / "tools" / "project_wheel.py"
+
+
+def test_project_wheel_hash_follows_the_sources_and_the_build_is_cached(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for name in ("launch", "train"):
+        shutil.copytree(ANSIBLE_DIR.parent / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ANSIBLE_DIR.parent / name, src / name)
+
+    def tool(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(PROJECT_WHEEL), *args], capture_output=True, text=True, timeout=300)
+
+    before = tool("hash", str(src)).stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", before)
+    (src / "launch" / "__pycache__").mkdir(exist_ok=True)
+    (src / "launch" / "__pycache__" / "x.pyc").write_bytes(b"bytecode")
+    assert tool("hash", str(src)).stdout.strip() == before, "bytecode is not a source"
+    wheel = Path(tool("build", str(src), str(tmp_path / "cache")).stdout.strip())
+    assert wheel.parent.name == before and wheel.name.endswith("-py3-none-any.whl")
+    assert not (src / "build").exists() and not list(src.glob("*.egg-info")), "built from a copy"
+    import zipfile
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "launch/keepalive/cli.py" in names and "launch/keepalive/slurm-hook.sh" in names and "train/__init__.py" in names
+    mtime = wheel.stat().st_mtime_ns
+    assert tool("build", str(src), str(tmp_path / "cache")).stdout.strip() == str(wheel)
+    assert wheel.stat().st_mtime_ns == mtime, "a cached wheel is not rebuilt"
+    (src / "launch" / "errors.py").write_text((src / "launch" / "errors.py").read_text() + "# changed\n")
+    assert tool("hash", str(src)).stdout.strip() != before
+    bad = tool("hash", str(tmp_path / "nowhere"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
 
 # --- real LXC container -----------------------------------------------------------------------
@@ -313,6 +428,23 @@ def test_slurm_config_and_keepalive_hooks_inside(provisioned: Provisioned) -> No
     assert key[0] == "400 root" and key[1] == provisioned.munge_key
     proc, _, _ = provisioned.runs["first"]
     assert provisioned.munge_key not in proc.stdout + proc.stderr  # no_log
+
+
+@pytest.mark.lxc
+@pytest.mark.slow
+def test_project_is_installed_in_the_venv_the_keepalive_runs(provisioned: Provisioned) -> None:
+    """python_env installs `launch` and `train` (a wheel built on the controller, --no-deps, offline):
+    the keepalive unit and the Slurm hooks run `<venv>/bin/python -m launch.keepalive.cli`."""
+    from launch.keepalive.systemd import render_unit
+
+    venv_python = "/opt/launch/venv/bin/python"
+    assert provisioned.attach(f"cd / && {venv_python} -m launch.keepalive.cli unit").stdout == render_unit(venv_python)
+    paths = provisioned.attach(f"cd / && {venv_python} -c 'import launch, train; print(launch.__file__, train.__file__)'")
+    assert all(path.startswith("/opt/launch/venv/lib/python3.") and "/site-packages/" in path
+               for path in paths.stdout.split()), paths.stdout
+    wanted = subprocess.run([sys.executable, str(ANSIBLE_DIR / "tools" / "project_wheel.py"), "hash", str(ANSIBLE_DIR.parent)],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert provisioned.attach("cat /opt/launch/venv/launch-project.sha256").stdout.strip() == wanted
 
 
 @pytest.mark.lxc
