@@ -292,3 +292,35 @@ def test_trainer_vision_defaults():
     assert parse_args(["--preset", "tiny", "--vision", "off"]).vision is False
     assert parse_args(["--preset", "qwen35-2b"]).vision is False  # the GPU benchmark stays text-only
     assert parse_args(["--preset", "qwen35-2b", "--vision", "on"]).vision is True
+
+
+def test_loader_batches_carry_images_and_report_broken_pngs(tmp_path: Path):
+    from train.stage1.data import DataConfig, PackedBatches, build_batch
+
+    data = tmp_path / "data"
+    generate_synthetic(data, samples=40, seed=0)
+    broken = data / load_manifests(data).records["replay_img"][0][1]["image"]
+    broken.write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    ds = PackedBatches(DataConfig(str(data), row_len=ROW_LEN, batch_rows=2, vision=True,
+                                  weights={"gen_img": 1, "replay_img": 1}), rank=0)
+    batches = [build_batch(ds.sampler, ds.tok, ds.cfg, k) for k in range(4)]
+    for batch in batches:
+        n_placeholders = int((batch["input_ids"] == IMAGE_ID).sum())
+        assert n_placeholders == int(batch["image_grid_thw"].prod(-1).sum()) // 4 > 0
+        assert batch["pixel_values"].shape[0] == int(batch["image_grid_thw"].prod(-1).sum())
+    bad = {line for b in batches for line in b["bad_records"]}
+    assert bad == {f"{data / 'replay_img.jsonl'}:1: unreadable image {broken} (OSError)"}
+
+
+def test_batch_without_images_still_gives_every_vision_parameter_a_gradient(models):
+    """DDP/ZeRO reduce the same gradients on every rank, whether or not its batch held images."""
+    _, packed = models
+    rows = list(Packer(row_len=64).pack([Document(list(range(8, 40)), 4)]))
+    kwargs = model_kwargs(collate(rows))
+    labels = kwargs.pop("labels")
+    packed.zero_grad()
+    hidden = base_forward(packed, **kwargs)
+    token_losses(hidden, packed.lm_head.weight, labels, "logits").sum().backward()
+    grads = [p.grad for p in packed.model.visual.parameters()]
+    assert all(g is not None and not g.any() for g in grads)
+    packed.zero_grad()

@@ -35,6 +35,7 @@ levels per channel.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -42,13 +43,16 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from train.common.codebooks import CodebookVocab
 from train.common.packing import Document, ImageInput, Packer, collate
+
+if TYPE_CHECKING:
+    from train.stage1.vision import ImagePreprocessor
 
 TASKS: tuple[str, ...] = ("gen_img", "gen_txt", "und", "replay_img", "replay_text")
 REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
@@ -98,7 +102,7 @@ class TinyTokenizer:
     BYTE_BASE = 8
     IMAGE_BASE = BYTE_BASE + 256
 
-    def __init__(self, vocab: CodebookVocab, vision: Any = None) -> None:
+    def __init__(self, vocab: CodebookVocab, vision: ImagePreprocessor | None = None) -> None:
         needed = self.IMAGE_BASE + IMAGE_LEVELS**3
         if vocab.base_vocab < needed:
             raise ValueError(f"base vocab {vocab.base_vocab} too small for the byte tokenizer (needs {needed})")
@@ -245,7 +249,7 @@ def tokenize_record(tok: TinyTokenizer, root: Path, task: str, rec: dict[str, An
             img = tok.vision(path)
         except (OSError, ValueError, SyntaxError) as exc:
             raise MalformedRecord(f"unreadable image {path} ({type(exc).__name__})") from None
-        images.append(ImageInput(img.pixel_values, img.grid_thw, img.spatial_merge_size, start=len(head) + 1))
+        images.append(dataclasses.replace(img, start=len(head) + 1))
         return [tok.special("<img>"), *[tok.special("<|image_pad|>")] * img.n_tokens, tok.special("</img>")]
 
     def codes() -> list[int]:

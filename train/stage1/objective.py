@@ -25,7 +25,13 @@ def base_forward(model: torch.nn.Module, **model_kwargs: torch.Tensor) -> torch.
     if pixel_values is not None:
         images = model.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
         model_kwargs["mm_encoder_outputs"] = {"image": images}
-    return model.model(**model_kwargs).last_hidden_state
+    hidden = model.model(**model_kwargs).last_hidden_state
+    visual = getattr(model.model, "visual", None)
+    if pixel_values is None and visual is not None and torch.is_grad_enabled():
+        # A batch without images: every vision parameter still gets a (zero) gradient, so that DDP
+        # and ZeRO ranks, some with images and some without, reduce the same set of gradients.
+        hidden = hidden + 0.0 * sum(p.sum() for p in visual.parameters())
+    return hidden
 
 
 class CausalLMObjective(torch.nn.Module):
