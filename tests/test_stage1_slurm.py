@@ -69,7 +69,8 @@ def test_requeued_stage1_resumes_with_the_same_next_batch(stage1_env: dict[str, 
     assert (first_after["step"], first_after["batch_index"]) == (resumed_at + 1, resumed_at)
 
     # Every step, before or after the requeue, trained on exactly batch step-1 of (seed 0, rank 0).
-    ds = PackedBatches(DataConfig(str(job_dir / "data"), row_len=128, batch_rows=1, seed=0), rank=0)
+    # tiny trains with its vision tower on: images as vision-tower inputs, as in the run
+    ds = PackedBatches(DataConfig(str(job_dir / "data"), row_len=128, batch_rows=1, seed=0, vision=True), rank=0)
     recs = [e for e in events if e["event"] == "step"]
     assert sorted({r["step"] for r in recs}) == list(range(1, 9))
     for r in recs:

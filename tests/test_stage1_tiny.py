@@ -6,17 +6,33 @@ import json
 import statistics
 from pathlib import Path
 
+import pytest
+
 from tests.stage1_fixtures import make_data, run, step_records
+from train.stage1 import model as stage1_model
 from train.stage1.data import TASKS
 
 STEP_FIELDS = {"step", "loss", "task_loss", "tok_s", "real_tok_s", "mfu", "data_ms", "compute_ms", "peak_mem_mb",
                "compiles", "recompiles", "lr", "packing_efficiency", "batch_index", "batch_digest"}
 
 
-def test_tiny_run_learns_and_logs(tmp_path: Path, capsys) -> None:
+def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    # gen_img/replay_img images go through the vision tower: count its forward calls and images.
+    vision_calls: list[int] = []
+    real_build = stage1_model.build_model
+
+    def build(*args, **kwargs):
+        model, spec = real_build(*args, **kwargs)
+        if kwargs.get("vision"):
+            model.model.visual.register_forward_hook(
+                lambda m, args, kw, out: vision_calls.append(len(kw["grid_thw"])), with_kwargs=True)
+        return model, spec
+
+    monkeypatch.setattr(stage1_model, "build_model", build)
     out = tmp_path / "run"
     assert run(out, make_data(tmp_path), 20, "--ckpt-every", "10") == 0
     stdout = capsys.readouterr().out
+    assert len(vision_calls) >= 10 and sum(vision_calls) >= 20, vision_calls  # most steps hold images
 
     header, *_ = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert header["event"] == "header" and "torchtitan" in header["mfu_convention"]

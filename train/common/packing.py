@@ -17,6 +17,28 @@ final segment. For every token::
 
 ``cu_seqlens`` holds the segment boundaries ``[0, len_0, len_0+len_1, ..., row_len]``.
 
+Images (documents of the vision model)
+--------------------------------------
+A :class:`Document` may carry images: each an :class:`ImageInput` (the vision tower's
+``pixel_values`` and patch grid ``grid_thw``) and the span of its placeholder tokens in the
+document. Per row, additionally::
+
+    mrope_position_ids  [3, row_len] (temporal, height, width) rotary positions, restarting at
+                        every document start: text tokens count up on all three axes; an image
+                        of merged grid (t, h, w) starting at position p gets (p+i, p+j, p+k) for
+                        its token (i, j, k), and the text after it continues at p + max(h, w)
+                        (Qwen3.5's rule, ``Qwen3_5Model.get_rope_index``). Text-only documents:
+                        three copies of ``position_ids``.
+    images              the row's images, in token order, spans relative to the row
+
+and labels are -100 on image placeholder tokens (their embeddings come from the vision tower,
+there is nothing to predict). ``collate`` concatenates the images of all rows in row order into
+``pixel_values``/``image_grid_thw``: transformers scatters the vision tower's outputs into the
+placeholder tokens in row-major order of ``input_ids``, so the k-th image of the batch must
+belong to the k-th run of placeholders. ``model_kwargs`` then passes ``position_ids`` as
+``[4, B, T]``: row 0 the per-document text positions (transformers derives the block-diagonal
+attention mask from that row), rows 1-3 the mrope positions.
+
 Labels convention (HF internal shift)
 -------------------------------------
 ``labels`` are *unshifted*: transformers' causal-LM loss shifts them, so the logit at position
@@ -34,6 +56,9 @@ restart, its first label is masked). Nothing is thrown away: in stage 1 the pred
 (3D codebook tokens) sit at the END of generation documents, so truncation would drop exactly the
 tokens being learned. The price is that a later piece does not see the earlier piece as context.
 ``"truncate"``: keep the first ``row_len`` tokens, drop the rest (counted in ``dropped_tokens``).
+A cut never falls inside an image's placeholder span: it moves back to the image's start (the
+image goes whole into the next piece, or is dropped with the tail); an image longer than a row is
+a ValueError (the data layer bounds image sizes so that this cannot happen).
 
 Placement: bounded first-fit
 ----------------------------
@@ -47,13 +72,71 @@ fill. The procedure depends only on the input order, so it is deterministic.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 IGNORE_INDEX = -100
 PAD_TASK = -1
 LONG_DOC_RULES = ("split", "truncate")
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a document: vision-tower inputs and where its placeholder tokens are."""
+
+    pixel_values: torch.Tensor  # [n_patches, C * temporal_patch * patch * patch], merge-window order
+    grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before the spatial merge
+    spatial_merge_size: int
+    start: int  # index of the first placeholder token (in the document, or in the row)
+
+    @property
+    def llm_grid(self) -> tuple[int, int, int]:
+        t, h, w = self.grid_thw
+        m = self.spatial_merge_size
+        return t, h // m, w // m
+
+    @property
+    def n_tokens(self) -> int:
+        t, h, w = self.llm_grid
+        return t * h * w
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n_tokens
+
+
+@dataclass
+class Document:
+    tokens: list[int]
+    task: int
+    images: list[ImageInput] = field(default_factory=list)  # in token order, spans inside tokens
+
+
+def as_document(doc: Document | tuple) -> Document:
+    """A :class:`Document` from a ``(tokens, task)`` or ``(tokens, task, images)`` tuple."""
+    if isinstance(doc, Document):
+        return doc
+    return Document(list(doc[0]), int(doc[1]), list(doc[2]) if len(doc) > 2 else [])
+
+
+def mrope_positions(n_tokens: int, images: list[ImageInput]) -> torch.LongTensor:
+    """[3, n_tokens] rotary positions of one document (see the module docstring)."""
+    out = torch.empty(3, n_tokens, dtype=torch.long)
+    pos = 0  # next position
+    at = 0  # next token
+    for img in sorted(images, key=lambda i: i.start):
+        if img.start < at or img.end > n_tokens:
+            raise ValueError(f"image span [{img.start}, {img.end}) overlaps another or leaves the {n_tokens}-token document")
+        out[:, at : img.start] = torch.arange(pos, pos + img.start - at)
+        pos += img.start - at
+        t, h, w = img.llm_grid
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        out[:, img.start : img.end] = grid.reshape(3, -1) + pos
+        pos += max(h, w)
+        at = img.end
+    out[:, at:] = torch.arange(pos, pos + n_tokens - at)
+    return out
 
 
 @dataclass
@@ -65,11 +148,13 @@ class PackedRow:
     cu_seqlens: torch.IntTensor  # [n_segments + 1]
     task_ids: torch.LongTensor  # [row_len], task index per token (-1 on padding)
     n_real_tokens: int
+    mrope_position_ids: torch.LongTensor | None = None  # [3, row_len], reset per document
+    images: list[ImageInput] = field(default_factory=list)  # in token order, starts relative to the row
 
 
 @dataclass
 class _OpenRow:
-    docs: list[tuple[list[int], int]] = field(default_factory=list)
+    docs: list[Document] = field(default_factory=list)
     used: int = 0
 
 
@@ -98,30 +183,48 @@ class Packer:
         """Real tokens / all tokens (real + padding) over the rows emitted so far."""
         return self.real_tokens / self.total_tokens if self.total_tokens else 0.0
 
-    def _pieces(self, tokens: list[int]) -> list[list[int]]:
-        if len(tokens) <= self.row_len:
-            return [tokens]
-        if self.long_doc == "truncate":
-            self.dropped_tokens += len(tokens) - self.row_len
-            return [tokens[: self.row_len]]
-        return [tokens[i : i + self.row_len] for i in range(0, len(tokens), self.row_len)]
+    def _cut(self, doc: Document, start: int) -> int:
+        """End of the piece starting at ``start``: at most ``row_len`` tokens, never inside an image."""
+        end = min(start + self.row_len, len(doc.tokens))
+        for img in doc.images:
+            if img.start < end < img.end:
+                end = img.start
+        if end <= start:
+            raise ValueError(f"an image of {doc.images[0].n_tokens if doc.images else '?'}+ placeholder tokens "
+                             f"does not fit a {self.row_len}-token row; bound the image size")
+        return end
 
-    def pack(self, docs: Iterable[tuple[list[int], int]]) -> Iterator[PackedRow]:
+    def _pieces(self, doc: Document) -> list[Document]:
+        n = len(doc.tokens)
+        if n <= self.row_len:
+            return [doc]
+        pieces, start = [], 0
+        while start < n:
+            end = self._cut(doc, start)
+            images = [replace(i, start=i.start - start) for i in doc.images if start <= i.start < end]
+            pieces.append(Document(doc.tokens[start:end], doc.task, images))
+            if self.long_doc == "truncate":
+                self.dropped_tokens += n - end
+                break
+            start = end
+        return pieces
+
+    def pack(self, docs: Iterable[Document | tuple]) -> Iterator[PackedRow]:
         open_rows: list[_OpenRow] = []
-        for tokens, task in docs:
+        for doc in docs:
             self.docs_seen += 1
-            tokens = list(tokens)
-            if not tokens:
+            doc = as_document(doc)
+            if not doc.tokens:
                 continue
-            for piece in self._pieces(tokens):
-                target = next((r for r in open_rows if r.used + len(piece) <= self.row_len), None)
+            for piece in self._pieces(doc):
+                target = next((r for r in open_rows if r.used + len(piece.tokens) <= self.row_len), None)
                 if target is None:
                     if len(open_rows) >= self.open_rows:
                         yield self._emit(open_rows.pop(0))
                     target = _OpenRow()
                     open_rows.append(target)
-                target.docs.append((piece, int(task)))
-                target.used += len(piece)
+                target.docs.append(piece)
+                target.used += len(piece.tokens)
                 if target.used == self.row_len:
                     open_rows.remove(target)
                     yield self._emit(target)
@@ -136,16 +239,20 @@ class Packer:
         return packed
 
 
-def build_row(docs: list[tuple[list[int], int]], row_len: int, pad_id: int = 0) -> PackedRow:
+def build_row(docs: list[Document | tuple], row_len: int, pad_id: int = 0) -> PackedRow:
     """Lay out ``docs`` (each at most ``row_len`` tokens, together at most ``row_len``) as one row."""
     input_ids = torch.full((row_len,), pad_id, dtype=torch.long)
+    mrope = torch.zeros(3, row_len, dtype=torch.long)
+    images: list[ImageInput] = []
     labels = torch.full((row_len,), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros(row_len, dtype=torch.long)
     seq_idx = torch.zeros(row_len, dtype=torch.int32)
     task_ids = torch.full((row_len,), PAD_TASK, dtype=torch.long)
     bounds = [0]
     start = 0
-    for i, (tokens, task) in enumerate(docs):
+    for i, doc in enumerate(docs):
+        doc = as_document(doc)
+        tokens, task = doc.tokens, doc.task
         n = len(tokens)
         end = start + n
         if n == 0 or end > row_len:
@@ -155,12 +262,17 @@ def build_row(docs: list[tuple[list[int], int]], row_len: int, pad_id: int = 0) 
         labels[start:end] = ids
         labels[start] = IGNORE_INDEX
         position_ids[start:end] = torch.arange(n)
+        mrope[:, start:end] = mrope_positions(n, doc.images)
+        for img in doc.images:
+            labels[start + img.start : start + img.end] = IGNORE_INDEX
+            images.append(replace(img, start=start + img.start))
         seq_idx[start:end] = i
         task_ids[start:end] = task
         bounds.append(end)
         start = end
     if start < row_len:  # padding tail: its own segment, positions from 0 so no document "continues"
         position_ids[start:] = torch.arange(row_len - start)
+        mrope[:, start:] = position_ids[start:]
         seq_idx[start:] = len(docs)
         bounds.append(row_len)
     return PackedRow(
@@ -171,13 +283,17 @@ def build_row(docs: list[tuple[list[int], int]], row_len: int, pad_id: int = 0) 
         cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
         task_ids=task_ids,
         n_real_tokens=start,
+        mrope_position_ids=mrope,
+        images=images,
     )
 
 
 def collate(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
     """Stack rows into a batch.
 
-    Per-token tensors get shape ``[B, row_len]``. ``cu_seqlens`` describes the batch as ONE varlen
+    Per-token tensors get shape ``[B, row_len]``; ``mrope_position_ids`` ``[3, B, row_len]``. When
+    a row has images: ``pixel_values`` (every image's patches, rows in order, images in token order
+    within a row) and ``image_grid_thw`` ``[n_images, 3]``. ``cu_seqlens`` describes the batch as ONE varlen
     sequence of ``B*row_len`` tokens (what fla's varlen kernels take, with the batch flattened to
     1), and ``seq_idx`` is numbered the same way, globally over the batch, so the last segment of
     row ``r`` and the first of row ``r+1`` never share an index. ``max_seqlen`` is the longest
@@ -196,7 +312,15 @@ def collate(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
         seq_idx.append(row.seq_idx + n_segments)
         n_segments += row.cu_seqlens.numel() - 1
     cu_seqlens = torch.cat(cu).to(torch.int32)
+    images = [img for row in rows for img in row.images]
+    extra: dict[str, torch.Tensor] = {}
+    if images:
+        extra["pixel_values"] = torch.cat([img.pixel_values for img in images])
+        extra["image_grid_thw"] = torch.tensor([img.grid_thw for img in images], dtype=torch.long)
+    mrope = [r.mrope_position_ids if r.mrope_position_ids is not None else r.position_ids.expand(3, -1) for r in rows]
     return {
+        **extra,
+        "mrope_position_ids": torch.stack(mrope, dim=1),
         "input_ids": torch.stack([r.input_ids for r in rows]),
         "labels": torch.stack([r.labels for r in rows]),
         "position_ids": torch.stack([r.position_ids for r in rows]),
@@ -215,9 +339,13 @@ def model_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, object]:
     the full-attention layers under sdpa/eager; ``cu_seq_lens_*``/``max_length_*`` are the
     flash-attention varlen kwargs; ``seq_idx`` and ``cu_seq_lens_q`` are what the gated-delta-net
     layers installed by :func:`train.common.fastpath.install_kernels` read.
+
+    With images (``pixel_values`` in the batch, for ``Qwen3_5ForConditionalGeneration``):
+    ``pixel_values``, ``image_grid_thw``, and ``position_ids`` as ``[4, B, T]``: the text positions
+    (row 0, what the attention mask is built from) on top of the 3-D mrope positions.
     """
     max_len = int(batch["max_seqlen"])
-    return {
+    kwargs: dict[str, object] = {
         "input_ids": batch["input_ids"],
         "labels": batch["labels"],
         "position_ids": batch["position_ids"],
@@ -227,3 +355,8 @@ def model_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, object]:
         "max_length_q": max_len,
         "max_length_k": max_len,
     }
+    if batch.get("pixel_values") is not None:
+        kwargs["position_ids"] = torch.cat([batch["position_ids"][None], batch["mrope_position_ids"]])
+        kwargs["pixel_values"] = batch["pixel_values"]
+        kwargs["image_grid_thw"] = batch["image_grid_thw"]
+    return kwargs

@@ -24,13 +24,18 @@ packed into `batch_rows` rows of `row_len` tokens. So loader workers build batch
 position is the next k.
 
 Tokenization of this CPU path is a deterministic stand-in needing no download: text is UTF-8
-bytes, an image is 16 tokens (its 4x4 mean colours, 4 levels per channel), and 3D codes go
-through train.common.codebooks.
+bytes and 3D codes go through train.common.codebooks. An image, with the vision tower on
+(`DataConfig.vision`, the model's Qwen3_5ForConditionalGeneration), is
+`<img> <|image_pad|> x n </img>`: the placeholders are replaced by the vision tower's outputs for
+the image's `pixel_values` (train.stage1.vision), which travel with the document through the
+packer. Without it (a text-only model) an image is 16 stand-in tokens: its 4x4 mean colours, 4
+levels per channel.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,13 +43,16 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from train.common.codebooks import CodebookVocab
-from train.common.packing import Packer, collate
+from train.common.packing import Document, ImageInput, Packer, collate
+
+if TYPE_CHECKING:
+    from train.stage1.vision import ImagePreprocessor
 
 TASKS: tuple[str, ...] = ("gen_img", "gen_txt", "und", "replay_img", "replay_text")
 REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
@@ -79,20 +87,33 @@ class MalformedRecord(ValueError):
 class TinyTokenizer:
     """Byte-level text + image stand-in in the base vocabulary; task/3D tokens from the codebook vocab.
 
-    Base-vocabulary ids used: [<pad> <bos> <eos> <img> </img>, 3 unused] [256 bytes] [64 image].
-    Task tokens, 3D boundaries and the SS/shape/tex codebook tokens come from `vocab`
-    (train.common.codebooks.CodebookVocab), so the ids match the model's extended embeddings.
+    Base-vocabulary ids used: [<pad> <bos> <eos> <img> </img> <|image_pad|> <|video_pad|>, 1 unused]
+    [256 bytes] [64 image stand-ins]. `<img>`/`</img>` are the vision start/end tokens and
+    `<|image_pad|>` the image placeholder of the vision model's config
+    (train.stage1.model.multimodal_config). Task tokens, 3D boundaries and the SS/shape/tex
+    codebook tokens come from `vocab` (train.common.codebooks.CodebookVocab), so the ids match the
+    model's extended embeddings.
+
+    `vision`: an ImagePreprocessor (train.stage1.vision) makes images vision-tower inputs; None
+    keeps the 16-token colour stand-in.
     """
 
-    SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<img>", "</img>")
+    SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<img>", "</img>", "<|image_pad|>", "<|video_pad|>")
     BYTE_BASE = 8
     IMAGE_BASE = BYTE_BASE + 256
 
-    def __init__(self, vocab: CodebookVocab) -> None:
+    def __init__(self, vocab: CodebookVocab, vision: ImagePreprocessor | None = None) -> None:
         needed = self.IMAGE_BASE + IMAGE_LEVELS**3
         if vocab.base_vocab < needed:
             raise ValueError(f"base vocab {vocab.base_vocab} too small for the byte tokenizer (needs {needed})")
         self.vocab = vocab
+        self.vision = vision
+
+    @classmethod
+    def vision_token_ids(cls) -> dict[str, int]:
+        """The ids the vision model's config names (image/video placeholder, vision start/end)."""
+        return {"image": cls.SPECIALS.index("<|image_pad|>"), "video": cls.SPECIALS.index("<|video_pad|>"),
+                "vision_start": cls.SPECIALS.index("<img>"), "vision_end": cls.SPECIALS.index("</img>")}
 
     @property
     def vocab_size(self) -> int:
@@ -132,11 +153,19 @@ class TinyTokenizer:
         return self.vocab.encode_3d(list(ss), list(shape), list(tex))
 
 
-def tokenizer_for_preset(preset: str) -> TinyTokenizer:
+def tokenizer_for_preset(preset: str, vision: bool = False) -> TinyTokenizer:
+    """The preset's tokenizer; `vision`: images become inputs of the preset's vision tower."""
     from train.stage1.model import get_preset
 
     cfg = get_preset(preset)
-    return TinyTokenizer(CodebookVocab(cfg.base_vocab, cfg.codebooks))
+    preprocess = None
+    if vision:
+        from train.stage1.vision import ImagePreprocessor
+
+        if cfg.vision is None:
+            raise ValueError(f"preset {preset!r} has no vision tower")
+        preprocess = ImagePreprocessor(cfg.vision)
+    return TinyTokenizer(CodebookVocab(cfg.base_vocab, cfg.codebooks), preprocess)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,20 +236,26 @@ def _load_codes(path: Path, sizes: dict[str, int]) -> tuple[np.ndarray, np.ndarr
     return arrays  # type: ignore[return-value]
 
 
-def tokenize_record(tok: TinyTokenizer, root: Path, task: str, rec: dict[str, Any]) -> list[int]:
-    """One document's tokens; MalformedRecord if a referenced file is missing or bad."""
+def tokenize_record(tok: TinyTokenizer, root: Path, task: str, rec: dict[str, Any]) -> Document:
+    """One document (tokens, task, images); MalformedRecord if a referenced file is missing or bad."""
+    head = [tok.special("<bos>"), tok.task_token(task)]
+    images: list[ImageInput] = []
 
     def image() -> list[int]:
         path = root / rec["image"]
         try:
-            return [tok.special("<img>"), *tok.image(path), tok.special("</img>")]
+            if tok.vision is None:
+                return [tok.special("<img>"), *tok.image(path), tok.special("</img>")]
+            img = tok.vision(path)
         except (OSError, ValueError, SyntaxError) as exc:
             raise MalformedRecord(f"unreadable image {path} ({type(exc).__name__})") from None
+        images.append(dataclasses.replace(img, start=len(head) + 1))
+        return [tok.special("<img>"), *[tok.special("<|image_pad|>")] * img.n_tokens, tok.special("</img>")]
 
     def codes() -> list[int]:
         return tok.codes3d(*_load_codes(root / rec["tokens3d"], tok.codebook_sizes))
 
-    head = [tok.special("<bos>"), tok.task_token(task)]
+    # The image, when there is one, comes first in the body: its span starts after the head.
     body = {
         "gen_img": lambda: image() + codes(),
         "gen_txt": lambda: tok.text(rec["text"]) + codes(),
@@ -228,7 +263,7 @@ def tokenize_record(tok: TinyTokenizer, root: Path, task: str, rec: dict[str, An
         "replay_img": lambda: image() + tok.text(rec["text"]),
         "replay_text": lambda: tok.text(rec["text"]),
     }[task]()
-    return head + body + [tok.special("<eos>")]
+    return Document(head + body + [tok.special("<eos>")], TASKS.index(task), images)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +317,7 @@ class DataConfig:
     max_bad_fraction: float = 0.01
     num_workers: int = 1
     prefetch_factor: int = 4
+    vision: bool = False  # images as vision-tower inputs (the model is Qwen3_5ForConditionalGeneration)
 
 
 def build_batch(
@@ -291,11 +327,13 @@ def build_batch(
     bad: list[str] = []
     docs_used = 0
 
-    def documents() -> Iterator[tuple[list[int], int]]:
+    def documents() -> Iterator[Document]:
         nonlocal docs_used
         for task, line_no, rec in sampler.draws(batch_index):
             try:
-                tokens = tokenize_record(tok, sampler.man.root, task, rec)
+                doc = tokenize_record(tok, sampler.man.root, task, rec)
+                if any(img.n_tokens + 2 > cfg.row_len for img in doc.images):
+                    raise MalformedRecord(f"image of {doc.images[0].n_tokens} tokens does not fit a {cfg.row_len}-token row")
             except MalformedRecord as exc:
                 bad.append(f"{sampler.man.root / (task + '.jsonl')}:{line_no}: {exc}")
                 if len(bad) > 1000 and len(bad) > 10 * docs_used:
@@ -304,7 +342,7 @@ def build_batch(
                     ) from None
                 continue
             docs_used += 1
-            yield tokens, TASKS.index(task)
+            yield doc
 
     packer = Packer(row_len=cfg.row_len, pad_id=tok.pad_id, long_doc="split")
     rows = []
@@ -328,7 +366,7 @@ class PackedBatches(IterableDataset):
         self.cfg = cfg
         self.rank = rank
         self.start_batch = start_batch
-        self.tok = tokenizer_for_preset(cfg.preset)
+        self.tok = tokenizer_for_preset(cfg.preset, vision=cfg.vision)
         self.man = load_manifests(cfg.data_dir)
         check_bad_fraction(len(self.man.bad), self.man.total_lines, cfg.max_bad_fraction, self.man.bad)
         self.sampler = MixtureSampler(self.man, normalized_weights(cfg.weights, self.man), cfg.seed, rank)

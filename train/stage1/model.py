@@ -7,8 +7,12 @@ downloaded. The text vocabulary is then extended with the 3D codebook tokens
 (:mod:`train.common.codebooks`), new rows initialised to the mean of the existing ones, and the
 vocab padded to a multiple of 256.
 
-The model is :class:`transformers.Qwen3_5ForCausalLM` (text tower only). Packed rows need the
-varlen-correct token mixers: call :func:`train.common.fastpath.install_kernels` on the result.
+The model is :class:`transformers.Qwen3_5ForCausalLM` (text tower only), or with ``vision=True``
+:class:`transformers.Qwen3_5ForConditionalGeneration`: the same text model under
+``model.model.language_model`` plus the preset's vision tower (``model.model.visual``), which turns
+``pixel_values``/``image_grid_thw`` into the embeddings of the image placeholder tokens. Packed rows
+need the varlen-correct token mixers: call :func:`train.common.fastpath.install_kernels` on the
+result (it finds the GDN layers wherever they sit in the module tree).
 """
 
 from __future__ import annotations
@@ -19,6 +23,22 @@ from pathlib import Path
 import torch
 
 from train.common.codebooks import CodebookConfig, CodebookVocab, extend_embeddings
+
+
+@dataclass(frozen=True)
+class VisionPresetConfig:
+    """A Qwen3.5 vision tower shape, plus the image sizes its inputs are resized into."""
+
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int
+    num_position_embeddings: int  # learned position grid (a square), resampled to each image's grid
+    min_pixels: int  # images are resized (aspect kept) so that H*W lies in [min_pixels, max_pixels]
+    max_pixels: int  # and H, W are multiples of patch_size * spatial_merge_size
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
 
 
 @dataclass(frozen=True)
@@ -42,12 +62,20 @@ class ModelPresetConfig:
     mrope_section: tuple[int, int, int] = (11, 11, 10)
     max_position_embeddings: int = 32768
     codebooks: CodebookConfig = field(default_factory=CodebookConfig)
+    vision: VisionPresetConfig | None = None  # the tower built when the model is asked for vision
 
     @property
     def layer_types(self) -> list[str]:
         k = self.full_attention_interval
         return ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(self.num_layers)]
 
+
+# The Qwen3.5 vision tower shape of transformers' Qwen3_5VisionConfig defaults (27 blocks of 1152,
+# patch 16), random-init; images up to 1024x1024 (1024 placeholder tokens).
+QWEN35_VISION = VisionPresetConfig(
+    depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16,
+    num_position_embeddings=2304, min_pixels=64 * 64, max_pixels=1024 * 1024,
+)
 
 PRESETS: dict[str, ModelPresetConfig] = {
     # ~5M parameters, 3 GDN + 1 full attention; small vocab and scaled-down codebooks so a step is
@@ -68,6 +96,12 @@ PRESETS: dict[str, ModelPresetConfig] = {
         mrope_section=(3, 3, 2),
         max_position_embeddings=8192,
         codebooks=CodebookConfig(ss=216, shape=256, tex=256),
+        # ~0.23M parameters: the synthetic 32x32 images become a 4x4 patch grid, 4 placeholder
+        # tokens after the 2x2 merge, so a step costs about what the text-only model did.
+        vision=VisionPresetConfig(
+            depth=2, hidden_size=64, num_heads=2, intermediate_size=128, patch_size=8,
+            num_position_embeddings=64, min_pixels=32 * 32, max_pixels=64 * 64,
+        ),
     ),
     "qwen35-0.8b": ModelPresetConfig(
         hidden_size=1024,
@@ -82,6 +116,7 @@ PRESETS: dict[str, ModelPresetConfig] = {
         linear_value_head_dim=128,
         intermediate_size=3584,
         base_vocab=248320,
+        vision=QWEN35_VISION,
     ),
     "qwen35-2b": ModelPresetConfig(
         hidden_size=2048,
@@ -96,6 +131,7 @@ PRESETS: dict[str, ModelPresetConfig] = {
         linear_value_head_dim=128,
         intermediate_size=6144,
         base_vocab=248320,
+        vision=QWEN35_VISION,
     ),
 }
 
@@ -108,6 +144,8 @@ class ModelSpec:
     n_gdn_layers: int
     n_full_attention_layers: int
     init_from: str | None
+    vision: VisionPresetConfig | None = None  # set when the model has the vision tower
+    n_vision_params: int = 0
 
 
 def get_preset(preset: str) -> ModelPresetConfig:
@@ -146,28 +184,76 @@ def text_config(preset: ModelPresetConfig, vocab_size: int | None = None):
     )
 
 
+def vision_config(preset: ModelPresetConfig):
+    from transformers import Qwen3_5VisionConfig
+
+    v = preset.vision
+    if v is None:
+        raise ValueError("this preset has no vision tower")
+    return Qwen3_5VisionConfig(
+        depth=v.depth,
+        hidden_size=v.hidden_size,
+        num_heads=v.num_heads,
+        intermediate_size=v.intermediate_size,
+        patch_size=v.patch_size,
+        spatial_merge_size=v.spatial_merge_size,
+        temporal_patch_size=v.temporal_patch_size,
+        out_hidden_size=preset.hidden_size,
+        num_position_embeddings=v.num_position_embeddings,
+    )
+
+
+def multimodal_config(preset: ModelPresetConfig):
+    """Qwen3_5Config: the preset's text config + vision tower, with the placeholder token ids of
+    the stage-1 tokenizer (train.stage1.data.TinyTokenizer)."""
+    from transformers import Qwen3_5Config
+
+    from train.stage1.data import TinyTokenizer
+
+    ids = TinyTokenizer.vision_token_ids()
+    return Qwen3_5Config(
+        text_config=text_config(preset).to_dict(),
+        vision_config=vision_config(preset).to_dict(),
+        image_token_id=ids["image"],
+        video_token_id=ids["video"],
+        vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=ids["vision_end"],
+        tie_word_embeddings=preset.tie_word_embeddings,
+    )
+
+
+def text_model_config(model: torch.nn.Module):
+    """The text config of either model class (the conditional model nests it)."""
+    return getattr(model.config, "text_config", model.config)
+
+
 def build_model(
     preset: str,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     init_from: str | Path | None = None,
     attn_implementation: str = "sdpa",
+    vision: bool = False,
 ):
-    """Build the stage-1 model: ``(Qwen3_5ForCausalLM, ModelSpec)``.
+    """Build the stage-1 model: ``(Qwen3_5ForCausalLM, ModelSpec)``, or with ``vision=True``
+    ``(Qwen3_5ForConditionalGeneration, ModelSpec)`` (the preset must have a vision tower).
 
     ``init_from``: a local directory holding a transformers checkpoint (config.json +
     safetensors). A checkpoint already extended to the padded codebook vocab loads as is; a base
     checkpoint is extended here. Raises ValueError for an unknown preset or a missing directory.
     """
-    from transformers import Qwen3_5ForCausalLM
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
     cfg = get_preset(preset)
+    if vision and cfg.vision is None:
+        raise ValueError(f"preset {preset!r} has no vision tower; run it without vision")
+    model_cls = Qwen3_5ForConditionalGeneration if vision else Qwen3_5ForCausalLM
     vocab = CodebookVocab(cfg.base_vocab, cfg.codebooks)
     if init_from is not None:
         path = Path(init_from)
         if not (path / "config.json").is_file():
             raise ValueError(f"--init-from {path}: no config.json there; give a local transformers checkpoint dir")
-        model = Qwen3_5ForCausalLM.from_pretrained(
+        model = model_cls.from_pretrained(
             path, local_files_only=True, dtype=torch.float32, attn_implementation=attn_implementation
         )
         loaded_vocab = model.get_input_embeddings().weight.shape[0]
@@ -177,13 +263,13 @@ def build_model(
                 f"{cfg.base_vocab} nor its extended vocab {vocab.padded_vocab}"
             )
     else:
-        config = text_config(cfg)
+        config = multimodal_config(cfg) if vision else text_config(cfg)
         with torch.device(device):
-            model = Qwen3_5ForCausalLM._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+            model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     extend_embeddings(model, vocab.padded_vocab)
-    model.config.vocab_size = vocab.padded_vocab
+    text_model_config(model).vocab_size = vocab.padded_vocab
     model.to(device=device, dtype=dtype)
-    types = model.config.layer_types
+    types = text_model_config(model).layer_types
     spec = ModelSpec(
         preset=preset,
         vocab=vocab,
@@ -191,5 +277,7 @@ def build_model(
         n_gdn_layers=types.count("linear_attention"),
         n_full_attention_layers=types.count("full_attention"),
         init_from=str(init_from) if init_from is not None else None,
+        vision=cfg.vision if vision else None,
+        n_vision_params=sum(p.numel() for p in model.model.visual.parameters()) if vision else 0,
     )
     return model, spec

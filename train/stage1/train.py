@@ -71,12 +71,15 @@ class Stage1Config:
     wandb_project: str | None = None
     # auto: a fused linear cross-entropy (no full-vocab logits) on CUDA, plain logits on CPU.
     loss_impl: str = "auto"
+    # Images through the preset's Qwen3.5 vision tower (Qwen3_5ForConditionalGeneration); off: the
+    # text-only model, images as colour stand-in tokens. Per-preset default in PRESET_DEFAULTS.
+    vision: bool = False
 
 
 # Per-preset defaults for what the command line leaves unset. tiny: 512 tokens a step, so 60
 # steps take a minute or two on 2 CPU cores and the loss falls from ~8.5 to ~3.
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
-    "tiny": {"steps": 60, "batch_rows": 2, "row_len": 256, "lr": 3e-3, "warmup": 5},
+    "tiny": {"steps": 60, "batch_rows": 2, "row_len": 256, "lr": 3e-3, "warmup": 5, "vision": True},
     "qwen35-0.8b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 3e-4, "warmup": 500, "ckpt_every": 500},
     "qwen35-2b": {"steps": 20000, "batch_rows": 2, "row_len": 8192, "lr": 2e-4, "warmup": 500, "ckpt_every": 500},
 }
@@ -107,7 +110,11 @@ def parse_args(argv: list[str] | None) -> Stage1Config:
     p.add_argument("--wandb-project", default=None)
     p.add_argument("--loss-impl", choices=("auto", "logits", "cce", "liger"), default=d.loss_impl,
                    help="next-token loss kernel (auto: fused on CUDA)")
+    p.add_argument("--vision", choices=("on", "off"), default=None,
+                   help="images through the Qwen3.5 vision tower (default: on for tiny, off for the GPU presets)")
     a = p.parse_args(argv)
+    if a.vision is not None:
+        a.vision = a.vision == "on"
     weights = None
     if a.weights:
         try:
@@ -135,6 +142,8 @@ def validate(cfg: Stage1Config) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
+    if cfg.vision and PRESETS[cfg.preset].vision is None:
+        raise ConfigError(f"preset {cfg.preset!r} has no vision tower; use --vision off")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +258,7 @@ def train(cfg: Stage1Config) -> int:
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
     kernels = fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, spec = build_model(cfg.preset, device=device, dtype=dtype, init_from=cfg.init_from)
+    model, spec = build_model(cfg.preset, device=device, dtype=dtype, init_from=cfg.init_from, vision=cfg.vision)
     fastpath.install_kernels(model, kernels)
     loss_impl = select_loss_impl(device, cfg.loss_impl)
     objective = CausalLMObjective(model, loss_impl)
@@ -281,6 +290,7 @@ def train(cfg: Stage1Config) -> int:
         DataConfig(
             str(data_dir), preset=cfg.preset, row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
             weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers,
+            vision=cfg.vision,
         ),
         rank=dist_info.rank, start_batch=int(data_state["next_batch"]), report=log.print,
     )
@@ -290,6 +300,7 @@ def train(cfg: Stage1Config) -> int:
         "world": dist_info.world_size, "deepspeed": ds, "row_len": cfg.row_len, "batch_rows": cfg.batch_rows,
         "start_step": step, "steps": cfg.steps, "flops_per_token": f"{flops_per_token:.4g}",
         "mfu_peak": f"{peak_flops:.4g} ({peak_source})", "loss_impl": loss_impl,
+        "vision_params": spec.n_vision_params,
     })
     log.print("# " + kernels.header().replace("\n", "\n# "))
 
@@ -384,16 +395,18 @@ def mfu_terms(model: torch.nn.Module, cfg: Stage1Config, device: torch.device) -
     """(model FLOPs per token, peak FLOP/s of one device, where the peak comes from).
 
     On a CPU (or an unknown GPU) MFU is stated against the H100/H200 bf16 peak, so the number is
-    comparable in form but only the GPU one means utilisation.
+    comparable in form but only the GPU one means utilisation. The text model's FLOPs only: the
+    vision tower's are not counted (its share depends on how many image patches a batch holds).
     """
     from train.common import mfu
+    from train.stage1.model import text_model_config
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = mfu.peak_flops(name)
     source = name
     if peak is None:
         peak, source = mfu.H100_H200_PEAK, f"{name}: unknown peak, H100/H200 bf16 used as reference"
-    return mfu.flops_per_token(model.config, cfg.row_len), peak, source
+    return mfu.flops_per_token(text_model_config(model), cfg.row_len), peak, source
 
 
 # ---------------------------------------------------------------------------------------------

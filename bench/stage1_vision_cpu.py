@@ -1,0 +1,80 @@
+"""Tiny stage-1 step on CPU: text-only model (image stand-in tokens) vs the vision tower, side by side.
+
+Both variants run the trainer's own `train_step` (reference kernels, plain AdamW) on the same
+synthetic dataset and the same batch indices: `text` is `--vision off` (an image is 16 colour
+stand-in tokens, Qwen3_5ForCausalLM), `vision` is `--vision on` (PNG -> pixel_values -> the tiny
+Qwen3.5 vision tower, Qwen3_5ForConditionalGeneration). Steps alternate between the variants so
+that load from other processes on a shared machine hits both alike. Prints one table row per
+variant: median step ms (data excluded: batches are built before timing), and the ratio.
+
+    python bench/stage1_vision_cpu.py --steps 30 --row-len 256 --batch-rows 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train.common import fastpath  # noqa: E402
+from train.stage1.data import DataConfig, PackedBatches, build_batch, generate_synthetic  # noqa: E402
+from train.stage1.model import build_model  # noqa: E402
+from train.stage1.objective import CausalLMObjective  # noqa: E402
+from train.stage1.train import Stage1Config, lr_lambda, make_optimizer, train_step  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--row-len", type=int, default=256)
+    p.add_argument("--batch-rows", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device("cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        generate_synthetic(data, samples=2000, seed=0)
+        variants = {}
+        for name, vision in (("text", False), ("vision", True)):
+            torch.manual_seed(0)
+            model, spec = build_model("tiny", vision=vision)
+            fastpath.install_kernels(model, fastpath.select_kernels(device))
+            cfg = Stage1Config(preset="tiny", steps=a.steps + a.warmup, row_len=a.row_len, batch_rows=a.batch_rows,
+                               vision=vision)
+            opt = make_optimizer(model, cfg, device)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+            ds = PackedBatches(DataConfig(str(data), row_len=a.row_len, batch_rows=a.batch_rows, vision=vision), 0)
+            batches = [build_batch(ds.sampler, ds.tok, ds.cfg, k) for k in range(a.steps + a.warmup)]
+            variants[name] = dict(model=model, spec=spec, objective=CausalLMObjective(model, "logits"), opt=opt,
+                                  sched=sched, batches=batches, times=[], losses=[])
+        for k in range(a.steps + a.warmup):
+            for v in variants.values():
+                t = time.perf_counter()
+                loss, _ = train_step(v["objective"], v["model"], v["opt"], v["sched"], None, v["batches"][k], device, 1.0)
+                dt = time.perf_counter() - t
+                v["losses"].append(float(loss.detach()))
+                if k >= a.warmup:
+                    v["times"].append(dt)
+    base = statistics.median(variants["text"]["times"])
+    print("| variant | params | vision params | images/step | median step ms | vs text | first loss | last loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, v in variants.items():
+        med = statistics.median(v["times"])
+        n_img = statistics.mean(len(b.get("image_grid_thw", [])) for b in v["batches"])
+        print(f"| {name} | {v['spec'].n_params:,} | {v['spec'].n_vision_params:,} | {n_img:.1f} | {1000 * med:.1f} | "
+              f"{med / base:.2f}x | {v['losses'][0]:.3f} | {v['losses'][-1]:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

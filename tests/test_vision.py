@@ -1,0 +1,326 @@
+"""Images through the Qwen3.5 vision tower: preprocessing, mrope positions, packing, THE ORACLE.
+
+Model: the ``tiny`` preset with its tiny vision tower (``Qwen3_5ForConditionalGeneration``), fp32,
+random-init, on CPU. Packed: the project's reference kernels (``install_kernels``) and the
+trainer's forward (``objective.base_forward``) on a packed batch of image and text documents.
+Reference: the same weights in transformers' stock modules, each document alone, with
+transformers computing the 3-D positions itself (``get_rope_index`` from ``mm_token_type_ids``).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train.common.fastpath import install_kernels, select_kernels
+from train.common.losses import token_losses
+from train.common.packing import (
+    IGNORE_INDEX,
+    Document,
+    ImageInput,
+    Packer,
+    collate,
+    model_kwargs,
+    mrope_positions,
+)
+from train.stage1.data import (
+    TASKS,
+    TinyTokenizer,
+    generate_synthetic,
+    load_manifests,
+    tokenize_record,
+    tokenizer_for_preset,
+)
+from train.stage1.model import build_model, get_preset
+from train.stage1.objective import base_forward
+from train.stage1.vision import ImagePreprocessor, smart_resize
+
+IMAGE_ID = TinyTokenizer.vision_token_ids()["image"]
+ROW_LEN = 128
+TINY_VISION = get_preset("tiny").vision
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# ------------------------------------------------------------------------------------------------
+# preprocessing
+
+
+def test_smart_resize_matches_transformers():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as theirs
+
+    for h, w in [(32, 32), (30, 50), (200, 90), (7, 9), (64, 64), (1000, 30)]:
+        assert smart_resize(h, w, 16, 32 * 32, 64 * 64) == theirs(h, w, 16, 32 * 32, 64 * 64), (h, w)
+
+
+def test_pixel_values_match_transformers_processor(tmp_path: Path):
+    """Own patchify == transformers' Qwen2-VL PIL processor (built locally, nothing downloaded)."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "x.png"
+    Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)).save(path)  # H 32, W 48: no resize
+    cfg = TINY_VISION
+    ours = ImagePreprocessor(cfg)(path)
+    theirs = Qwen2VLImageProcessorPil(
+        patch_size=cfg.patch_size, merge_size=cfg.spatial_merge_size, temporal_patch_size=cfg.temporal_patch_size,
+        min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )(images=[Image.open(path)], return_tensors="pt")
+    assert list(ours.grid_thw) == theirs["image_grid_thw"][0].tolist() == [1, 4, 6]
+    torch.testing.assert_close(ours.pixel_values, theirs["pixel_values"].float(), atol=1e-6, rtol=0)
+    assert ours.n_tokens == 6
+
+
+# ------------------------------------------------------------------------------------------------
+# positions and packing
+
+
+def fake_image(grid: tuple[int, int, int], start: int, seed: int = 0) -> ImageInput:
+    n = grid[0] * grid[1] * grid[2]
+    dim = 3 * TINY_VISION.temporal_patch_size * TINY_VISION.patch_size**2
+    pixels = torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
+    return ImageInput(pixels, grid, TINY_VISION.spatial_merge_size, start)
+
+
+def image_doc(grids: list[tuple[int, int, int]], text_between: int, task: int, seed: int) -> Document:
+    """bos task [<img> pad.. </img> text..]*: placeholder runs with text between."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, images = [1, 4830 + task], []
+    for i, grid in enumerate(grids):
+        tokens.append(3)
+        img = fake_image(grid, len(tokens), seed * 10 + i)
+        images.append(img)
+        tokens += [IMAGE_ID] * img.n_tokens + [4]
+        tokens += torch.randint(8, 4000, (text_between,), generator=g).tolist()
+    return Document(tokens, task, images)
+
+
+def test_mrope_positions_equal_transformers_get_rope_index():
+    model, _ = build_model("tiny", device="meta", vision=True)
+    doc = image_doc([(1, 4, 6), (1, 8, 2), (1, 2, 2)], text_between=5, task=0, seed=1)
+    ids = torch.tensor([doc.tokens])
+    theirs, _ = model.model.get_rope_index(
+        ids, (ids == IMAGE_ID).int(), image_grid_thw=torch.tensor([i.grid_thw for i in doc.images])
+    )
+    ours = mrope_positions(len(doc.tokens), doc.images)
+    assert torch.equal(ours, theirs[:, 0])
+    assert not torch.equal(ours[0], torch.arange(len(doc.tokens)))  # the image really bends the positions
+
+
+def test_packer_carries_images_in_row_order_and_resets_positions():
+    docs = [
+        image_doc([(1, 4, 4)], 30, 0, seed=1),
+        Document(list(range(8, 60)), 4),
+        image_doc([(1, 4, 6), (1, 2, 2)], 20, 3, seed=2),
+        image_doc([(1, 4, 4)], 90, 0, seed=3),
+    ]
+    rows = list(Packer(row_len=ROW_LEN, open_rows=2).pack(docs))
+    batch = collate(rows)
+    flat_ids = batch["input_ids"].reshape(-1)
+    # the k-th run of placeholders in row-major order belongs to the k-th image of the batch
+    starts = [r_i * ROW_LEN + img.start for r_i, row in enumerate(rows) for img in row.images]
+    assert starts == sorted(starts) and len(starts) == 4
+    sizes = (batch["image_grid_thw"].prod(-1) // 4).tolist()
+    assert int((flat_ids == IMAGE_ID).sum()) == sum(sizes)
+    offset = 0
+    for start, size, grid in zip(starts, sizes, batch["image_grid_thw"].tolist(), strict=True):
+        assert (flat_ids[start : start + size] == IMAGE_ID).all()
+        src = next(i for d in docs for i in d.images if list(i.grid_thw) == grid and i.n_tokens == size
+                   and torch.equal(i.pixel_values, batch["pixel_values"][offset : offset + size * 4]))
+        assert src is not None
+        offset += size * 4
+    assert offset == batch["pixel_values"].shape[0]
+    # placeholders are never scored; every document restarts its text and 3-D positions at 0
+    assert (batch["labels"].reshape(-1)[flat_ids == IMAGE_ID] == IGNORE_INDEX).all()
+    for r_i, row in enumerate(rows):
+        for a in row.cu_seqlens[:-1].tolist():
+            assert row.position_ids[a] == 0 and (batch["mrope_position_ids"][:, r_i, a] == 0).all()
+    kwargs = model_kwargs(batch)
+    assert kwargs["position_ids"].shape == (4, len(rows), ROW_LEN)
+    assert torch.equal(kwargs["position_ids"][0], batch["position_ids"])
+
+
+def test_long_image_document_is_never_cut_inside_an_image():
+    doc = image_doc([(1, 4, 4), (1, 8, 8), (1, 4, 4)], 40, 0, seed=4)  # 4 + 16 + 4 placeholders
+    assert len(doc.tokens) > 2 * 64
+    pieces = Packer(row_len=64, open_rows=1)._pieces(doc)
+    assert sum(len(p.tokens) for p in pieces) == len(doc.tokens)
+    assert sum(len(p.images) for p in pieces) == 3
+    for p in pieces:
+        assert len(p.tokens) <= 64
+        for img in p.images:
+            assert (torch.tensor(p.tokens[img.start : img.end]) == IMAGE_ID).all()
+            assert img.end <= len(p.tokens) and (img.start == 0 or p.tokens[img.start - 1] != IMAGE_ID)
+    with pytest.raises(ValueError, match="does not fit"):
+        list(Packer(row_len=8).pack([image_doc([(1, 8, 8)], 1, 0, seed=5)]))
+
+
+# ------------------------------------------------------------------------------------------------
+# THE ORACLE with the vision tower on
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    stock, _ = build_model("tiny", vision=True)
+    stock.eval()
+    packed = copy.deepcopy(stock)
+    assert install_kernels(packed, select_kernels("cpu")) == 3
+    return stock, packed
+
+
+@pytest.fixture(scope="module")
+def image_batch(tmp_path_factory):
+    """Real documents of the synthetic set (PNG -> pixel_values), plus one long document split over rows."""
+    data = tmp_path_factory.mktemp("vision") / "data"
+    generate_synthetic(data, samples=40, seed=0)
+    man = load_manifests(data)
+    tok = tokenizer_for_preset("tiny", vision=True)
+    docs = [tokenize_record(tok, data, task, man.records[task][i][1])
+            for task, i in [("gen_img", 0), ("replay_img", 0), ("gen_txt", 0), ("replay_img", 1), ("gen_img", 1)]]
+    long_doc = image_doc([(1, 4, 4), (1, 4, 6)], 70, TASKS.index("replay_img"), seed=6)  # > ROW_LEN: split
+    docs.insert(2, long_doc)
+    assert all(d.images for d in docs if TASKS[d.task] in ("gen_img", "replay_img"))
+    rows = list(Packer(row_len=ROW_LEN).pack(docs))
+    assert len(rows) >= 2 and sum(len(r.images) for r in rows) == 6
+    return rows, collate(rows)
+
+
+def segments_of(rows) -> list[tuple[int, int, int]]:
+    out = []
+    for r_i, row in enumerate(rows):
+        cu = row.cu_seqlens.tolist()
+        out += [(r_i, a, b) for a, b in zip(cu[:-1], cu[1:], strict=True) if a < row.n_real_tokens]
+    return out
+
+
+def run_alone(stock, row, a: int, b: int, grad: bool = False) -> torch.Tensor:
+    """Logits of one document through transformers' stock forward (it computes the 3-D positions)."""
+    ids = row.input_ids[a:b][None]
+    images = [img for img in row.images if a <= img.start < b]
+    kwargs = {}
+    if images:
+        kwargs = dict(pixel_values=torch.cat([i.pixel_values for i in images]),
+                      image_grid_thw=torch.tensor([i.grid_thw for i in images]),
+                      mm_token_type_ids=(ids == IMAGE_ID).int())
+    with torch.set_grad_enabled(grad):
+        return stock(input_ids=ids, **kwargs).logits
+
+
+def test_packed_image_logits_and_loss_equal_documents_run_alone(models, image_batch):
+    stock, packed = models
+    rows, batch = image_batch
+    kwargs = model_kwargs(batch)
+    labels = kwargs.pop("labels")
+    with torch.no_grad():
+        hidden = base_forward(packed, **kwargs)
+        logits = packed.lm_head(hidden)
+        per_token = token_losses(hidden, packed.lm_head.weight, labels, "logits")
+    segments = segments_of(rows)
+    n_image_docs = 0
+    ce_sum, n_targets = torch.zeros(()), 0
+    for r_i, a, b in segments:
+        alone = run_alone(stock, rows[r_i], a, b)
+        torch.testing.assert_close(logits[r_i : r_i + 1, a:b], alone, atol=1e-5, rtol=1e-4)
+        n_image_docs += any(a <= img.start < b for img in rows[r_i].images)
+        target = labels[r_i, a + 1 : b]
+        keep = target != IGNORE_INDEX
+        ce_sum += F.cross_entropy(alone[0, :-1][keep], target[keep], reduction="sum")
+        n_targets += int(keep.sum())
+    assert n_image_docs >= 5
+    assert int((labels != IGNORE_INDEX).sum()) == n_targets
+    torch.testing.assert_close(per_token.sum() / n_targets, ce_sum / n_targets, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_image_gradients_reach_the_vision_tower_and_match(models, image_batch):
+    stock, packed = models
+    rows, batch = image_batch
+    kwargs = model_kwargs(batch)
+    labels = kwargs.pop("labels")
+    packed.zero_grad()
+    hidden = base_forward(packed, **kwargs)
+    per_token = token_losses(hidden, packed.lm_head.weight, labels, "logits")
+    n_targets = int((labels != IGNORE_INDEX).sum())
+    (per_token.sum() / n_targets).backward()
+    stock.zero_grad()
+    for r_i, a, b in segments_of(rows):
+        logits = run_alone(stock, rows[r_i], a, b, grad=True)
+        target = labels[r_i, a + 1 : b]
+        (F.cross_entropy(logits[0, :-1], target, ignore_index=IGNORE_INDEX, reduction="sum") / n_targets).backward()
+    for name in ("model.visual.patch_embed.proj.weight", "model.visual.blocks.0.attn.qkv.weight",
+                 "model.visual.merger.linear_fc2.weight", "model.language_model.layers.0.linear_attn.A_log",
+                 "model.language_model.layers.3.self_attn.q_proj.weight"):
+        g_packed = dict(packed.named_parameters())[name].grad
+        g_stock = dict(stock.named_parameters())[name].grad
+        assert g_packed is not None and g_packed.abs().sum() > 0, name
+        torch.testing.assert_close(g_packed, g_stock, atol=1e-6, rtol=1e-4, msg=name)
+    packed.zero_grad()
+    stock.zero_grad()
+
+
+def test_oracle_can_fail_without_the_text_position_row(models, image_batch):
+    """With only the 3-D positions, transformers has no text positions to find the documents in,
+    builds one causal mask over the whole row, and later documents see earlier ones."""
+    stock, packed = models
+    rows, batch = image_batch
+    kwargs = model_kwargs(batch)
+    kwargs.pop("labels")
+    with torch.no_grad():
+        right = base_forward(packed, **kwargs)
+        kwargs["position_ids"] = kwargs["position_ids"][1:]
+        leaky = base_forward(packed, **kwargs)
+    r_i, a, b = next(s for s in segments_of(rows) if s[1] > 0)
+    assert (leaky[r_i, a:b] - right[r_i, a:b]).abs().max() > 1e-3
+
+
+def test_trainer_vision_defaults():
+    from train.stage1.train import parse_args
+
+    assert parse_args(["--preset", "tiny"]).vision is True
+    assert parse_args(["--preset", "tiny", "--vision", "off"]).vision is False
+    assert parse_args(["--preset", "qwen35-2b"]).vision is False  # the GPU benchmark stays text-only
+    assert parse_args(["--preset", "qwen35-2b", "--vision", "on"]).vision is True
+
+
+def test_loader_batches_carry_images_and_report_broken_pngs(tmp_path: Path):
+    from train.stage1.data import DataConfig, PackedBatches, build_batch
+
+    data = tmp_path / "data"
+    generate_synthetic(data, samples=40, seed=0)
+    broken = data / load_manifests(data).records["replay_img"][0][1]["image"]
+    broken.write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    ds = PackedBatches(DataConfig(str(data), row_len=ROW_LEN, batch_rows=2, vision=True,
+                                  weights={"gen_img": 1, "replay_img": 1}), rank=0)
+    batches = [build_batch(ds.sampler, ds.tok, ds.cfg, k) for k in range(4)]
+    for batch in batches:
+        n_placeholders = int((batch["input_ids"] == IMAGE_ID).sum())
+        assert n_placeholders == int(batch["image_grid_thw"].prod(-1).sum()) // 4 > 0
+        assert batch["pixel_values"].shape[0] == int(batch["image_grid_thw"].prod(-1).sum())
+    bad = {line for b in batches for line in b["bad_records"]}
+    assert bad == {f"{data / 'replay_img.jsonl'}:1: unreadable image {broken} (OSError)"}
+
+
+def test_batch_without_images_still_gives_every_vision_parameter_a_gradient(models):
+    """DDP/ZeRO reduce the same gradients on every rank, whether or not its batch held images."""
+    _, packed = models
+    rows = list(Packer(row_len=64).pack([Document(list(range(8, 40)), 4)]))
+    kwargs = model_kwargs(collate(rows))
+    labels = kwargs.pop("labels")
+    packed.zero_grad()
+    hidden = base_forward(packed, **kwargs)
+    token_losses(hidden, packed.lm_head.weight, labels, "logits").sum().backward()
+    grads = [p.grad for p in packed.model.visual.parameters()]
+    assert all(g is not None and not g.any() for g in grads)
+    packed.zero_grad()
