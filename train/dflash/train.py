@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from launch.fsutil import atomic_write_text
 from train.common.bucketing import BucketedSampler
 from train.common.checkpoint import CheckpointError, CheckpointManager
 from train.common.distributed import init_distributed, shutdown_distributed
+from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.metrics import MetricsLogger
 from train.dflash.data import ShardDataset, batch_stream, pad_samples
@@ -115,20 +115,9 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
 
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
-    try:
-        cfg = parse_args(argv)
-    except ConfigError as exc:
-        print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
-        return 2
-    if guard:
-        from train.common.slurm_guard import require_slurm_allocation
-
-        require_slurm_allocation(ENTRYPOINT)
-    try:
-        return train(cfg)
-    except (ShardError, DatasetError, CheckpointError, ConfigError, FastPathError, ValueError) as exc:
-        print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
-        return 1
+    return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=train, guard=guard,
+                          config_errors=(ConfigError,),
+                          run_errors=(ShardError, DatasetError, CheckpointError, ConfigError, FastPathError, ValueError))
 
 
 def lr_at(cfg: DFlashConfig, step: int) -> float:

@@ -24,7 +24,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 
 from launch.fsutil import atomic_write_bytes, atomic_write_text
 from train.common.distributed import init_distributed, shutdown_distributed
+from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.extract.data import DatasetError, generate_synthetic, load_dataset
 from train.extract.shards import (
@@ -200,20 +200,9 @@ def sync_shard(cfg: ExtractConfig, path: Path, entry: ShardEntry) -> str:
 
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
-    try:
-        cfg = parse_args(argv)
-    except ConfigError as exc:
-        print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
-        return 2
-    if guard:
-        from train.common.slurm_guard import require_slurm_allocation
-
-        require_slurm_allocation(ENTRYPOINT)
-    try:
-        return extract(cfg)
-    except (DatasetError, ShardError, ConfigError, FastPathError, ValueError) as exc:
-        print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
-        return 1
+    return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=extract, guard=guard,
+                          config_errors=(ConfigError,),
+                          run_errors=(DatasetError, ShardError, ConfigError, FastPathError, ValueError))
 
 
 def extract(cfg: ExtractConfig) -> int:

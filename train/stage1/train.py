@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import torch
 from launch.fsutil import atomic_write_text
 from train.common.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from train.common.distributed import DistInfo, init_distributed, shutdown_distributed, slurm_layout
+from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.losses import LossImplError, select_loss_impl
 from train.common.metrics import MetricsLogger, compile_counts, peak_memory_mb
@@ -218,20 +218,9 @@ def reduce_task_losses(per_task: dict[str, torch.Tensor], dist_info: DistInfo) -
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
     """Entry point; returns the exit code. guard=False only for tests of the loop internals."""
-    try:
-        cfg = parse_args(argv)
-    except ConfigError as exc:
-        print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
-        return 2
-    if guard:
-        from train.common.slurm_guard import require_slurm_allocation
-
-        require_slurm_allocation(ENTRYPOINT)
-    try:
-        return train(cfg)
-    except (DataError, CheckpointError, ConfigError, FastPathError, LossImplError) as exc:
-        print(f"{ENTRYPOINT}: error: {exc}", file=sys.stderr)
-        return 1
+    return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=train, guard=guard,
+                          config_errors=(ConfigError,),
+                          run_errors=(DataError, CheckpointError, ConfigError, FastPathError, LossImplError))
 
 
 def train(cfg: Stage1Config) -> int:

@@ -1,0 +1,32 @@
+"""The shape every training entrypoint's main() shares: parse, Slurm guard, run, one-line errors."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+C = TypeVar("C")
+
+
+def run_entrypoint(name: str, argv: Sequence[str] | None, *, parse: Callable[[list[str] | None], C],
+                   run: Callable[[C], int], guard: bool, config_errors: tuple[type[BaseException], ...],
+                   run_errors: tuple[type[BaseException], ...]) -> int:
+    """Exit 2 for a bad command line, the guard's code outside Slurm, 1 for a user-facing run error.
+
+    `guard=False` exists only for tests of the loops' internals; `python -m ...` always guards.
+    """
+    try:
+        cfg = parse(None if argv is None else list(argv))
+    except config_errors as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 2
+    if guard:
+        from train.common.slurm_guard import require_slurm_allocation
+
+        require_slurm_allocation(name)
+    try:
+        return run(cfg)
+    except run_errors as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 1
