@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.errors import LaunchError
-from launch.fsutil import atomic_write_text
+from launch.fsutil import atomic_write_text, sha256_file
 
 CHROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
               "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
@@ -117,11 +117,7 @@ def file_sha256(path: Path, cache_sidecar: bool = False) -> str:
         saved_stamp, _, digest = sidecar.read_text().strip().rpartition(" ")
         if saved_stamp == stamp and len(digest) == 64:
             return digest
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    digest = h.hexdigest()
+    digest = sha256_file(path)
     if cache_sidecar:
         atomic_write_text(sidecar, f"{stamp} {digest}\n")
     return digest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -43,3 +44,12 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644
 def launch_home() -> Path:
     """Root of the launcher's per-user state: embedded cluster, job registry, run folders."""
     return Path(os.environ.get("LAUNCH_HOME", Path.home() / ".launch")).expanduser().resolve()
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -13,7 +13,6 @@ altered file is reported (one line, naming it) instead of being trained from.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from launch.fsutil import atomic_write_text
+from launch.fsutil import atomic_write_text, sha256_file
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -33,14 +32,6 @@ LATEST = "latest"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted; the message is one line naming the file."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_path(path: Path) -> None:
@@ -105,7 +96,7 @@ class CheckpointManager:
             files = {}
             for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
                 _fsync_path(path)
-                files[str(path.relative_to(tmp))] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+                files[str(path.relative_to(tmp))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
             manifest = {"step": step, "files": files}
             atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
             for sub in sorted({p for p in tmp.rglob("*") if p.is_dir()}, reverse=True):
@@ -152,6 +143,6 @@ def verify(path: Path) -> dict[str, Any]:
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"{f} is missing from checkpoint {path} (listed in its manifest)")
-        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+        if f.stat().st_size != meta["bytes"] or sha256_file(f) != meta["sha256"]:
             raise CheckpointError(f"{f} is corrupt (size/sha256 differ from {MANIFEST}); delete checkpoint {path}")
     return manifest

@@ -47,14 +47,6 @@ def index_name(rank: int) -> str:
     return f"index.{rank:05d}.json"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def encode_shard(samples: dict[int, dict[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> bytes:
     from safetensors.torch import save
 
