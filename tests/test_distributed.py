@@ -89,3 +89,13 @@ def test_two_rank_ddp_training_on_gloo(tmp_path) -> None:
     assert "step" not in outputs[1]  # only rank 0 logs
     ckpt = out / "checkpoints" / "step_00000002"
     assert {p.name for p in ckpt.iterdir()} >= {"model.pt", "trainer_rank00000.pt", "trainer_rank00001.pt"}
+    # Per-rank timings gathered from both ranks: the straggler signal of multi-GPU runs.
+    import json
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "step" in r and "loss" in r]
+    assert len(steps) == 2
+    for rec in steps:
+        assert len(rec["rank_fwd_ms"]) == 2 and all(ms > 0 for ms in rec["rank_fwd_ms"])
+        assert all(f <= c for f, c in zip(rec["rank_fwd_ms"], rec["rank_compute_ms"], strict=True))
+        assert rec["fwd_spread"] >= 0

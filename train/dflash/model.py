@@ -56,6 +56,9 @@ class DrafterConfig:
 # Drafter shapes by name; the hidden size, vocab and captured layers come from the target.
 DRAFTER_PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"num_layers": 2, "num_heads": 4, "intermediate_size": 512},
+    # 5 layers at the width of a 1024-wide target (qwen35-0.8b): the reference drafter's depth
+    # for the small target of bench/multigpu.py.
+    "small": {"num_layers": 5, "num_heads": 8, "intermediate_size": 3584},
     # ~1.7B-class drafter of the reference run, for a 5120-wide target: 5 layers.
     "reference": {"num_layers": 5, "num_heads": 32, "intermediate_size": 17408},
 }

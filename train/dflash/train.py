@@ -222,16 +222,23 @@ def train(cfg: DFlashConfig) -> int:
     if online and not is_drafter:
         del embed_w, head_w
         sender = BoundedSender(drafter_rank, cfg.queue_depth, wire)
-        t0, sent = time.perf_counter(), 0
+        t0, produce_s = time.perf_counter(), []
         for step, _epoch, ids in batch_stream(sampler, start):
             if step >= cfg.steps:
                 break
             if step % n_targets == dist_info.rank:
-                sender.send(target_batch(target, capture, [samples[i] for i in ids], cfg, step, device))
-                sent += 1
+                t_batch = time.perf_counter()
+                batch = target_batch(target, capture, [samples[i] for i in ids], cfg, step, device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # time the target's own work, not the send
+                produce_s.append(time.perf_counter() - t_batch)
+                sender.send(batch)
         sender.close()
-        print(f"# target rank {dist_info.rank}: sent {sent} batches in {time.perf_counter() - t0:.1f}s, "
-              f"queue full {sender.waits} times", flush=True)
+        # median time to produce a batch: with k targets the drafter saturates once k exceeds
+        # (this / the drafter's compute time per step); bench/multigpu.py reads this line.
+        median = float(np.median(produce_s)) if produce_s else 0.0
+        print(f"# target rank {dist_info.rank}: sent {len(produce_s)} batches in {time.perf_counter() - t0:.1f}s, "
+              f"queue full {sender.waits} times, median {median:.4f}s to produce one", flush=True)
         barrier()
         shutdown_distributed(dist_info)
         return 0

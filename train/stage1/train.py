@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from train.common.fastpath import FastPathError
 from train.common.losses import LossImplError, select_loss_impl
 from train.common.metrics import MetricsLogger, compile_counts, peak_memory_mb
 from train.common.packing import IGNORE_INDEX, model_kwargs
-from train.common.profiler import StepProfiler
+from train.common.profiler import StepProfiler, rank_spread
 from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data, generate_synthetic
 from train.stage1.objective import CausalLMObjective
 
@@ -101,7 +102,8 @@ def parse_args(argv: list[str] | None) -> Stage1Config:
     p.add_argument("--weights", default=None, help='mixture weights as JSON, e.g. \'{"gen_img": 2, "und": 1}\'')
     p.add_argument("--max-bad-fraction", type=float, default=d.max_bad_fraction)
     p.add_argument("--num-workers", type=int, default=d.num_workers)
-    p.add_argument("--ckpt-every", type=int, default=None)
+    p.add_argument("--ckpt-every", type=int, default=None,
+                   help="steps between checkpoints (and one at the end); 0: none, e.g. for benchmarks")
     p.add_argument("--allow-slow-path", action="store_true", help="train on GPU without the fast kernels (loud)")
     p.add_argument("--deepspeed", choices=("auto", "on", "off"), default=d.deepspeed)
     p.add_argument("--deepspeed-config", default=None, help="DeepSpeed config json (default: ZeRO-2)")
@@ -137,9 +139,11 @@ def validate(cfg: Stage1Config) -> None:
 
     if cfg.preset not in PRESETS:
         raise ConfigError(f"unknown preset {cfg.preset!r}; valid presets: {', '.join(PRESETS)}")
-    for name in ("steps", "batch_rows", "row_len", "ckpt_every", "log_every"):
+    for name in ("steps", "batch_rows", "row_len", "log_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.ckpt_every < 0:
+        raise ConfigError(f"--ckpt-every must be >= 0 (0: no checkpoints), got {cfg.ckpt_every}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.vision and PRESETS[cfg.preset].vision is None:
@@ -300,7 +304,8 @@ def train(cfg: Stage1Config) -> int:
         prof.start_step()
         batch = next(data)
         prof.data_ready()
-        loss, per_task = train_step(forward, model, opt, sched, engine, batch, device, cfg.grad_clip)
+        loss, per_task = train_step(forward, model, opt, sched, engine, batch, device, cfg.grad_clip,
+                                    after_forward=prof.forward_done)
         loss_value = float(loss.detach())  # .item() syncs; the profiler's end_step syncs anyway
         # tokens/s and MFU count every token of the packed rows, padding included (torchtitan);
         # real_tok_s leaves the padding out.
@@ -317,11 +322,12 @@ def train(cfg: Stage1Config) -> int:
                 "data_ms": timing.data_ms, "compute_ms": timing.compute_ms, "peak_mem_mb": peak_memory_mb(device),
                 "compiles": compiles, "recompiles": recompiles, "lr": sched.get_last_lr()[0],
                 "packing_efficiency": batch["packing_efficiency"], "batch_index": batch["batch_index"],
-                "batch_digest": batch_digest(batch),
+                "batch_digest": batch_digest(batch), "fwd_ms": timing.forward_ms,
+                **(rank_spread(timing, device) if dist_info.world_size > 1 else {}),
             })
         first_loss = loss_value if first_loss is None else first_loss
         last_loss = loss_value
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+        if cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):
             save_checkpoint(ckpts, step, model, opt, sched, engine, data.state_dict(), cfg, dist_info, barrier)
     data.close()
 
@@ -341,10 +347,11 @@ def train(cfg: Stage1Config) -> int:
 
 
 def train_step(forward: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
-               engine: Any, batch: dict[str, Any], device: torch.device,
-               grad_clip: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               engine: Any, batch: dict[str, Any], device: torch.device, grad_clip: float,
+               after_forward: Callable[[], None] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One optimizer step on one batch: forward (model + loss), backward, clip, update.
 
+    `after_forward` runs between the loss and the backward (the profiler's forward mark).
     bench/stage1_gpu.py times exactly this function.
     """
     kwargs = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
@@ -352,6 +359,8 @@ def train_step(forward: torch.nn.Module, model: torch.nn.Module, opt: torch.opti
     target = {k: batch[k].to(device, non_blocking=True) for k in ("labels", "task_ids")}
     per_token = forward(**kwargs)
     loss, per_task = losses(per_token, target)
+    if after_forward is not None:
+        after_forward()
     if engine is not None:
         engine.backward(loss)
         engine.step()
