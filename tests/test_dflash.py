@@ -144,3 +144,22 @@ def test_config_errors(tmp_path, capsys):
     assert "k-1" in capsys.readouterr().err
     assert dflash_train.main(["--data", str(tmp_path / "nope"), "--out", str(tmp_path)], guard=False) == 1
     assert "no such extraction directory" in capsys.readouterr().err
+
+
+def test_bf16_autocast_drafter_learns_like_fp32(shards, tmp_path):
+    """--amp bf16 (the CUDA default) on CPU: the same run in bf16 matmuls, fp32 weights, learns
+    as the fp32 run does (the first losses agree to bf16 precision, both fall)."""
+    runs = {}
+    for amp in ("off", "bf16"):
+        out = tmp_path / amp
+        assert dflash_train.main(["--data", str(shards), "--out", str(out), "--steps", "12", "--amp", amp, *FAST],
+                                 guard=False) == 0
+        runs[amp] = _metrics(out)
+    header = (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()[0]
+    assert '"amp": "bf16"' in header
+    off, bf16 = runs["off"], runs["bf16"]
+    assert abs(off[0]["loss"] - bf16[0]["loss"]) < 0.05 * off[0]["loss"]
+    assert bf16[-1]["loss"] < bf16[0]["loss"] - 1.0 and off[-1]["loss"] < off[0]["loss"] - 1.0
+    drafter = torch.load(tmp_path / "bf16" / "drafter.pt", weights_only=False)
+    weights = drafter["model"] if "model" in drafter else drafter
+    assert all(t.dtype == torch.float32 for t in weights.values() if torch.is_tensor(t) and t.is_floating_point())

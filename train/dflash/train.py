@@ -80,6 +80,9 @@ class DFlashConfig:
     ckpt_every: int = 50
     log_every: int = 1
     allow_slow_path: bool = False
+    # Matmuls of the drafter step in bf16 under autocast, fp32 weights and optimizer. auto: on
+    # CUDA (an fp32 drafter was the bottleneck of the 1-1 topology on H200s), off on CPU.
+    amp: str = "auto"  # auto | bf16 | off
 
 
 class ConfigError(ValueError):
@@ -95,6 +98,8 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
             p.add_argument(flag, action="store_true")
         elif name == "mode":
             p.add_argument(flag, choices=("offline", "online"), default=value)
+        elif name == "amp":
+            p.add_argument(flag, choices=("auto", "bf16", "off"), default=value)
         else:
             kind = {int: int, float: float}.get(type(value), str)
             p.add_argument(flag, type=float if name == "gamma" else kind, default=value)
@@ -257,10 +262,12 @@ def train(cfg: DFlashConfig) -> int:
         sched.load_state_dict(state["scheduler"])
         log.print(f"# resumed from {latest} at step {start}")
     n_params = sum(p.numel() for p in drafter.parameters())
+    amp_on = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
     log.header({"mode": cfg.mode, "topology": cfg.topology if online else "-", "drafter_params": n_params,
                 "target_layers": layers, "block_size": dcfg.block_size, "anchors": cfg.anchors,
                 "buckets": sampler.edges, "bucket_efficiency": f"{sampler.stats(0).efficiency:.3f}",
-                "start_step": start, "steps": cfg.steps, "device": device.type})
+                "start_step": start, "steps": cfg.steps, "device": device.type,
+                "amp": "bf16" if amp_on else "off"})
 
     stream = batch_stream(sampler, start)
     first = last = None
@@ -282,8 +289,10 @@ def train(cfg: DFlashConfig) -> int:
         t_data = time.perf_counter()
         input_ids, anchors = batch["input_ids"].to(device), batch["anchors"].to(device)
         blocks, labels = block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id)
-        hidden = drafter(batch["hidden"].to(device), head.embed_tokens(blocks), anchors, batch["lengths"].to(device))
-        loss, stats = drafter_loss(head, hidden, labels, final_blocks, cfg.kl_weight, cfg.gamma or None)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp_on):
+            hidden = drafter(batch["hidden"].to(device), head.embed_tokens(blocks), anchors,
+                             batch["lengths"].to(device))
+            loss, stats = drafter_loss(head, hidden, labels, final_blocks, cfg.kl_weight, cfg.gamma or None)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         opt.step()

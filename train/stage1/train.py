@@ -33,6 +33,7 @@ from train.common.distributed import DistInfo, init_distributed, shutdown_distri
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.losses import LossImplError, select_loss_impl
+from train.common.master_weights import MasterWeightAdamW, needs_master_weights
 from train.common.metrics import MetricsLogger, compile_counts, peak_memory_mb
 from train.common.packing import IGNORE_INDEX, model_kwargs
 from train.common.profiler import StepProfiler, rank_spread
@@ -170,11 +171,20 @@ def use_deepspeed(cfg: Stage1Config, device: torch.device, world_size: int) -> b
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Stage1Config, device: torch.device,
-                   fused: bool | None = None) -> torch.optim.Optimizer:
+                   fused: bool | None = None, master_weights: bool | None = None) -> torch.optim.Optimizer:
+    """AdamW; with fp32 master weights when the parameters are bf16 (train/common/master_weights.py).
+
+    master_weights=None: on when the model has bf16/fp16 parameters. DeepSpeed keeps its own fp32
+    masters, so its client optimizer must be a plain AdamW over the model's parameters (False).
+    """
     # fused (default on CUDA): one kernel for the whole update instead of a loop over tensors.
     fused = device.type == "cuda" if fused is None else fused
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                             fused=fused or None)
+    kwargs = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay, "fused": fused or None}
+    if master_weights is None:
+        master_weights = needs_master_weights(model)
+    if master_weights:
+        return MasterWeightAdamW(model.parameters(), **kwargs)
+    return torch.optim.AdamW(model.parameters(), **kwargs)
 
 
 def deepspeed_config(cfg: Stage1Config, device: torch.device) -> dict[str, Any]:
@@ -256,7 +266,9 @@ def train(cfg: Stage1Config) -> int:
     loss_impl = select_loss_impl(device, cfg.loss_impl)
     objective = CausalLMObjective(model, loss_impl)
 
-    opt = make_optimizer(model, cfg, device)
+    opt = make_optimizer(model, cfg, device, master_weights=False if ds else None)
+    optimizer_name = "deepspeed-zero2" if ds else ("adamw+fp32-masters" if isinstance(opt, MasterWeightAdamW)
+                                                   else "adamw")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     engine = None
     forward: torch.nn.Module = objective
@@ -293,6 +305,7 @@ def train(cfg: Stage1Config) -> int:
         "world": dist_info.world_size, "deepspeed": ds, "row_len": cfg.row_len, "batch_rows": cfg.batch_rows,
         "start_step": step, "steps": cfg.steps, "flops_per_token": f"{flops_per_token:.4g}",
         "mfu_peak": f"{peak_flops:.4g} ({peak_source})", "loss_impl": loss_impl,
+        "optimizer": optimizer_name,
         "vision_params": spec.n_vision_params,
     })
     log.print("# " + kernels.header().replace("\n", "\n# "))
