@@ -24,7 +24,10 @@ data wait (blocked in recv) says which side is the bottleneck: near 0 the drafte
 more targets add nothing; large, the targets are ("queue full" counts the targets' waits for the
 drafter). From one run's timings it also projects where the drafter saturates:
 k* = ceil(a target's median seconds to produce a batch / the drafter's median compute seconds a step),
-a projection, where the machine has fewer GPUs than the topologies to measure.
+a projection, where the machine has fewer GPUs than the topologies to measure. A target's time
+includes waiting for sends the drafter has not taken yet, so it is the target's own time only
+when the drafter waits (wait fraction well above 0); when the drafter never waits it is already
+saturated and k* = 1.
 
 Each run appends one JSON line to --jsonl; the table is printed at the end.
 """
@@ -204,7 +207,8 @@ def bench_dflash(a: argparse.Namespace) -> list[dict[str, Any]]:
             "target_queue_full": sum(int(t[3]) for t in targets), "target_produce_s": produce_s,
             # k targets hand the drafter a batch every produce_s / k: it saturates once that is
             # shorter than its own compute time.
-            "k_saturation_projected": max(1, math.ceil(produce_s / drafter_compute_s)),
+            "k_saturation_projected": (max(1, math.ceil(produce_s / drafter_compute_s))
+                                       if wait / max(wait + compute, 1e-9) > 0.05 else 1),
             "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]], "wall_s": time.monotonic() - t0,
         }
         rows.append(row)

@@ -41,7 +41,7 @@ for step in "$@"; do
       --work /tmp/multigpu-bench/ddp --jsonl "$out/multigpu.jsonl"
     ;;
   dflash)
-    for drafter in tiny small; do
+    for drafter in ${DRAFTERS:-tiny small}; do
       python3 bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --drafter "$drafter" --steps 40 \
         --skip 10 --timeout 200 --work "/tmp/multigpu-bench/$drafter" --jsonl "$out/multigpu.jsonl"
     done

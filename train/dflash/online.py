@@ -7,7 +7,10 @@ header (shapes) followed by the tensors, point-to-point (gloo on CPU, NCCL on GP
 
 Back-pressure: a target keeps at most `queue_depth` messages in flight (isend); when the queue is
 full it waits for the oldest to be received, so a slow drafter stalls the targets instead of
-letting queued hidden states grow without bound. The reference run used 6-1 on 8 GPUs (7-1 was
+letting queued hidden states grow without bound. On NCCL that wait orders the target's compute
+stream after the send (the host itself runs on), so the stall shows up on the target's GPU, and
+`waits` counts full queues, not host blocks: on the H200s it read 36 of 40 whichever side was the
+bottleneck (bench/RESULTS.md). The reference run used 6-1 on 8 GPUs (7-1 was
 no faster and drew 1 kW more).
 """
 

@@ -235,7 +235,9 @@ def train(cfg: DFlashConfig) -> int:
                 t_batch = time.perf_counter()
                 batch = target_batch(target, capture, [samples[i] for i in ids], cfg, step, device)
                 if device.type == "cuda":
-                    torch.cuda.synchronize(device)  # time the target's own work, not the send
+                    # also waits for sends the drafter has not received: the target's own time
+                    # only while the drafter keeps up (bench/multigpu.py checks the drafter's wait)
+                    torch.cuda.synchronize(device)
                 produce_s.append(time.perf_counter() - t_batch)
                 sender.send(batch)
         sender.close()
