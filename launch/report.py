@@ -16,7 +16,7 @@ from typing import Any
 from launch.errors import LaunchError
 from launch.fsutil import launch_home
 
-PLOTS = ("loss", "task_loss", "tok_s", "mfu")
+PLOTS = ("loss", "task_loss", "tok_s", "mfu")  # plus rank_forward for runs of several ranks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +100,20 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str) -> list[
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     save(fig, "task_loss")
+
+    ranked = [r for r in steps if r.get("rank_fwd_ms")]
+    if ranked:  # several ranks: each rank's forward time, where a straggler shows
+        fig, ax = plt.subplots(figsize=(7, 4))
+        n_ranks = max(len(r["rank_fwd_ms"]) for r in ranked)
+        for rank in range(n_ranks):
+            ax.plot([r["step"] for r in ranked],
+                    [r["rank_fwd_ms"][rank] if rank < len(r["rank_fwd_ms"]) else float("nan") for r in ranked],
+                    lw=1.0, label=f"rank {rank}")
+        ax.set(xlabel="step", ylabel="forward ms", title=f"{title}: forward time per rank")
+        if n_ranks <= 16:
+            ax.legend(fontsize=7, ncol=2)
+        ax.grid(alpha=0.3)
+        save(fig, "rank_forward")
     return written
 
 

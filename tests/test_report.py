@@ -60,6 +60,19 @@ def test_report_from_directory(tmp_path: Path) -> None:
         assert width > 100 and height > 100
 
 
+def test_report_plots_forward_time_per_rank_for_multi_rank_runs(tmp_path: Path) -> None:
+    from launch.report import read_steps, write_plots
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recs = [{"event": "step", "step": s, "loss": 1.0, "tok_s": 1.0, "mfu": 0.1,
+             "rank_fwd_ms": [200.0 + s, 205.0, 230.0], "fwd_spread": 0.14} for s in range(1, 6)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    paths = write_plots(read_steps(run_dir / "metrics.jsonl"), run_dir / "plots", "run")
+    assert "rank_forward.png" in {p.name for p in paths}
+    _valid_png(run_dir / "plots" / "rank_forward.png")
+
+
 def test_report_cli_by_job_id_and_errors(tmp_path: Path) -> None:
     home = tmp_path / "home"
     _metrics(home / "runs" / "stage1" / "4242")
