@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Issue 10's multi-GPU runs on a lent nvidia-h200-x2 (or larger) machine: no network, no Slurm.
-# Wheels come from .gpu/a and .gpu/b (shared/gpu-wheels, plus deepspeed's pydantic and hjson);
-# the runs are bench/allreduce_bw.py and bench/multigpu.py. Results land in $OUT.
+# Wheels come from two folders that .git/info/exclude ignores, each under the 64 MiB a call carries:
+#   .gpu/a  z3-solver, causal-conv1d (shared/gpu-wheels/c), fla-core, flash-linear-attention,
+#           apache-tvm-ffi, torch-c-dlpack-ext, cut-cross-entropy, deepspeed 0.19.8 (sdist) and
+#           its pydantic 2.14.4, pydantic-core, annotated-types, typing-inspection,
+#           typing-extensions, hjson
+#   .gpu/b  tilelang, transformers 5.23.0, liger-kernel, submitit, cloudpickle
+# The runs are bench/allreduce_bw.py and bench/multigpu.py. Results land in $OUT.
 # Steps, run in the order given (the machine stays warm 30 s between calls, /tmp with it):
 #   a       (carry .gpu/a) fla, causal-conv1d, z3, deepspeed; GPU topology; all-reduce bandwidth
 #   b       (carry .gpu/b) tilelang, transformers 5.23, submitit
