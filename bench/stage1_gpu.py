@@ -17,6 +17,9 @@ real (non-padding) tokens, so padded and packed variants compare useful work; MF
 train.common.mfu (torchtitan: 6*N_matmul + 12*L_full*h*d*row_len, 989 TFLOP/s peak) on those
 tokens. `slow steps` counts timed steps over 3x the median: on variable shapes fla/Triton
 re-autotune. Each variant appends one JSON line to --jsonl and prints a table row.
+Every variant's AdamW keeps fp32 master weights of the bf16 parameters, as the trainer does since
+the multi-GPU runs (train/common/master_weights.py); the issue-9 table in bench/RESULTS.md was
+measured before that, with AdamW on the bf16 parameters (about 3% faster, and wrong).
 
     python bench/stage1_gpu.py --variants naive,fla-padded,fla-packed --jsonl out.jsonl
     python bench/stage1_gpu.py --variants fast --profile      # plus a torch.profiler summary
