@@ -39,6 +39,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -131,6 +132,7 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
         if a.row_len:
             argv += ["--row-len", str(a.row_len)]
         argv += a.extra
+        shutil.rmtree(out, ignore_errors=True)  # a killed earlier attempt would add its steps to metrics.jsonl
         print(f"== stage1 {a.preset} on {n} GPU(s): python -m train.stage1 {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         outputs = run_ranks("stage1", argv, n, out / "logs", a.timeout)
@@ -188,6 +190,7 @@ def bench_dflash(a: argparse.Namespace) -> list[dict[str, Any]]:
                 "--steps", str(a.steps), "--token-budget", str(a.token_budget), "--max-len", str(a.max_len),
                 "--synthetic-samples", str(a.samples), "--out", str(out), "--ckpt-every", str(10**9),
                 "--queue-depth", str(a.queue_depth), *a.extra]
+        shutil.rmtree(out, ignore_errors=True)
         print(f"== dflash {topo}: python -m train.dflash {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         outputs = run_ranks("dflash", argv, k + 1, out / "logs", a.timeout)
