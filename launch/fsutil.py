@@ -30,11 +30,16 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o
         except FileNotFoundError:
             pass
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_path(path.parent)
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file or a directory (a directory's fsync makes renames into it durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from launch.fsutil import atomic_write_text, sha256_file
+from launch.fsutil import atomic_write_text, fsync_path, sha256_file
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -32,14 +32,6 @@ LATEST = "latest"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted; the message is one line naming the file."""
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def step_dir_name(step: int) -> str:
@@ -95,16 +87,16 @@ class CheckpointManager:
         if is_main:
             files = {}
             for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                _fsync_path(path)
+                fsync_path(path)
                 files[str(path.relative_to(tmp))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
             manifest = {"step": step, "files": files}
             atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
             for sub in sorted({p for p in tmp.rglob("*") if p.is_dir()}, reverse=True):
-                _fsync_path(sub)
+                fsync_path(sub)
             if final.exists():  # same step saved again (e.g. final save right after a periodic one)
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_path(self.root)
+            fsync_path(self.root)
             atomic_write_text(self.root / LATEST, name + "\n")
             self._prune(keep_name=name)
         barrier()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,11 +143,3 @@ def remove_tmp_files(root: Path) -> list[Path]:
         tmp.unlink(missing_ok=True)
         removed.append(tmp)
     return removed
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
