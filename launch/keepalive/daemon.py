@@ -30,7 +30,7 @@ from typing import Any
 from launch.errors import LaunchError
 from launch.fsutil import atomic_write_text
 from launch.keepalive.holders import GpuHolder, LockHolder
-from launch.keepalive.protocol import MAX_MESSAGE_BYTES, decode, encode
+from launch.keepalive.protocol import decode, encode, read_line
 
 log = logging.getLogger("launch.keepalive")
 
@@ -187,7 +187,7 @@ class KeepaliveDaemon:
             try:
                 uid = peer_uid(conn)
                 conn.settimeout(5.0)
-                line = self._read_line(conn)
+                line = read_line(conn)
                 if uid not in self.allowed_uids:
                     # read before refusing, so the client sees the refusal, not a broken pipe
                     log.warning("refused a connection from uid %d (root only)", uid)
@@ -201,18 +201,6 @@ class KeepaliveDaemon:
                 conn.sendall(encode(answer))
             except OSError:
                 log.warning("client went away before its answer to %s", answer)
-
-    @staticmethod
-    def _read_line(conn: socket.socket) -> bytes:
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = conn.recv(4096)
-            if not chunk:
-                break
-            buf += chunk
-            if len(buf) > MAX_MESSAGE_BYTES:
-                raise ValueError("request too long")
-        return buf
 
     def dispatch(self, message: dict[str, Any]) -> dict[str, Any]:
         op = message.get("op")

@@ -63,6 +63,26 @@ def encode(message: dict[str, Any]) -> bytes:
     return (json.dumps(message, sort_keys=True) + "\n").encode()
 
 
+class MessageTooLong(ValueError):
+    pass
+
+
+def read_line(sock: socket.socket) -> bytes:
+    """One newline-terminated message (or what came before the peer closed), at most MAX_MESSAGE_BYTES.
+
+    Raises MessageTooLong past the limit; the socket's own timeout applies to each recv.
+    """
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > MAX_MESSAGE_BYTES:
+            raise MessageTooLong(f"message longer than {MAX_MESSAGE_BYTES} bytes")
+    return buf
+
+
 def decode(line: bytes) -> dict[str, Any]:
     message = json.loads(line.decode())
     if not isinstance(message, dict):
@@ -95,15 +115,10 @@ def request(path: Path, message: dict[str, Any], timeout: float) -> dict[str, An
             sock.sendall(encode(message))
         except (BrokenPipeError, ConnectionResetError):
             pass  # the holder answered and closed early (a refusal); read that answer below
-        buf = b""
         try:
-            while not buf.endswith(b"\n"):
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                buf += chunk
-                if len(buf) > MAX_MESSAGE_BYTES:
-                    raise LaunchError(f"keepalive holder on {path} sent an oversized answer")
+            buf = read_line(sock)
+        except MessageTooLong:
+            raise LaunchError(f"keepalive holder on {path} sent an oversized answer") from None
         except TimeoutError:
             raise LaunchError(
                 f"keepalive holder on {path} did not answer {message.get('op')!r} within {timeout:g} s"
