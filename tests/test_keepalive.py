@@ -282,6 +282,38 @@ def test_peer_uid_is_checked_even_if_permissions_are_loosened(holder: Holder) ->
     assert "refused a connection from uid 65534" in holder.log_path.read_text()
 
 
+def test_oversized_request_is_refused_and_the_holder_keeps_its_gpus(holder: Holder) -> None:
+    import socket
+
+    from launch.keepalive.protocol import MAX_MESSAGE_BYTES, decode, read_line
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(holder.socket))
+        try:
+            sock.sendall(b"x" * (MAX_MESSAGE_BYTES + 10))  # no newline: only the bound ends the read
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the holder answered and closed first
+        answer = decode(read_line(sock))
+    assert answer["ok"] is False and f"longer than {MAX_MESSAGE_BYTES} bytes" in answer["error"]
+    assert held_by_holder(holder) == [0, 1, 2, 3]
+    assert holder.hook("prolog", "801", "0").returncode == 0 and held_by_holder(holder) == [1, 2, 3]
+
+
+def test_read_line_stops_at_the_bound() -> None:
+    import socket
+
+    from launch.keepalive.protocol import MAX_MESSAGE_BYTES, MessageTooLong, read_line
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b'{"op": "status"}\n')
+        assert read_line(b) == b'{"op": "status"}\n'
+        a.sendall(b"y" * (MAX_MESSAGE_BYTES + 1))
+        with pytest.raises(MessageTooLong):
+            read_line(b)
+
+
 # ---- lifecycle ---------------------------------------------------------------------------------
 
 
