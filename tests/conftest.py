@@ -22,6 +22,18 @@ REPO = Path(__file__).resolve().parents[1]
 JOB_FIXTURES = Path(__file__).with_name("jobfixtures")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread for a module: small matmuls on a shared 2-core machine only
+    contend with more threads (about 10x slower)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def slurm_available() -> str | None:
     if os.geteuid() != 0:
         return "the embedded cluster needs root (slurmd)"

@@ -110,6 +110,13 @@ def can_unshare_mounts() -> bool:
 needs_mount_ns = pytest.mark.skipif(not can_unshare_mounts(), reason="needs root and unshare -m (private mount namespace)")
 
 
+def doctor_over_tmpfs(mount_dir: Path, options: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """`launch doctor --json` in a private mount namespace, with a tmpfs (`options`) over mount_dir."""
+    script = f"mount -t tmpfs -o {options} tmpfs {mount_dir} && exec \"$@\""
+    out = run_doctor_cli(["--json"], env, prefix=["unshare", "-m", "sh", "-c", script, "sh"])
+    return out, {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+
+
 # ---------------------------------------------------------------- kernels
 def test_fla_import_error_shows_real_exception_and_fails_for_gpu_job(tmp_path):
     env = clean_env(tmp_path, PYTHONPATH=f"{broken_fla(tmp_path)}{os.pathsep}{REPO}")
@@ -261,11 +268,8 @@ def test_unwritable_cache_fails(tmp_path):
     """A read-only tmpfs over the cache dir, in a private mount namespace (root cannot write it)."""
     ro = tmp_path / "ro"
     ro.mkdir()
-    env = clean_env(tmp_path, HF_HOME=str(ro / "hf"))
-    script = f"mount -t tmpfs -o ro,size=1m tmpfs {ro} && exec \"$@\""
-    out = run_doctor_cli(["--json"], env, prefix=["unshare", "-m", "sh", "-c", script, "sh"])
+    out, rows = doctor_over_tmpfs(ro, "ro,size=1m", clean_env(tmp_path, HF_HOME=str(ro / "hf")))
     assert out.returncode == 1, out.stderr
-    rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
     assert rows["cache.hf"]["status"] == "FAIL"
     assert "not writable: Read-only file system" in rows["cache.hf"]["found"]
     assert rows["cache.triton"]["status"] == "PASS"
@@ -275,10 +279,7 @@ def test_unwritable_cache_fails(tmp_path):
 def test_cache_without_free_space_fails(tmp_path):
     small = tmp_path / "small"
     small.mkdir()
-    env = clean_env(tmp_path, TORCHINDUCTOR_CACHE_DIR=str(small / "inductor"))
-    script = f"mount -t tmpfs -o size=1m tmpfs {small} && exec \"$@\""
-    out = run_doctor_cli(["--json"], env, prefix=["unshare", "-m", "sh", "-c", script, "sh"])
-    rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    _, rows = doctor_over_tmpfs(small, "size=1m", clean_env(tmp_path, TORCHINDUCTOR_CACHE_DIR=str(small / "inductor")))
     assert rows["cache.inductor"]["status"] == "FAIL"
     assert "GiB free < 2 GiB" in rows["cache.inductor"]["found"]
     assert "tmpfs" in rows["cache.inductor"]["found"]

@@ -28,13 +28,7 @@ from train.stage1.model import build_model
 ROW_LEN = 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small matmuls on a shared 2-core machine: intra-op threads only contend (~10x slower).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
