@@ -50,6 +50,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from launch.report import step_records  # noqa: E402
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -110,9 +114,8 @@ def run_ranks(job: str, argv: list[str], ntasks: int, logs: Path, timeout: float
     return outputs
 
 
-def step_records(metrics: Path, skip: int) -> list[dict[str, Any]]:
-    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    steps = [r for r in recs if "step" in r and "loss" in r]
+def timed_steps(metrics: Path, skip: int) -> list[dict[str, Any]]:
+    steps = step_records(metrics)
     if len(steps) <= skip:
         raise RuntimeError(f"{metrics}: {len(steps)} steps logged, need more than --skip {skip}")
     return steps[skip:]
@@ -136,7 +139,7 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"== stage1 {a.preset} on {n} GPU(s): python -m train.stage1 {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         outputs = run_ranks("stage1", argv, n, out / "logs", a.timeout)
-        steps = step_records(out / "metrics.jsonl", a.skip)
+        steps = timed_steps(out / "metrics.jsonl", a.skip)
         header = next((ln for ln in outputs[0].splitlines() if "world=" in ln), "")
         spreads = [r["fwd_spread"] for r in steps if "fwd_spread" in r]
         tok_s = statistics.median(r["tok_s"] for r in steps)
@@ -194,7 +197,7 @@ def bench_dflash(a: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"== dflash {topo}: python -m train.dflash {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         outputs = run_ranks("dflash", argv, k + 1, out / "logs", a.timeout)
-        steps = step_records(out / "metrics.jsonl", a.skip)
+        steps = timed_steps(out / "metrics.jsonl", a.skip)
         targets = [m.groups() for text in outputs[:k] for m in [TARGET_LINE.search(text)] if m]
         if len(targets) != k:
             raise RuntimeError(f"dflash {topo}: {len(targets)} of {k} target ranks reported their timing")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +45,27 @@ def resolve_metrics(job_or_dir: str) -> Path:
     )
 
 
-def read_steps(metrics: Path) -> list[dict[str, Any]]:
+def step_records(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Step records of a metrics.jsonl, sorted by step; the last record of a step wins (a resumed
+    run logs its steps again), a torn line (a killed run) is skipped. Torch-free, for the CLI and
+    the trainers alike."""
     by_step: dict[int, dict[str, Any]] = {}
     with open(metrics) as f:
         for line in f:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a line torn by a killed run
+                continue
             if isinstance(rec, dict) and rec.get("event") == "step" and "step" in rec:
                 by_step[int(rec["step"])] = rec
-    if not by_step:
-        raise LaunchError(f"{metrics} has no step records yet")
     return [by_step[s] for s in sorted(by_step)]
+
+
+def read_steps(metrics: Path) -> list[dict[str, Any]]:
+    steps = step_records(metrics)
+    if not steps:
+        raise LaunchError(f"{metrics} has no step records yet")
+    return steps
 
 
 def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str) -> list[Path]:

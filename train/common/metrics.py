@@ -132,20 +132,3 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-
-
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Step records of a metrics.jsonl, last record per step wins (resumed runs), sorted by step.
-
-    A torn last line (a run killed mid-write) is skipped.
-    """
-    by_step: dict[int, dict[str, Any]] = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("event") == "step":
-                by_step[int(rec["step"])] = rec
-    return [by_step[s] for s in sorted(by_step)]

@@ -393,9 +393,9 @@ def batch_digest(batch: dict[str, Any]) -> str:
 
 def _loss_span(metrics_path: Path) -> dict[str, Any]:
     """first/last loss over the whole run, including steps before a resume."""
-    from train.common.metrics import read_metrics
+    from launch.report import step_records
 
-    recs = read_metrics(metrics_path) if metrics_path.exists() else []
+    recs = step_records(metrics_path) if metrics_path.exists() else []
     if not recs:
         return {}
     return {"first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"],
