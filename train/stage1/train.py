@@ -8,6 +8,8 @@ Files written under --out (default $LAUNCH_JOB_DIR, else ./runs/stage1-local):
     checkpoints/        step_XXXXXXXX/ (MANIFEST.json-verified) and `latest`
     summary.json        steps, first/last loss, mean tok/s, paths; written atomically at the end
     data/               the synthetic dataset, generated there when --data-dir is not given
+    model_files/        config.json, the extended tokenizer, the image processor (train.stage1.export)
+    export/step_X/      a transformers checkpoint of the last step (from_pretrained loads it)
 Re-running the same argv with the same --out resumes from checkpoints/latest at the same step
 with the same next batch (this is what submitit's requeue does).
 """
@@ -28,26 +30,34 @@ from typing import Any
 import torch
 
 from launch.fsutil import atomic_write_text
+from train.common import fastpath, mfu
 from train.common.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from train.common.codebooks import CodebookConfig, parse_lengths, parse_sizes
 from train.common.distributed import DistInfo, init_distributed, shutdown_distributed, slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
+from train.common.hf_local import HFLocalError, has_vision_tower
 from train.common.losses import LossImplError, select_loss_impl
 from train.common.master_weights import MasterWeightAdamW, needs_master_weights
 from train.common.metrics import MetricsLogger, compile_counts, peak_memory_mb
 from train.common.packing import IGNORE_INDEX, model_kwargs
 from train.common.profiler import StepProfiler, rank_spread
-from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data, generate_synthetic
+from train.common.shapes import SHAPES, get_shape
+from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data
+from train.stage1.export import ExportError, export_checkpoint, write_model_files
+from train.stage1.model import build_model, text_model_config
 from train.stage1.objective import CausalLMObjective
+from train.stage1.synthetic import generate_synthetic
+from train.stage1.tokenizer import TokenizerError, build_tokenizer
 
 ENTRYPOINT = "train.stage1"
 
 
 @dataclass
 class Stage1Config:
-    preset: str = "tiny"
-    # These defaults are the tiny CPU demo; the command line fills unset ones per preset from
-    # PRESET_DEFAULTS (8192-token rows and a smaller lr for the GPU shapes).
+    shape: str = "tiny"  # the model shape (train.common.shapes), not a job spec's preset
+    # These defaults are the tiny CPU demo; the command line fills unset ones per shape from
+    # SHAPE_DEFAULTS (8192-token rows and a smaller lr for the GPU shapes).
     steps: int = 60
     batch_rows: int = 2
     row_len: int = 256
@@ -73,14 +83,19 @@ class Stage1Config:
     wandb_project: str | None = None
     # auto: a fused linear cross-entropy (no full-vocab logits) on CUDA, plain logits on CPU.
     loss_impl: str = "auto"
-    # Images through the preset's Qwen3.5 vision tower (Qwen3_5ForConditionalGeneration); off: the
-    # text-only model, images as colour stand-in tokens. Per-preset default in PRESET_DEFAULTS.
-    vision: bool = False
+    # Images through the shape's Qwen3.5 vision tower (Qwen3_5ForConditionalGeneration); off: the
+    # text-only model. None: on when --init-from has a vision tower, else the shape's default.
+    vision: bool | None = None
+    # The 3D asset format (default: the shape's): codebook vocab sizes, and codes per asset
+    # ("1728,2048,2048", or "any").
+    codebook_sizes: str | None = None
+    asset_lengths: str | None = None
+    export: bool = True  # write a transformers checkpoint of the last step into <out>/export/
 
 
-# Per-preset defaults for what the command line leaves unset. tiny: 512 tokens a step, so 60
+# Per-shape defaults for what the command line leaves unset. tiny: 512 tokens a step, so 60
 # steps take a minute or two on 2 CPU cores and the loss falls from ~8.5 to ~3.
-PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
+SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"steps": 60, "batch_rows": 2, "row_len": 256, "lr": 3e-3, "warmup": 5, "vision": True},
     "qwen35-0.8b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 3e-4, "warmup": 500, "ckpt_every": 500},
     "qwen35-2b": {"steps": 20000, "batch_rows": 2, "row_len": 8192, "lr": 2e-4, "warmup": 500, "ckpt_every": 500},
@@ -90,7 +105,7 @@ PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
 def parse_args(argv: list[str] | None) -> Stage1Config:
     d = Stage1Config()
     p = argparse.ArgumentParser(prog="python -m train.stage1", description="stage-1 AR pretraining")
-    p.add_argument("--preset", default=d.preset)
+    p.add_argument("--shape", default=d.shape, help=f"model shape: {', '.join(SHAPES)}")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch-rows", type=int, default=None, help="packed rows per step per rank")
     p.add_argument("--row-len", type=int, default=None, help="tokens per packed row (8192 on GPU)")
@@ -114,10 +129,17 @@ def parse_args(argv: list[str] | None) -> Stage1Config:
     p.add_argument("--loss-impl", choices=("auto", "logits", "cce", "liger"), default=d.loss_impl,
                    help="next-token loss kernel (auto: fused on CUDA)")
     p.add_argument("--vision", choices=("on", "off"), default=None,
-                   help="images through the Qwen3.5 vision tower (default: on for tiny, off for the GPU presets)")
+                   help="images through the Qwen3.5 vision tower (default: as --init-from has it; else on for "
+                        "tiny, off for the GPU shapes)")
+    p.add_argument("--codebook-sizes", default=None, help="3D codebook vocab sizes SS,SHAPE,TEX (default: the shape's)")
+    p.add_argument("--asset-lengths", default=None,
+                   help="codes per 3D asset SS,SHAPE,TEX, each a number or any (default: the shape's)")
+    p.add_argument("--export", choices=("on", "off"), default="on",
+                   help="export the last checkpoint as a transformers checkpoint (default on)")
     a = p.parse_args(argv)
     if a.vision is not None:
         a.vision = a.vision == "on"
+    a.export = a.export == "on"
     weights = None
     if a.weights:
         try:
@@ -125,8 +147,10 @@ def parse_args(argv: list[str] | None) -> Stage1Config:
         except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
             raise ConfigError(f"--weights must be a JSON object of task -> number, got {a.weights!r}") from None
     given = {k: v for k, v in vars(a).items() if k != "weights" and v is not None}
-    preset_defaults = PRESET_DEFAULTS.get(a.preset, {})
-    cfg = Stage1Config(**{**preset_defaults, **given}, weights=weights)
+    shape_defaults = SHAPE_DEFAULTS.get(a.shape, {})
+    cfg = Stage1Config(**{**shape_defaults, **given}, weights=weights)
+    if "vision" not in given and cfg.init_from:  # the checkpoint decides
+        cfg.vision = has_vision_tower(cfg.init_from)
     validate(cfg)
     return cfg
 
@@ -136,10 +160,8 @@ class ConfigError(ValueError):
 
 
 def validate(cfg: Stage1Config) -> None:
-    from train.stage1.model import PRESETS
-
-    if cfg.preset not in PRESETS:
-        raise ConfigError(f"unknown preset {cfg.preset!r}; valid presets: {', '.join(PRESETS)}")
+    if cfg.shape not in SHAPES:
+        raise ConfigError(f"unknown model shape {cfg.shape!r}; valid shapes: {', '.join(SHAPES)}")
     for name in ("steps", "batch_rows", "row_len", "log_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -147,8 +169,23 @@ def validate(cfg: Stage1Config) -> None:
         raise ConfigError(f"--ckpt-every must be >= 0 (0: no checkpoints), got {cfg.ckpt_every}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
-    if cfg.vision and PRESETS[cfg.preset].vision is None:
-        raise ConfigError(f"preset {cfg.preset!r} has no vision tower; use --vision off")
+    if cfg.vision and SHAPES[cfg.shape].vision is None:
+        raise ConfigError(f"model shape {cfg.shape!r} has no vision tower; use --vision off")
+    codebook_config(cfg)
+
+
+def codebook_config(cfg: Stage1Config) -> CodebookConfig:
+    """The run's 3D asset format: the shape's, with --codebook-sizes / --asset-lengths applied."""
+    codebooks = get_shape(cfg.shape).codebooks
+    try:
+        if cfg.codebook_sizes:
+            ss, shape, tex = parse_sizes(str(cfg.codebook_sizes))
+            codebooks = dataclasses.replace(codebooks, ss=ss, shape=shape, tex=tex)
+        if cfg.asset_lengths:
+            codebooks = dataclasses.replace(codebooks, lengths=parse_lengths(str(cfg.asset_lengths)))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return codebooks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,13 +271,11 @@ def main(argv: list[str] | None = None, guard: bool = True) -> int:
     """Entry point; returns the exit code. guard=False only for tests of the loop internals."""
     return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=train, guard=guard,
                           config_errors=(ConfigError,),
-                          run_errors=(DataError, CheckpointError, ConfigError, FastPathError, LossImplError))
+                          run_errors=(DataError, CheckpointError, ConfigError, FastPathError, LossImplError,
+                                      TokenizerError, HFLocalError, ExportError))
 
 
 def train(cfg: Stage1Config) -> int:
-    from train.common import fastpath
-    from train.stage1.model import build_model
-
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ds = use_deepspeed(cfg, device, world_size=slurm_layout()[1])
@@ -253,15 +288,22 @@ def train(cfg: Stage1Config) -> int:
 
     # Data: generate the synthetic set on first use (rank 0), then everyone opens it.
     data_dir = Path(cfg.data_dir) if cfg.data_dir else out / "data"
+    codebooks = codebook_config(cfg)
     if not cfg.data_dir and dist_info.is_main and not (data_dir / "gen_img.jsonl").exists():
-        counts = generate_synthetic(data_dir, cfg.synthetic_samples, seed=cfg.seed, preset=cfg.preset)
+        counts = generate_synthetic(data_dir, cfg.synthetic_samples, seed=cfg.seed, shape=cfg.shape,
+                                    codebooks=codebooks)
         log.print(f"# generated synthetic data in {data_dir}: {counts}")
     barrier()
 
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
     kernels = fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, spec = build_model(cfg.preset, device=device, dtype=dtype, init_from=cfg.init_from, vision=cfg.vision)
+    # The tokenizer first: a checkpoint whose tokenizer does not fit fails before the model is built.
+    tok = build_tokenizer(get_shape(cfg.shape), cfg.init_from, bool(cfg.vision), codebooks)
+    model, spec = build_model(cfg.shape, device=device, dtype=dtype, init_from=cfg.init_from, vision=bool(cfg.vision),
+                              codebooks=codebooks, vision_ids=tok.vision_ids)
+    if dist_info.is_main:
+        write_model_files(out, model, tok, model_info(cfg, spec, tok))
     fastpath.install_kernels(model, kernels)
     loss_impl = select_loss_impl(device, cfg.loss_impl)
     objective = CausalLMObjective(model, loss_impl)
@@ -293,15 +335,15 @@ def train(cfg: Stage1Config) -> int:
         log.print(f"# resumed from {latest} at step {step}, next batch {data_state['next_batch']}")
     data = Stage1Data(
         DataConfig(
-            str(data_dir), preset=cfg.preset, row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
+            str(data_dir), row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
             weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers,
-            vision=cfg.vision,
         ),
-        rank=dist_info.rank, start_batch=int(data_state["next_batch"]), report=log.print,
+        tok, rank=dist_info.rank, start_batch=int(data_state["next_batch"]), report=log.print,
     )
     flops_per_token, peak_flops, peak_source = mfu_terms(model, cfg, device)
     log.header({
-        "preset": cfg.preset, "params": spec.n_params, "vocab": spec.vocab.padded_vocab, "device": device.type,
+        "shape": cfg.shape, "params": spec.n_params, "vocab": spec.vocab.padded_vocab,
+        "vocab_used": spec.vocab.used_vocab, "tokenizer": tok.name, "device": device.type,
         "world": dist_info.world_size, "deepspeed": ds, "row_len": cfg.row_len, "batch_rows": cfg.batch_rows,
         "start_step": step, "steps": cfg.steps, "flops_per_token": f"{flops_per_token:.4g}",
         "mfu_peak": f"{peak_flops:.4g} ({peak_source})", "loss_impl": loss_impl,
@@ -349,8 +391,10 @@ def train(cfg: Stage1Config) -> int:
             "steps": step, "first_loss": first_loss, "last_loss": last_loss,
             "mean_tok_s": prof.mean_tokens_per_s if prof.total_s else None,  # all ranks together
             "out_dir": str(out.resolve()), "metrics": str((out / "metrics.jsonl").resolve()),
-            "checkpoint": str((out / "checkpoints").resolve()), "preset": cfg.preset,
+            "checkpoint": str((out / "checkpoints").resolve()), "shape": cfg.shape,
         }
+        if cfg.export and cfg.ckpt_every:
+            summary["export"] = str(export_checkpoint(out, None, None).resolve())
         summary.update(_loss_span(out / "metrics.jsonl"))
         atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
         log.print(f"# done: {json.dumps(summary)}")
@@ -409,15 +453,21 @@ def mfu_terms(model: torch.nn.Module, cfg: Stage1Config, device: torch.device) -
     comparable in form but only the GPU one means utilisation. The text model's FLOPs only: the
     vision tower's are not counted (its share depends on how many image patches a batch holds).
     """
-    from train.common import mfu
-    from train.stage1.model import text_model_config
-
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = mfu.peak_flops(name)
     source = name
     if peak is None:
         peak, source = mfu.H100_H200_PEAK, f"{name}: unknown peak, H100/H200 bf16 used as reference"
     return mfu.flops_per_token(text_model_config(model), cfg.row_len), peak, source
+
+
+def model_info(cfg: Stage1Config, spec: Any, tok: Any) -> dict[str, Any]:
+    """What the export's README says was trained (model_files/stage1.json)."""
+    c = spec.vocab.config
+    return {"shape": cfg.shape, "vision": bool(cfg.vision), "init_from": cfg.init_from, "tokenizer": tok.name,
+            "has_tokenizer": hasattr(tok, "hf"), "base_vocab": spec.vocab.base_vocab,
+            "codebook_sizes": [c.ss, c.shape, c.tex], "asset_lengths": ["any" if n is None else n for n in c.lengths],
+            "n_specials": len(c.specials), "vocab": spec.vocab.padded_vocab}
 
 
 # ---------------------------------------------------------------------------------------------
