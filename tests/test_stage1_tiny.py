@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.stage1_fixtures import make_data, run, step_records
-from train.stage1 import model as stage1_model
+from train.stage1 import train as stage1_train
 from train.stage1.data import TASKS
 
 STEP_FIELDS = {"step", "loss", "task_loss", "tok_s", "real_tok_s", "mfu", "data_ms", "compute_ms", "peak_mem_mb",
@@ -19,7 +19,7 @@ STEP_FIELDS = {"step", "loss", "task_loss", "tok_s", "real_tok_s", "mfu", "data_
 def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     # gen_img/replay_img images go through the vision tower: count its forward calls and images.
     vision_calls: list[int] = []
-    real_build = stage1_model.build_model
+    real_build = stage1_train.build_model
 
     def build(*args, **kwargs):
         model, spec = real_build(*args, **kwargs)
@@ -28,7 +28,7 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
                 lambda m, args, kw, out: vision_calls.append(len(kw["grid_thw"])), with_kwargs=True)
         return model, spec
 
-    monkeypatch.setattr(stage1_model, "build_model", build)
+    monkeypatch.setattr(stage1_train, "build_model", build)
     out = tmp_path / "run"
     assert run(out, make_data(tmp_path), 20, "--ckpt-every", "10") == 0
     stdout = capsys.readouterr().out

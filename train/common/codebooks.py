@@ -20,7 +20,7 @@ of 64/128), the vocab dimension splits evenly over up to 256 tensor-parallel ran
 embedding's row count stays a multiple of 8 that torch's allocator and NCCL like. The unused rows
 cost <0.1% of the parameters.
 
-For the Qwen3.5 shapes: 248,320 + 3 x 8,192 + 18 specials = 272,914 used, padded to 273,152.
+For the Qwen3.5 shapes: 248,320 + 3 x 8,192 + 16 specials = 272,912 used, padded to 273,152.
 The ``tiny`` shape uses a 4,096-token base vocabulary and scaled-down codebooks and lengths,
 through the same code. The names (``<|ss_17|>``, ``<|3d_start|>``) are what a checkpoint's
 tokenizer gets as special tokens at exactly these ids (train.stage1.tokenizer).

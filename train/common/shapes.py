@@ -70,8 +70,9 @@ QWEN35_VISION = VisionShape(
 )
 
 SHAPES: dict[str, ModelShape] = {
-    # ~5M parameters, 3 GDN + 1 full attention; small vocab, codebooks and assets (27 + 32 + 32
-    # codes of 256 entries each) so a step is fast on 2 CPU cores. Same code path as the big shapes.
+    # ~5M parameters, 3 GDN + 1 full attention; small vocab, codebooks and assets (8 + 10 + 10
+    # codes of 256 entries each: a 3D document fits a 128-token test row with its caption), so a
+    # step is fast on 2 CPU cores. Same code path as the big shapes.
     "tiny": ModelShape(
         hidden_size=256,
         num_layers=4,
@@ -87,7 +88,7 @@ SHAPES: dict[str, ModelShape] = {
         base_vocab=4096,
         mrope_section=(3, 3, 2),
         max_position_embeddings=8192,
-        codebooks=CodebookConfig(ss=256, shape=256, tex=256, lengths=(27, 32, 32)),
+        codebooks=CodebookConfig(ss=256, shape=256, tex=256, lengths=(8, 10, 10)),
         # ~0.23M parameters: the synthetic 32x32 images become a 4x4 patch grid, 4 placeholder
         # tokens after the 2x2 merge, so a step costs about what the text-only model did.
         vision=VisionShape(

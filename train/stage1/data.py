@@ -139,9 +139,10 @@ def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -
 def load_asset(path: Path, codebooks: CodebookConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (ss, shape, tex) codes of one 3D asset file; MalformedRecord (one line) if unusable."""
     try:
-        with np.load(path, allow_pickle=False) as z:
-            if not isinstance(z, np.lib.npyio.NpzFile):
-                raise MalformedRecord(f"3D token file {path} is not an .npz archive")
+        loaded = np.load(path, allow_pickle=False)  # a plain .npy loads as an array: not an asset
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise MalformedRecord(f"3D token file {path} is not an .npz archive")
+        with loaded as z:
             missing = [k for k in CODEBOOK_NAMES if k not in z.files]
             if missing:
                 raise MalformedRecord(f"3D token file {path} lacks array(s) {', '.join(missing)}")

@@ -84,8 +84,9 @@ class Stage1Config:
     # auto: a fused linear cross-entropy (no full-vocab logits) on CUDA, plain logits on CPU.
     loss_impl: str = "auto"
     # Images through the shape's Qwen3.5 vision tower (Qwen3_5ForConditionalGeneration); off: the
-    # text-only model. None: on when --init-from has a vision tower, else the shape's default.
-    vision: bool | None = None
+    # text-only model. Unset on the command line: on when --init-from has a vision tower, else the
+    # shape's default (SHAPE_DEFAULTS).
+    vision: bool = False
     # The 3D asset format (default: the shape's): codebook vocab sizes, and codes per asset
     # ("1728,2048,2048", or "any").
     codebook_sizes: str | None = None

@@ -63,7 +63,9 @@ def open_rgb(path: Path) -> Image.Image:
             return im.convert("RGB")
     except BadImage:
         raise
-    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError as exc:  # PIL's own limit, hit at open for the largest claims
+        raise BadImage(f"image {path}: {exc} (a decompression bomb?)") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
         raise BadImage(f"unreadable image {path} ({type(exc).__name__})") from None
 
 
