@@ -171,7 +171,7 @@ def _readme(info: dict[str, Any], ckpt: Path, step: int, what: str, cls: str, co
         f"- tokenizer: {info.get('tokenizer')}",
         f"- vision tower trained: {'yes' if info.get('vision') else 'no'}",
         "",
-        "Load it with `AutoModelForCausalLM.from_pretrained(DIR)` (or the class above) and "
+        f"Load it with `{cls}.from_pretrained(DIR)` and "
         "`AutoTokenizer.from_pretrained(DIR)`; the 3D tokens are special tokens named `<|ss_N|>`, "
         "`<|shape_N|>`, `<|tex_N|>` between `<|3d_start|>` and `<|3d_end|>`.",
     ]
