@@ -183,9 +183,9 @@ def _vision_ids(hf_config: Any, hf: Any, where: str) -> dict[str, int]:
         value = getattr(hf_config, key, None)
         if value is None:
             raise TokenizerError(f"checkpoint {where}: its config.json has no {key}")
-        if not (0 <= int(value) < n) or hf.convert_ids_to_tokens(int(value)) is None:
-            raise TokenizerError(f"checkpoint {where}: its {key} {value} is unknown to its tokenizer "
-                                 f"({n} tokens)")
+        name = hf.convert_ids_to_tokens(int(value)) if 0 <= int(value) < n else None
+        if name is None or name.startswith(RESERVED.split("{")[0]):  # none, or a gap filler of ours
+            raise TokenizerError(f"checkpoint {where}: its {key} {value} is unknown to its tokenizer")
         ids[key] = int(value)
     return ids
 
