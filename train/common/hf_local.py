@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
 # Either is enough for a fast tokenizer; vocab.json + merges.txt is the older BPE pair.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
@@ -49,8 +51,6 @@ def has_image_processor(path: str | os.PathLike[str]) -> bool:
 
 def load_config(path: str | os.PathLike[str]) -> Any:
     """``AutoConfig`` of DIR/config.json."""
-    from transformers import AutoConfig
-
     p = checkpoint_dir(path)
     if not (p / "config.json").is_file():
         raise HFLocalError(f"checkpoint {p}: no config.json there (give a local transformers checkpoint directory)")
@@ -62,8 +62,6 @@ def load_config(path: str | os.PathLike[str]) -> Any:
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """``AutoTokenizer`` of DIR (a fast tokenizer: tokenizer.json, or vocab.json + merges.txt)."""
-    from transformers import AutoTokenizer
-
     p = checkpoint_dir(path)
     if not has_tokenizer(p):
         raise HFLocalError(f"checkpoint {p}: no tokenizer there (expected {' or '.join(TOKENIZER_FILES)})")
@@ -75,8 +73,6 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 def load_image_processor(path: str | os.PathLike[str]) -> Any:
     """``AutoImageProcessor`` of DIR (preprocessor_config.json or processor_config.json)."""
-    from transformers import AutoImageProcessor
-
     p = checkpoint_dir(path)
     if not has_image_processor(p):
         raise HFLocalError(

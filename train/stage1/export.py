@@ -87,6 +87,7 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> str:
     """Load checkpoint ``ckpt``'s weights into ``model``; return which weights they were."""
     names = {n for n, _ in model.named_parameters()} | set(model.state_dict())
     if (ckpt / "deepspeed").is_dir():
+        # imported here: deepspeed is slow to import and only DeepSpeed checkpoints need it
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="deepspeed")
