@@ -17,10 +17,12 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 from tests.hf_fixtures import make_checkpoint
 from tests.stage1_fixtures import make_data, run
 from train.common.codebooks import CodebookVocab
+from train.common.packing import Document, Packer, collate, model_kwargs
 from train.common.shapes import get_shape
 from train.stage1.data import DataConfig, PackedBatches, build_batch, load_manifests, tokenize_record
 from train.stage1.export import export_checkpoint
 from train.stage1.model import build_model
+from train.stage1.objective import CausalLMObjective, ModelInputError
 from train.stage1.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
 
 TINY = get_shape("tiny")
@@ -204,3 +206,23 @@ def test_export_of_a_deepspeed_zero2_checkpoint(vision_ckpt: Path, tmp_path: Pat
                for t in ("gen_img", "replay_img", "und"))
     print(f"ZeRO-2 export vs trainer: max abs logit diff {diff:.3g}")
     assert diff <= 1e-5
+
+
+def test_a_value_error_inside_transformers_is_a_one_line_error(tmp_path: Path) -> None:
+    """Placeholders that do not match the image features: transformers' ValueError becomes one line."""
+    tok = build_tokenizer(TINY, None, vision=True)
+    model, _ = build_model("tiny", vision=True, vision_ids=tok.vision_ids)
+    image = tmp_path / "x.png"  # a real image, then one placeholder too few
+    Image.new("RGB", (32, 32), (10, 200, 10)).save(image)
+    inp = tok.encoder(image)
+    ids = tok.vision_ids
+    tokens = [1, ids["vision_start_token_id"], *[ids["image_token_id"]] * (inp.n_tokens - 1),
+              ids["vision_end_token_id"], 20, 21]
+    doc = Document(tokens, 0, [])
+    batch = collate(list(Packer(row_len=16).pack([doc])))
+    batch.update(pixel_values=inp.pixel_values, image_grid_thw=torch.tensor([inp.grid_thw]))
+    kwargs = model_kwargs(batch)
+    with pytest.raises(ModelInputError) as err:
+        CausalLMObjective(model, "logits")(**kwargs)
+    assert len(str(err.value).splitlines()) == 1 and "refused a batch" in str(err.value)
+    assert "do not match" in str(err.value), err.value

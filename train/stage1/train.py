@@ -46,7 +46,7 @@ from train.common.shapes import SHAPES, get_shape
 from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data
 from train.stage1.export import ExportError, export_checkpoint, write_model_files
 from train.stage1.model import build_model, text_model_config
-from train.stage1.objective import CausalLMObjective
+from train.stage1.objective import CausalLMObjective, ModelInputError
 from train.stage1.synthetic import generate_synthetic
 from train.stage1.tokenizer import TokenizerError, build_tokenizer
 
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None, guard: bool = True) -> int:
     return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=train, guard=guard,
                           config_errors=(ConfigError,),
                           run_errors=(DataError, CheckpointError, ConfigError, FastPathError, LossImplError,
-                                      TokenizerError, HFLocalError, ExportError))
+                                      TokenizerError, HFLocalError, ExportError, ModelInputError))
 
 
 def train(cfg: Stage1Config) -> int:
