@@ -85,7 +85,7 @@ def test_dry_run_prints_script_and_submits_nothing(launch_env):
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("#SBATCH") >= 5
     assert "export TRITON_CACHE_DIR=$LAUNCH_SCRATCH/triton" in out.stdout
-    assert "python -m train.stage1 --preset tiny" in out.stdout
+    assert "python -m train.stage1 --shape tiny" in out.stdout
     assert run_launch(["list"], launch_env).stdout.startswith("no jobs")
 
 
