@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Issue 10's multi-GPU runs on a lent nvidia-h200-x2 (or larger) machine: no network, no Slurm.
-# Wheels come from two folders that .git/info/exclude ignores, each under the 64 MiB a call carries:
-#   .gpu/a  z3-solver, causal-conv1d (shared/gpu-wheels/c), fla-core, flash-linear-attention,
+# Issue 10's multi-GPU runs on a 2x H200 (or larger) machine: no network, no Slurm.
+# Wheels come from two local wheel directories (kept out of git), installed with
+# `pip install --no-index`:
+#   .gpu/a  z3-solver, causal-conv1d (a prebuilt wheel), fla-core, flash-linear-attention,
 #           apache-tvm-ffi, torch-c-dlpack-ext, cut-cross-entropy, deepspeed 0.19.8 (sdist) and
 #           its pydantic 2.14.4, pydantic-core, annotated-types, typing-inspection,
 #           typing-extensions, hjson
 #   .gpu/b  tilelang, transformers 5.23.0, liger-kernel, submitit, cloudpickle
 # The runs are bench/allreduce_bw.py and bench/multigpu.py. Results land in $OUT.
-# Steps, run in the order given (the machine stays warm 30 s between calls, /tmp with it):
-#   a       (carry .gpu/a) fla, causal-conv1d, z3, deepspeed; GPU topology; all-reduce bandwidth
-#   b       (carry .gpu/b) tilelang, transformers 5.23, submitit
+# Steps, run in the order given on one machine (later steps use what earlier ones put in /tmp):
+#   a       (needs .gpu/a) fla, causal-conv1d, z3, deepspeed; GPU topology; all-reduce bandwidth
+#   b       (needs .gpu/b) tilelang, transformers 5.23, submitit
 #   zero2   stage-1 qwen35-2b, DeepSpeed ZeRO-2, 1 and 2 GPUs
 #   ddp     stage-1 qwen35-2b without DeepSpeed (1 GPU; DDP on 2), AdamW with fp32 masters
 #   dflash  DFlash 1-1 online, qwen35-0.8b target, tiny and small drafters
