@@ -4,6 +4,10 @@ One JSON object per line. `{"event": "header", ...}` once per (re)start with the
 `{"event": "step", "step": N, ...}` once per logged step. A resumed run appends to the same file
 and logs its steps again, so readers keep the last record of each step. Torch-free, so the CLI
 on a login node and the trainers share this reader.
+
+SCHEMAS holds, per trainer (the header's `trainer`), the fields of its step records, the fixed
+columns of its console step line and the plots `launch report` draws; the one throughput figure
+of its summary.json is named there too.
 """
 
 from __future__ import annotations

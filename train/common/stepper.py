@@ -74,10 +74,13 @@ class Stepper:
     def create(cls, module: torch.nn.Module, model: torch.nn.Module, *, lr: float, weight_decay: float,
                grad_clip: float, lr_lambda: Callable[[int], float], device: torch.device, dist: DistInfo,
                deepspeed: bool = False, deepspeed_config: dict[str, Any] | None = None,
-               fused: bool | None = None, master_weights: bool | None = None) -> Stepper:
+               fused: bool | None = None, master_weights: bool | None = None,
+               data_parallel: bool | None = None) -> Stepper:
+        """data_parallel: the model is replicated over the ranks (default: when there are several;
+        False for a model alone on its rank, e.g. DFlash's drafter)."""
         opt = make_adamw(model, lr, weight_decay, device, fused=fused, master_weights=False if deepspeed else master_weights)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-        single = dist.world_size == 1
+        single = not (dist.world_size > 1 if data_parallel is None else data_parallel)
         if deepspeed:
             import deepspeed as ds
 
