@@ -1,17 +1,17 @@
 """Multi-GPU runs of the real trainers on one host: stage-1 ZeRO-2 scaling, DFlash k-1 topologies.
 
-The lent GPU machines have no Slurm, so this script plays srun's part: one process per rank, each
+On a GPU machine without Slurm, this script plays srun's part: one process per rank, each
 with the variables srun gives a task (SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID,
 SLURM_NODEID, SLURM_JOB_NODELIST, SLURM_JOB_NUM_NODES), calling the trainer's
 `main(argv, guard=False)`. train.common.distributed reads that layout exactly as it does under
 `launch submit`; only the Slurm guard is off. NVLink multicast stays off in every rank
-(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): on the shared
-lent hosts it can take the GPUs out of service.
+(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): on shared
+hosts it can take the GPUs out of service.
 
     python bench/multigpu.py stage1 --gpus 1,2 --steps 16 --skip 4 --jsonl out.jsonl
     python bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --steps 40 --skip 10
 
-stage1: for each GPU count, the trainer on --shape (qwen35-2b) with DeepSpeed ZeRO-2
+stage1: for each GPU count, the trainer on job preset --preset (qwen35-2b) with DeepSpeed ZeRO-2
 (`--deepspeed on`, also on one GPU, so every row runs the same code) and uniform 8192-token rows,
 no checkpoints. Over the steps after --skip: median tok/s of all ranks, tok/s per GPU, MFU (the
 trainer's: torchtitan 6*N_matmul + full-attention term, 989 TFLOP/s), scaling efficiency against
@@ -52,7 +52,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launch.report import step_records  # noqa: E402
+from launch.jobspec import find_spec  # noqa: E402
+from toolkit.metrics import step_records  # noqa: E402
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -127,18 +128,20 @@ def timed_steps(metrics: Path, skip: int) -> list[dict[str, Any]]:
 def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in [int(x) for x in a.gpus.split(",")]:
-        out = Path(a.work) / f"stage1-{a.shape}-{n}gpu"
-        # 500 synthetic records of the shape's real asset format (5,824 codes for qwen35-2b): how many
-        # distinct ones there are does not change a step's cost, and generating them is quick.
-        argv = ["--shape", a.shape, "--steps", str(a.steps), "--deepspeed", a.deepspeed, "--out", str(out),
-                "--ckpt-every", "0", "--log-every", "1", "--synthetic-samples", "500"]
+        out = Path(a.work) / f"stage1-{a.preset}-{n}gpu"
+        # the job preset's args first (the model shape, its row length, lr, --vision off), then this
+        # run's. 500 synthetic records of the shape's real asset format (5,824 codes for qwen35-2b):
+        # how many distinct ones there are does not change a step's cost, and they are quick to make.
+        argv = find_spec("stage1").resolve(a.preset).argv()
+        argv += ["--steps", str(a.steps), "--deepspeed", a.deepspeed, "--out", str(out),
+                 "--ckpt-every", "0", "--log-every", "1", "--synthetic-samples", "500"]
         if a.batch_rows:
             argv += ["--batch-rows", str(a.batch_rows)]
         if a.row_len:
             argv += ["--row-len", str(a.row_len)]
         argv += a.extra
         shutil.rmtree(out, ignore_errors=True)  # a killed earlier attempt would add its steps to metrics.jsonl
-        print(f"== stage1 {a.shape} on {n} GPU(s): python -m train.stage1 {' '.join(argv)}", flush=True)
+        print(f"== stage1 {a.preset} on {n} GPU(s): python -m train.stage1 {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         outputs = run_ranks("stage1", argv, n, out / "logs", a.timeout)
         steps = timed_steps(out / "metrics.jsonl", a.skip)
@@ -146,7 +149,7 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
         spreads = [r["fwd_spread"] for r in steps if "fwd_spread" in r]
         tok_s = statistics.median(r["tok_s"] for r in steps)
         row = {
-            "bench": "stage1", "shape": a.shape, "gpus": n,
+            "bench": "stage1", "preset": a.preset, "gpus": n,
             "vocab": int(m.group(1)) if (m := re.search(r"\bvocab=(\d+)", header)) else None, "deepspeed": "deepspeed=True" in header,
             "steps_timed": len(steps), "tok_s": tok_s, "tok_s_per_gpu": tok_s / n,
             "mfu": statistics.median(r["mfu"] for r in steps),
@@ -254,7 +257,7 @@ def main() -> int:
     sub = p.add_subparsers(dest="bench", required=True)
     s1 = sub.add_parser("stage1")
     s1.add_argument("--gpus", default="1,2", help="GPU counts, comma-separated; the first is the scaling base")
-    s1.add_argument("--shape", default="qwen35-2b", help="model shape (train/common/shapes.py)")
+    s1.add_argument("--preset", default="qwen35-2b", help="stage1 job preset (launch/jobs/stage1.yaml)")
     s1.add_argument("--steps", type=int, default=16)
     s1.add_argument("--batch-rows", type=int, default=None)
     s1.add_argument("--row-len", type=int, default=None)

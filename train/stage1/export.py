@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from launch.fsutil import atomic_write_text
+from toolkit.fsutil import atomic_write_text
 from train.common.checkpoint import CheckpointError, CheckpointManager, step_dir_name, verify
 
 MODEL_FILES = "model_files"

@@ -53,38 +53,38 @@ class ModelSpec:
     vision_ids: dict[str, int] | None = None  # the model config's image/video/vision start/end ids
 
 
-def text_config(preset: ModelShape, vocab_size: int | None = None) -> Qwen3_5TextConfig:
+def text_config(shape: ModelShape, vocab_size: int | None = None) -> Qwen3_5TextConfig:
     return Qwen3_5TextConfig(
-        vocab_size=vocab_size or preset.base_vocab,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_layers,
-        num_attention_heads=preset.num_heads,
-        num_key_value_heads=preset.num_kv_heads,
-        head_dim=preset.head_dim,
-        linear_conv_kernel_dim=preset.linear_conv_kernel_dim,
-        linear_key_head_dim=preset.linear_key_head_dim,
-        linear_value_head_dim=preset.linear_value_head_dim,
-        linear_num_key_heads=preset.linear_num_key_heads,
-        linear_num_value_heads=preset.linear_num_value_heads,
-        layer_types=preset.layer_types,
-        tie_word_embeddings=preset.tie_word_embeddings,
-        max_position_embeddings=preset.max_position_embeddings,
+        vocab_size=vocab_size or shape.base_vocab,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
+        linear_key_head_dim=shape.linear_key_head_dim,
+        linear_value_head_dim=shape.linear_value_head_dim,
+        linear_num_key_heads=shape.linear_num_key_heads,
+        linear_num_value_heads=shape.linear_num_value_heads,
+        layer_types=shape.layer_types,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        max_position_embeddings=shape.max_position_embeddings,
         rope_parameters={
             "rope_type": "default",
-            "rope_theta": preset.rope_theta,
-            "partial_rotary_factor": preset.partial_rotary_factor,
-            "mrope_section": list(preset.mrope_section),
+            "rope_theta": shape.rope_theta,
+            "partial_rotary_factor": shape.partial_rotary_factor,
+            "mrope_section": list(shape.mrope_section),
             "mrope_interleaved": True,
         },
         use_cache=False,
     )
 
 
-def vision_config(preset: ModelShape) -> Qwen3_5VisionConfig:
-    v = preset.vision
+def vision_config(shape: ModelShape) -> Qwen3_5VisionConfig:
+    v = shape.vision
     if v is None:
-        raise ValueError("this preset has no vision tower")
+        raise ValueError("this model shape has no vision tower")
     return Qwen3_5VisionConfig(
         depth=v.depth,
         hidden_size=v.hidden_size,
@@ -93,19 +93,19 @@ def vision_config(preset: ModelShape) -> Qwen3_5VisionConfig:
         patch_size=v.patch_size,
         spatial_merge_size=v.spatial_merge_size,
         temporal_patch_size=v.temporal_patch_size,
-        out_hidden_size=preset.hidden_size,
+        out_hidden_size=shape.hidden_size,
         num_position_embeddings=v.num_position_embeddings,
     )
 
 
-def multimodal_config(preset: ModelShape, vision_ids: dict[str, int]) -> Qwen3_5Config:
+def multimodal_config(shape: ModelShape, vision_ids: dict[str, int]) -> Qwen3_5Config:
     """Qwen3_5Config: the shape's text config + vision tower, with the placeholder token ids of
     the tokenizer in use (``vision_ids``: the keys of VISION_ID_KEYS)."""
     return Qwen3_5Config(
-        text_config=text_config(preset).to_dict(),
-        vision_config=vision_config(preset).to_dict(),
+        text_config=text_config(shape).to_dict(),
+        vision_config=vision_config(shape).to_dict(),
         **{k: vision_ids[k] for k in VISION_ID_KEYS},
-        tie_word_embeddings=preset.tie_word_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from launch.fsutil import atomic_write_text
+from toolkit.fsutil import atomic_write_text
 from train.common.codebooks import CODEBOOK_NAMES, CodebookConfig, parse_lengths, parse_sizes
 from train.common.shapes import get_shape
 from train.stage1.data import REFERENCE_COUNTS, TASKS
