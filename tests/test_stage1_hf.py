@@ -226,3 +226,28 @@ def test_a_value_error_inside_transformers_is_a_one_line_error(tmp_path: Path) -
         CausalLMObjective(model, "logits")(**kwargs)
     assert len(str(err.value).splitlines()) == 1 and "refused a batch" in str(err.value)
     assert "do not match" in str(err.value), err.value
+
+
+def test_plain_torch_bf16_export_takes_the_fp32_masters(tmp_path: Path) -> None:
+    """A bf16 model trained with MasterWeightAdamW (a GPU run without DeepSpeed): the export takes
+    the fp32 masters from optim.pt, not the rounded bf16 weights."""
+    from train.common.master_weights import MasterWeightAdamW
+    from train.stage1.export import load_weights
+
+    model, _ = build_model("tiny")
+    model = model.to(torch.bfloat16)
+    opt = MasterWeightAdamW(model.parameters(), lr=1e-3)
+    with torch.no_grad():
+        for m in opt.masters:
+            m.add_(1e-4)  # below bf16's resolution near 1: visible only in the masters
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    torch.save(model.state_dict(), ckpt / "model.pt")
+    torch.save({"optimizer": opt.state_dict()}, ckpt / "optim.pt")
+    fresh, _ = build_model("tiny")
+    what = load_weights(ckpt, fresh)
+    assert what.startswith("fp32 master weights of a plain-torch checkpoint")
+    name, master = next((n, m) for (n, p), m in zip(model.named_parameters(), opt.masters, strict=True)
+                        if p.dim() == 2)
+    assert torch.equal(dict(fresh.named_parameters())[name].detach(), master.detach())
+    assert not torch.equal(dict(fresh.named_parameters())[name].detach(), master.detach().bfloat16().float())

@@ -101,16 +101,25 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> str:
             masters = torch.load(optim, map_location="cpu", weights_only=False)["optimizer"].get("fp32_masters")
             if masters is not None:
                 state = _strip(state, names)
-                trained = [n for n, p in model.named_parameters() if p.requires_grad]
-                if len(trained) != len(masters):
-                    raise ExportError(f"{optim}: {len(masters)} fp32 masters for {len(trained)} parameters")
-                state.update(zip(trained, masters, strict=True))
-                what = "fp32 master weights of a plain-torch checkpoint (its module weights are bf16)"
+                # the masters are in the order of the trained parameters (train.common.master_weights)
+                trained = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
+                if len(trained) == len(masters) and all(m.shape == shape for (_, shape), m in
+                                                        zip(trained, masters, strict=True)):
+                    state.update((n, m) for (n, _), m in zip(trained, masters, strict=True))
+                    what = "fp32 master weights of a plain-torch checkpoint (its module weights are bf16)"
+                else:
+                    what = ("the bf16 module weights of a plain-torch checkpoint (its fp32 masters do not line "
+                            "up with the parameters)")
     else:
         raise ExportError(f"{ckpt}: neither model.pt nor a deepspeed/ directory: not a stage-1 checkpoint")
     state = _strip(state, names)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    # Only parameters and buffers by their own names: a tied weight's second name (lm_head.weight)
+    # would otherwise load last and overwrite the masters just put under the first.
+    own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    unknown = sorted(set(state) - names)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items() if k in own}
     missing, unexpected = model.load_state_dict(state, strict=False)
+    unexpected = list(unexpected) + unknown
     tied = {"lm_head.weight"} if model.config.get_text_config().tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise ExportError(f"{ckpt}: weights do not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
