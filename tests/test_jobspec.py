@@ -49,7 +49,7 @@ def test_preset_overrides_resources_and_args(tmp_path):
     assert base.resources.time_minutes == 90
 
 
-@pytest.mark.parametrize("value,minutes", [("1-00:00:00", 1440), ("00:20:00", 20), ("02:30", 150),
+@pytest.mark.parametrize("value,minutes", [("1-00:00:00", 1440), ("00:20:00", 20), ("02:30", 3), ("90", 90), ("1-12", 2160), ("2-03:04", 3064),
                                            (45, 45), ("00:00:30", 1)])
 def test_parse_time(value, minutes):
     assert parse_time_minutes(value) == minutes
@@ -97,4 +97,4 @@ def test_cli_bad_spec_file_is_one_line(tmp_path):
     out = _cli(["submit", str(path), "--dry-run"], tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip() == f"launch submit: error: {path}: unknown key 'resourcez' (known: " \
-        "name, description, entrypoint, resources, env, scratch, args, default_preset, presets, lock)"
+        "name, description, entrypoint, resources, env, scratch, args, default_preset, presets, lock, main_task)"
