@@ -102,7 +102,7 @@ PENDING_REASONS = {
     "Dependency": "waiting for the jobs it depends on",
     "DependencyNeverSatisfied": "its dependency can never be satisfied (cancel it)",
     "JobHeldUser": "held by its user (`scontrol release JOBID`)",
-    "JobHeldAdmin": "held by an administrator",
+    "JobHeldAdmin": "held by an administrator or root (`scontrol release JOBID`)",
     "BeginTime": "waiting for its start time",
     "PartitionConfig": "the request exceeds what the partition allows (GPUs, CPUs, nodes or time)",
     "PartitionTimeLimit": "the time limit is over the partition's limit",
