@@ -13,8 +13,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from launch import feasibility, registry
@@ -38,19 +36,34 @@ def doctor_in_allocation(job: str | None, preset: str | None, lock_path: str | N
     return [r.to_dict() for r in results]
 
 
-@contextmanager
-def cancel_on_signals(job_id: str, env_extra: dict[str, str]) -> Iterator[None]:
-    """While the CLI waits: SIGINT or SIGTERM cancels the job, then ends the CLI (exit 130/143)."""
-    def handler(signum: int, _frame: object) -> None:
-        run_slurm(["scancel", job_id], env_extra, timeout=15)
-        print(f"doctor job {job_id} cancelled ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
+class CancelOnSignals:
+    """While the CLI submits and waits: SIGINT or SIGTERM cancels the job, then ends the CLI with
+    128 + the signal. A signal while sbatch runs is held until the job id is known."""
+
+    def __init__(self, env_extra: dict[str, str]) -> None:
+        self.env_extra = env_extra
+        self.job_id: str | None = None
+        self.pending: int | None = None
+
+    def submitted(self, job_id: str) -> None:
+        self.job_id = job_id
+        if self.pending is not None:
+            self.handle(self.pending, None)
+
+    def handle(self, signum: int, _frame: object) -> None:
+        if self.job_id is None:
+            self.pending = signum
+            return
+        run_slurm(["scancel", self.job_id], self.env_extra, timeout=15)
+        print(f"doctor job {self.job_id} cancelled ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
+    def __enter__(self) -> CancelOnSignals:
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self.previous.items():
             signal.signal(s, h)
 
 
@@ -62,8 +75,6 @@ def _resolved(job: JobRequirements | None) -> ResolvedJob:
 
 
 def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: float | None = None) -> list[CheckResult]:
-    import submitit
-
     env_extra = require_cluster()
     resolved = _resolved(job)
     resolved.resources.nodes = 1
@@ -75,37 +86,45 @@ def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: 
     executor = make_executor(resolved, folder, resolved.spec.scratch)
     executor.update_parameters(job_name="launch-doctor", time=DOCTOR_TIME_LIMIT_MIN, nodes=1, ntasks_per_node=1)
     os.environ.update(env_extra)  # submitit calls sbatch with this process's environment
-    try:
-        sjob = executor.submit(doctor_in_allocation, job.source and str(job.source) if job else None,
-                               job.preset if job else None, str(lock_path.resolve()) if lock_path else None)
-    except Exception as exc:  # submitit wraps sbatch failures in several exception types
-        raise LaunchError(f"sbatch refused the doctor job: {sbatch_failure(exc)}") from None
-    job_id = str(sjob.job_id)
-    rec = registry.JobRecord(job_id=job_id, name="doctor", preset=resolved.spec.name if job else None,
-                             folder=str(folder / job_id), submitted_at=registry.now(),
-                             slurm_conf=env_extra.get("SLURM_CONF"), argv=[], kind="doctor")
-    registry.record(rec)
-    print(f"doctor submitted as Slurm job {job_id}; logs in {rec.folder}", file=sys.stderr, flush=True)
+    with CancelOnSignals(env_extra) as guard:
+        try:
+            sjob = executor.submit(doctor_in_allocation, job.source and str(job.source) if job else None,
+                                   job.preset if job else None, str(lock_path.resolve()) if lock_path else None)
+        except Exception as exc:  # submitit wraps sbatch failures in several exception types
+            raise LaunchError(f"sbatch refused the doctor job: {sbatch_failure(exc)}") from None
+        job_id = str(sjob.job_id)
+        rec = registry.JobRecord(job_id=job_id, name="doctor", preset=resolved.spec.name if job else None,
+                                 folder=str(folder / job_id), submitted_at=registry.now(),
+                                 slurm_conf=env_extra.get("SLURM_CONF"), argv=[], kind="doctor")
+        registry.record(rec)
+        guard.submitted(job_id)
+        print(f"doctor submitted as Slurm job {job_id}; logs in {rec.folder}", file=sys.stderr, flush=True)
+        rows = _wait(sjob, rec, env_extra, wait_s)
+    return [CheckResult(r["check"], Status(r["status"]), r["found"], r["fix"]) for r in rows]
+
+
+def _wait(sjob, rec: registry.JobRecord, env_extra: dict[str, str], wait_s: float | None) -> list[dict]:  # noqa: ANN001
+    import submitit
+
+    job_id = rec.job_id
     deadline = time.monotonic() + (wait_s if wait_s is not None else (DOCTOR_TIME_LIMIT_MIN + 10) * 60)
     last_said, said_at = "", 0.0
-    with cancel_on_signals(job_id, env_extra):
-        while True:
-            st = job_state(job_id, env_extra)
-            if st["state"] in TERMINAL_STATES or (st["state"] == "UNKNOWN" and sjob.done()):
-                break
-            now = time.monotonic()
-            say = st["state"] + (f": {pending_words(st['reason'], job_id)}" if st["state"] == "PENDING" else "")
-            if say != last_said or now - said_at >= HEARTBEAT_S:
-                print(f"[launch] doctor job {job_id}: {say}", file=sys.stderr, flush=True)
-                last_said, said_at = say, now
-            if now > deadline:
-                sjob.cancel(check=False)
-                raise LaunchError(f"doctor job {job_id} did not finish in time and was cancelled; "
-                                  f"last state {say}; logs: {rec.folder}")
-            time.sleep(1.0)
-        try:
-            rows = sjob.result()
-        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as exc:
-            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-            raise LaunchError(f"doctor job {job_id} failed: {lines[-1] if lines else exc}; logs: {rec.folder}") from None
-    return [CheckResult(r["check"], Status(r["status"]), r["found"], r["fix"]) for r in rows]
+    while True:
+        st = job_state(job_id, env_extra)
+        if st["state"] in TERMINAL_STATES or (st["state"] == "UNKNOWN" and sjob.done()):
+            break
+        now = time.monotonic()
+        say = st["state"] + (f": {pending_words(st['reason'], job_id)}" if st["state"] == "PENDING" else "")
+        if say != last_said or now - said_at >= HEARTBEAT_S:
+            print(f"[launch] doctor job {job_id}: {say}", file=sys.stderr, flush=True)
+            last_said, said_at = say, now
+        if now > deadline:
+            sjob.cancel(check=False)
+            raise LaunchError(f"doctor job {job_id} did not finish in time and was cancelled; "
+                              f"last state {say}; logs: {rec.folder}")
+        time.sleep(1.0)
+    try:
+        return sjob.result()
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as exc:
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+        raise LaunchError(f"doctor job {job_id} failed: {lines[-1] if lines else exc}; logs: {rec.folder}") from None
