@@ -29,8 +29,8 @@ import submitit
 
 from launch.doctor.checks import fast_subset
 from launch.executor import CACHE_VARS
-from launch.fsutil import atomic_write_text
-from launch.report import step_records
+from toolkit.fsutil import atomic_write_text
+from toolkit.metrics import step_records
 
 OUTCOME = "outcome.json"
 
