@@ -20,7 +20,7 @@ from typing import TextIO
 from launch import registry, values
 from launch.errors import LaunchError
 from launch.registry import JobRecord
-from launch.runner import OUTCOME, outcome_line, read_outcome, task_outcome_path
+from launch.runner import OUTCOME, last_step, outcome_line, read_outcome, task_outcome_path
 from launch.slurmenv import TERMINAL_STATES, job_state, job_states, pending_words, require_cluster, run_slurm
 
 HEARTBEAT_S = 30.0
@@ -62,9 +62,13 @@ def task_outcomes(rec: JobRecord) -> dict[int, dict]:
     return found
 
 
-def job_outcome(rec: JobRecord) -> dict | None:
-    """The job's outcome.json; for a job from before outcomes, submitit's pickled error."""
+def job_outcome(rec: JobRecord, slurm_state: str | None = None) -> dict | None:
+    """The job's outcome.json; for a job from before outcomes, submitit's pickled error. A job
+    that Slurm ended while its outcome still says running was killed (SIGKILL, out of memory,
+    node failure): Slurm's state is the outcome then, at the last step in its metrics."""
     outcome = read_outcome(Path(rec.folder) / OUTCOME)
+    if outcome is not None and outcome.get("state") == "running" and slurm_state in TERMINAL_STATES:
+        return {**outcome, "state": slurm_state.lower(), "step": last_step(Path(rec.folder) / "metrics.jsonl")}
     if outcome is not None:
         failed = [o for o in task_outcomes(rec).values() if o.get("state") == "failed"]
         if outcome.get("state") in ("cancelled", "running") and failed:
@@ -88,9 +92,9 @@ def _pickled_error(rec: JobRecord) -> str | None:
     return lines[-1] if lines else "failed"
 
 
-def job_error(rec: JobRecord) -> str | None:
+def job_error(rec: JobRecord, slurm_state: str | None = None) -> str | None:
     """How a finished job ended, in one line ('cancelled at step 3', 'failed at step 5: ...')."""
-    outcome = job_outcome(rec)
+    outcome = job_outcome(rec, slurm_state)
     if outcome is not None and outcome.get("state") not in ("completed", "running"):
         return outcome_line(outcome)
     for path in (rec.stderr,):
@@ -126,13 +130,13 @@ def run_status(args: argparse.Namespace) -> int:
     rec = registry.find(args.job_id)
     st = job_state(rec.job_id, rec.slurm_env())
     row = _row(rec, st)
-    outcome = job_outcome(rec)
+    outcome = job_outcome(rec, st["state"])
     tasks = task_outcomes(rec)
     row["outcome"] = outcome
     row["task_states"] = {str(k): outcome_line(v) for k, v in tasks.items()}
     failed = st["state"] in TERMINAL_STATES - {"COMPLETED"}
     if failed:
-        row["error"] = job_error(rec)
+        row["error"] = job_error(rec, st["state"])
     if args.json:
         print(json.dumps(row))
         return 1 if failed else 0
@@ -270,7 +274,7 @@ def follow(rec: JobRecord, out: TextIO, poll_s: float = 1.0, from_start: bool = 
                 out.write(f"[launch] job {rec.job_id}: COMPLETED\n")
                 out.flush()
                 return 0
-            err = job_error(rec)
+            err = job_error(rec, st["state"])
             out.write(f"[launch] job {rec.job_id} ended {st['state']}" + (f": {err}" if err else "") + "\n")
             out.flush()
             return 1

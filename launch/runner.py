@@ -39,20 +39,28 @@ class EntrypointFailed(RuntimeError):
     """The entrypoint returned a non-zero exit code."""
 
 
-def entry_module(module: str, attr: str = "main") -> ModuleType:
-    """The module holding `attr`: `module` itself, or for a package entrypoint (`train.stage1`)
-    its `train` or `__main__` module."""
+def entry_module(module: str, run_main_module: bool = True) -> ModuleType:
+    """The module holding `main`: `module` itself, or for a package entrypoint (`train.stage1`)
+    its `train` module, or (in the job only: importing it runs it) its `__main__`."""
     entry = importlib.import_module(module)
-    if hasattr(entry, attr):
+    if hasattr(entry, "main"):
         return entry
-    for sub in ("train", "__main__"):
+    for sub in ("train", "__main__") if run_main_module else ("train",):
         try:
             candidate = importlib.import_module(f"{module}.{sub}")
         except ModuleNotFoundError:
             continue
-        if hasattr(candidate, attr):
+        if hasattr(candidate, "main"):
             return candidate
     return entry
+
+
+def entry_parser(module: str):  # -> Callable[[list[str]], object] | None
+    """The entrypoint's `parse_args(argv)`: next to its `main` (where main is defined), or None."""
+    entry = entry_module(module, run_main_module=False)
+    main = getattr(entry, "main", None)
+    home = sys.modules.get(getattr(main, "__module__", "") or "", entry)
+    return getattr(home, "parse_args", None) or getattr(entry, "parse_args", None)
 
 
 def task_outcome_path(job_dir: Path, task: int) -> Path:

@@ -23,7 +23,7 @@ from launch.executor import SlurmOptions, make_executor, sbatch_failure, sbatch_
 from launch.fsutil import launch_home
 from launch.jobs_cli import follow
 from launch.jobspec import JobSpec, ResolvedJob, find_spec
-from launch.runner import EntrypointRun, entry_module
+from launch.runner import EntrypointRun, entry_parser
 from launch.slurmenv import describe_slurm, require_cluster, slurm_env
 
 
@@ -87,10 +87,9 @@ def check_entrypoint_args(spec: JobSpec, argv: list[str]) -> None:
     """Parse the job's command line with the entrypoint's own `parse_args(argv)`, here and now:
     no model is built, nothing is queued. An entrypoint without one is checked in the job."""
     try:
-        module = entry_module(spec.entrypoint, "parse_args")
+        parse = entry_parser(spec.entrypoint)
     except ImportError as exc:
         raise LaunchError(f"{spec.source}: entrypoint '{spec.entrypoint}' cannot be imported here ({exc})") from None
-    parse = getattr(module, "parse_args", None)
     if parse is None:
         return
     err = io.StringIO()

@@ -26,8 +26,10 @@ def _submit(env: dict[str, str], *args: str) -> str:
     return first.split()[-1]
 
 
-def test_submit_runs_to_completed_with_accounting(launch_env):
-    job = _submit(launch_env, "--preset", "slow", "--arg", "sleep=4")
+def test_submit_runs_to_completed_with_accounting(launch_env, tmp_path):
+    # A value that would run a command if it reached the script unquoted.
+    probe = f"$(touch {tmp_path}/pwned); `touch {tmp_path}/pwned2`"
+    job = _submit(launch_env, "--preset", "slow", "--arg", "sleep=4", "--env", f"PROBE={probe}")
     assert wait_for_state(job, launch_env, {"RUNNING"}) == "RUNNING"
     assert wait_for_state(job, launch_env, {"COMPLETED", "FAILED"}) == "COMPLETED"
     # sacct (slurmdbd + MariaDB) knows the job after it left the controller's queue.
@@ -36,6 +38,7 @@ def test_submit_runs_to_completed_with_accounting(launch_env):
     assert sacct.stdout.strip() == "COMPLETED"
     logs = run_launch(["logs", job], launch_env)
     assert "fixture done" in logs.stdout
+    assert f"PROBE={probe}\n" in logs.stdout and not list(tmp_path.glob("pwned*"))
     # The job environment puts compile caches on node-local scratch, per job.
     assert f"TRITON_CACHE_DIR=/tmp/launch-{os.environ.get('USER', 'root')}/{job}/triton" in logs.stdout
     listing = run_launch(["list"], launch_env)
@@ -205,7 +208,9 @@ def test_dry_run_prints_script_and_submits_nothing(launch_env):
     out = run_launch(["submit", "stage1", "--preset", "tiny", "--dry-run"], launch_env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("#SBATCH") >= 5
-    assert "export TRITON_CACHE_DIR=$LAUNCH_SCRATCH/triton" in out.stdout
+    assert 'export TRITON_CACHE_DIR="$LAUNCH_SCRATCH"/triton' in out.stdout
+    # The scratch default expands only its documented variables, each quoted.
+    assert 'export LAUNCH_SCRATCH="${LAUNCH_NODE_SCRATCH:-/tmp}"/launch-"${USER:-root}"/"${SLURM_JOB_ID}"' in out.stdout
     assert "python -m train.stage1 --preset tiny" in out.stdout
     assert run_launch(["list"], launch_env).stdout.startswith("no jobs")
 

@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     task = os.environ.get("SLURM_PROCID", "0")
-    for var in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "TRITON_CACHE_DIR", "LAUNCH_JOB_DIR"):
+    for var in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "TRITON_CACHE_DIR", "LAUNCH_JOB_DIR", "PROBE"):
         print(f"{var}={os.environ.get(var, '')}", flush=True)
     print(f"fixture task {task} of {os.environ.get('SLURM_NTASKS', '1')}", flush=True)
     metrics = Path(os.environ.get("LAUNCH_JOB_DIR", ".")) / "metrics.jsonl"
