@@ -38,7 +38,8 @@ def add_logs_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--task", type=values.nonneg_int, metavar="N", help="this task's log (default: the job's main task)")
     which.add_argument("--all", action="store_true", help="every task's log, lines prefixed [task k]")
     p.add_argument("--tail", type=values.positive_int, metavar="N", help="only the last N lines (of each log)")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends (from the end)")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing until the job ends, from the end (with --tail N: its last N lines first)")
     p.add_argument("--from-start", action="store_true", help="with -f: replay the log from its first line")
     p.add_argument("--stderr", action="store_true", help="only stderr")
 
@@ -197,10 +198,20 @@ def run_cancel(args: argparse.Namespace) -> int:
 class LogTail:
     """New complete lines of one log file since the last read (a partial last line waits)."""
 
-    def __init__(self, path: Path, prefix: str, start_at_end: bool) -> None:
+    def __init__(self, path: Path, prefix: str, start_at_end: bool, back_lines: int = 0) -> None:
+        """start_at_end: skip what is there, except its last `back_lines` lines."""
         self.path, self.prefix = path, prefix
-        self.offset = path.stat().st_size if start_at_end and path.exists() else 0
-        self.pending = b""
+        self.offset, self.pending = 0, b""
+        if start_at_end and path.exists():
+            # From the start of the unfinished last line, or of the last back_lines lines.
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                start = max(0, size - (1 << 20))
+                f.seek(start)
+                chunk = f.read(size - start)
+            body, newline, partial = chunk.rpartition(b"\n")
+            keep = body.split(b"\n")[-back_lines:] if newline and back_lines else []
+            self.offset = size - len(partial) - (len(b"\n".join(keep)) + 1 if keep else 0)
 
     def read(self, final: bool = False) -> list[str]:
         if not self.path.exists():
@@ -244,13 +255,15 @@ def _tracebacks_folded(lines: list[str], state: dict) -> list[str]:
 
 
 def follow(rec: JobRecord, out: TextIO, poll_s: float = 1.0, from_start: bool = False, task: int | None = None,
-           all_tasks: bool = False, stderr_only: bool = False, heartbeat_s: float = HEARTBEAT_S) -> int:
+           all_tasks: bool = False, stderr_only: bool = False, heartbeat_s: float = HEARTBEAT_S,
+           tail: int = 0) -> int:
     """Stream the logs until the job reaches a terminal state; exit 0 only on COMPLETED.
 
     stdout and stderr are read on every poll and printed as their lines arrive; the state is
     said when it changes and, while the job waits or runs quietly, at least every heartbeat_s."""
     env = require_cluster(rec.slurm_env())
-    tails = [LogTail(path, prefix, not from_start) for path, prefix in _log_paths(rec, task, all_tasks, stderr_only)]
+    tails = [LogTail(path, prefix, not from_start, tail)
+             for path, prefix in _log_paths(rec, task, all_tasks, stderr_only)]
     said, said_at, unknown_since, tb = "", 0.0, None, {}
     while True:
         st = job_state(rec.job_id, env)
@@ -293,7 +306,7 @@ def run_logs(args: argparse.Namespace) -> int:
         raise LaunchError("--from-start goes with -f/--follow (without -f the whole log is shown)")
     if args.follow:
         return follow(rec, sys.stdout, from_start=args.from_start, task=args.task, all_tasks=args.all,
-                      stderr_only=args.stderr)
+                      stderr_only=args.stderr, tail=args.tail or 0)
     found = False
     for path, prefix in _log_paths(rec, args.task, args.all, args.stderr):
         if not path.exists():

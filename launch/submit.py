@@ -170,7 +170,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"submitted {what} as job {job_id}")
     print(f"  logs: {rec.stdout}")
     if args.follow:
-        return follow(rec, sys.stdout, from_start=True)
+        try:
+            return follow(rec, sys.stdout, from_start=True)
+        except KeyboardInterrupt:
+            print(f"launch submit: stopped following; job {job_id} keeps running (`launch logs -f {job_id}`, "
+                  f"`launch cancel {job_id}`)", file=sys.stderr)
+            return 130
     return 0
 
 
