@@ -10,8 +10,9 @@ Outcomes. Each task writes `outcome.task<K>.json` in the job directory, and the 
 "time"}` with state running, completed, failed, cancelled or requeued, the last step in the
 run's metrics.jsonl, and a one-line error. A cancel (scancel's SIGTERM, or a preemption) is
 recorded as "cancelled at step N" before the task exits; the full traceback of a failure stays
-in the task's log. A trainer that records its own outcome.json during the run keeps its word:
-the wrapper only fills in the step where it is missing.
+in the task's log. A trainer that records its own outcome.json during the run (same fields, a
+"time" after the task started, no "task") keeps its word: the wrapper only fills in the step
+where it is missing.
 """
 
 from __future__ import annotations
