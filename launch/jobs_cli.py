@@ -20,8 +20,9 @@ from typing import TextIO
 from launch import registry, values
 from launch.errors import LaunchError
 from launch.registry import JobRecord
-from launch.runner import OUTCOME, last_step, outcome_line, read_outcome, task_outcome_path
+from launch.runner import last_step, read_task_outcome
 from launch.slurmenv import TERMINAL_STATES, job_state, job_states, pending_words, require_cluster, run_slurm
+from toolkit.outcome import describe, read_outcome
 
 HEARTBEAT_S = 30.0
 UNREACHABLE_GIVE_UP_S = 120.0
@@ -57,27 +58,30 @@ def add_list_arguments(p: argparse.ArgumentParser) -> None:
 def task_outcomes(rec: JobRecord) -> dict[int, dict]:
     found = {}
     for task in range(rec.tasks):
-        outcome = read_outcome(task_outcome_path(Path(rec.folder), task))
+        outcome = read_task_outcome(Path(rec.folder), task)
         if outcome is not None:
             found[task] = outcome
     return found
 
 
 def job_outcome(rec: JobRecord, slurm_state: str | None = None) -> dict | None:
-    """The job's outcome.json; for a job from before outcomes, submitit's pickled error. A job
-    that Slurm ended while its outcome still says running was killed (SIGKILL, out of memory,
-    node failure): Slurm's state is the outcome then, at the last step in its metrics."""
-    outcome = read_outcome(Path(rec.folder) / OUTCOME)
-    if outcome is not None and outcome.get("state") == "running" and slurm_state in TERMINAL_STATES:
-        return {**outcome, "state": slurm_state.lower(), "step": last_step(Path(rec.folder) / "metrics.jsonl")}
+    """The job's outcome.json (toolkit.outcome). Without one: a job Slurm ended was killed
+    (SIGKILL, out of memory, a node failure, or a launcher from before outcomes): Slurm's state
+    at the last step of its metrics, with submitit's pickled error when there is one."""
+    outcome = read_outcome(rec.folder)
     if outcome is not None:
         failed = [o for o in task_outcomes(rec).values() if o.get("state") == "failed"]
-        if outcome.get("state") in ("cancelled", "running") and failed:
+        if outcome.get("state") == "cancelled" and failed and slurm_state != "CANCELLED":
             # A task failed first and the main task was stopped with it: the failure is the news.
             return {**failed[0], "step": outcome.get("step", failed[0].get("step"))}
         return outcome
+    if slurm_state not in TERMINAL_STATES and slurm_state is not None:
+        return None
     error = _pickled_error(rec)
-    return {"state": "failed", "step": None, "error": error} if error else None
+    if error is None and slurm_state is None:
+        return None
+    state = "failed" if error or slurm_state is None else slurm_state.lower()
+    return {"state": state, "step": last_step(Path(rec.folder) / "metrics.jsonl"), "error": error}
 
 
 def _pickled_error(rec: JobRecord) -> str | None:
@@ -97,7 +101,7 @@ def job_error(rec: JobRecord, slurm_state: str | None = None) -> str | None:
     """How a finished job ended, in one line ('cancelled at step 3', 'failed at step 5: ...')."""
     outcome = job_outcome(rec, slurm_state)
     if outcome is not None and outcome.get("state") not in ("completed", "running"):
-        return outcome_line(outcome)
+        return describe(outcome)
     for path in (rec.stderr,):
         if path.exists():
             lines = [ln for ln in path.read_text(errors="replace").splitlines()
@@ -134,7 +138,7 @@ def run_status(args: argparse.Namespace) -> int:
     outcome = job_outcome(rec, st["state"])
     tasks = task_outcomes(rec)
     row["outcome"] = outcome
-    row["task_states"] = {str(k): outcome_line(v) for k, v in tasks.items()}
+    row["task_states"] = {str(k): describe(v) for k, v in tasks.items()}
     failed = st["state"] in TERMINAL_STATES - {"COMPLETED"}
     if failed:
         row["error"] = job_error(rec, st["state"])
@@ -155,7 +159,7 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"  see: launch logs {rec.job_id}" + (" --all" if rec.tasks > 1 else ""))
         return 1
     if outcome and st["state"] == "COMPLETED" and outcome.get("step") is not None:
-        print(f"  outcome: {outcome_line(outcome)}")
+        print(f"  outcome: {describe(outcome)}")
     return 0
 
 

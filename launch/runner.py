@@ -5,14 +5,14 @@ submitit pickles an `EntrypointRun` and calls it in every task. It is Checkpoint
 timeout or preemption submitit requeues the same command line; the trainers resume from their
 own latest checkpoint in $LAUNCH_JOB_DIR.
 
-Outcomes. Each task writes `outcome.task<K>.json` in the job directory, and the job's main task
-(the spec's `main_task`) also writes `outcome.json`: `{"state", "step", "error", "task",
-"time"}` with state running, completed, failed, cancelled or requeued, the last step in the
-run's metrics.jsonl, and a one-line error. A cancel (scancel's SIGTERM, or a preemption) is
-recorded as "cancelled at step N" before the task exits; the full traceback of a failure stays
-in the task's log. A trainer that records its own outcome.json during the run (same fields, a
-"time" after the task started, no "task") keeps its word: the wrapper only fills in the step
-where it is missing.
+Outcomes. The job's outcome.json (toolkit.outcome: state completed, failed or cancelled, the
+step, a one-line error) is the trainer's word when the trainer wrote one in this attempt (the
+shared runtime does, with its own step count); otherwise the main task (the spec's
+`main_task`) writes it here, with the last step of the run's metrics.jsonl: an entrypoint that
+raised or returned non-zero, a preflight that failed, or a cancel (scancel's SIGTERM, or a
+preemption) that reads "cancelled at step N". Each task also records its own state in
+`outcome.task<K>.json` (running, completed, failed, cancelled, requeued) for `launch status`.
+The full traceback of a failure stays in the task's log.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from launch.doctor.checks import fast_subset
 from launch.executor import CACHE_VARS
 from toolkit.fsutil import atomic_write_text
 from toolkit.metrics import step_records
-
-OUTCOME = "outcome.json"
+from toolkit.outcome import OUTCOME, STATES, describe, read_outcome, write_outcome
 
 
 class EntrypointFailed(RuntimeError):
@@ -68,20 +67,12 @@ def task_outcome_path(job_dir: Path, task: int) -> Path:
     return job_dir / f"outcome.task{task}.json"
 
 
-def read_outcome(path: Path) -> dict | None:
+def read_task_outcome(job_dir: Path, task: int) -> dict | None:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(task_outcome_path(job_dir, task).read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
-
-
-def outcome_line(outcome: dict) -> str:
-    """'cancelled at step 12', 'failed at step 3: ValueError: shard 7 is corrupt', 'completed at step 60'."""
-    state = outcome.get("state", "unknown")
-    step = outcome.get("step")
-    text = state if step is None else f"{state} at step {step}"
-    return f"{text}: {outcome['error']}" if outcome.get("error") else text
+    return data if isinstance(data, dict) and "state" in data else None
 
 
 def last_step(metrics: Path) -> int | None:
@@ -98,36 +89,43 @@ def one_line(exc: BaseException) -> str:
 
 
 class OutcomeRecorder:
-    """Writes this task's outcome (and the job's, from the main task), atomically."""
+    """This task's state, and (from the main task) the job's outcome.json, written atomically."""
 
     def __init__(self, job_dir: Path, task: int, main_task: int, metrics: Path) -> None:
         self.job_dir, self.task, self.main_task, self.metrics = job_dir, task, main_task, metrics
         self.started = time.time()
         self.final: str | None = None
 
+    def start(self) -> None:
+        if self.task == self.main_task:  # a requeued attempt starts without the last attempt's outcome
+            (self.job_dir / OUTCOME).unlink(missing_ok=True)
+        self.write("running")
+
+    def trainer_outcome(self) -> dict | None:
+        """The outcome.json the trainer wrote in this attempt (next to its metrics), if any."""
+        theirs = read_outcome(self.metrics.parent)
+        return theirs if theirs and float(theirs.get("time") or 0) >= self.started else None
+
     def write(self, state: str, error: str | None = None) -> None:
-        step = last_step(self.metrics)
+        theirs = self.trainer_outcome() if state in STATES else None
+        if theirs:  # the trainer knows its step and why it stopped better than we do
+            state, step = theirs["state"], theirs.get("step")
+            error = theirs.get("error") if state == "failed" else None
+        else:
+            step = last_step(self.metrics)
         record = {"state": state, "step": step, "error": error, "task": self.task, "time": time.time()}
-        paths = [task_outcome_path(self.job_dir, self.task)]
-        if self.task == self.main_task:
-            paths.append(self.job_dir / OUTCOME)
-        for path in paths:
-            theirs = read_outcome(path)
-            if (path.name == OUTCOME and theirs and theirs.get("task") != self.task
-                    and float(theirs.get("time", 0)) >= self.started and theirs.get("state") != "running"):
-                # The trainer recorded its own outcome in this attempt: keep it, add the step.
-                record_here = {**theirs, "step": theirs.get("step", step)}
-            else:
-                record_here = record
-            try:
-                atomic_write_text(path, json.dumps(record_here) + "\n")
-            except OSError as exc:  # an outcome must never turn a result into a crash
-                print(f"[launch] could not write {path}: {exc}", file=sys.stderr, flush=True)
+        try:
+            atomic_write_text(task_outcome_path(self.job_dir, self.task), json.dumps(record) + "\n")
+            ours = not theirs or self.metrics.parent.resolve() != self.job_dir.resolve()
+            if self.task == self.main_task and state in STATES and ours:
+                write_outcome(self.job_dir, state, step, error)
+        except OSError as exc:  # an outcome must never turn a result into a crash
+            print(f"[launch] could not record the outcome in {self.job_dir}: {exc}", file=sys.stderr, flush=True)
         if state != "running":
             self.final = state
 
     def line(self) -> str:
-        return outcome_line(read_outcome(task_outcome_path(self.job_dir, self.task)) or {"state": self.final})
+        return describe(read_task_outcome(self.job_dir, self.task) or {"state": self.final or "running"})
 
 
 class EntrypointRun(submitit.helpers.Checkpointable):
@@ -147,7 +145,7 @@ class EntrypointRun(submitit.helpers.Checkpointable):
 
     def __call__(self) -> int:
         recorder = self._recorder()
-        recorder.write("running")
+        recorder.start()
 
         owner = os.getpid()
 
@@ -185,6 +183,9 @@ class EntrypointRun(submitit.helpers.Checkpointable):
         if code:
             error = last_error_line() or f"{self.module} exited with code {code}"
             recorder.write("failed", error)
+            if recorder.final == "cancelled":  # the trainer caught the SIGTERM and said so
+                print(f"[launch] task {recorder.task}: {recorder.line()}", file=sys.stderr, flush=True)
+                raise SystemExit(code)
             raise EntrypointFailed(f"{self.module} exited with code {code}: {error}")
         recorder.write("completed")
         return 0

@@ -59,8 +59,11 @@ def _metrics_steps(job_dir: Path) -> list[int]:
     return [json.loads(ln)["step"] for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def test_cancel_reads_cancelled_at_step_without_traceback(launch_env):
-    out = run_launch(["submit", "fixture", "--preset", "counting", "--no-preflight", "--json"], launch_env)
+@pytest.mark.parametrize("preset", ["counting", "counting-own"])
+def test_cancel_reads_cancelled_at_step_without_traceback(launch_env, preset):
+    """counting: the wrapper records the cancel; counting-own: the entrypoint catches SIGTERM and
+    writes outcome.json itself (as the trainers' runtime does), and its record is kept."""
+    out = run_launch(["submit", "fixture", "--preset", preset, "--no-preflight", "--json"], launch_env)
     assert out.returncode == 0, out.stderr
     submitted = json.loads(out.stdout)
     job, job_dir = submitted["job_id"], Path(submitted["folder"])
@@ -73,6 +76,7 @@ def test_cancel_reads_cancelled_at_step_without_traceback(launch_env):
     assert wait_for_state(job, launch_env, {"CANCELLED", "COMPLETED"}) == "CANCELLED"
     outcome = json.loads((job_dir / "outcome.json").read_text())
     assert outcome["state"] == "cancelled" and outcome["step"] == _metrics_steps(job_dir)[-1] >= 3
+    assert outcome["trainer"] == ("fixture" if preset == "counting-own" else None)
     status = run_launch(["status", job], launch_env)
     assert f"outcome: cancelled at step {outcome['step']}" in status.stdout, status.stdout
     assert "Traceback" not in status.stdout + status.stderr
@@ -89,8 +93,10 @@ def test_failed_job_error_reaches_logs_and_status(launch_env):
     # The job wrote its outcome (one line), and the full traceback stayed in the log.
     job_dir = Path(launch_env["LAUNCH_HOME"]) / "runs" / "fixture" / job
     outcome = json.loads((job_dir / "outcome.json").read_text())
-    assert outcome == {**outcome, "state": "failed", "step": None, "task": 0,
+    assert outcome == {**outcome, "state": "failed", "step": None,
                        "error": "ValueError: fixture failure: shard 7 is corrupt"}
+    task0 = json.loads((job_dir / "outcome.task0.json").read_text())
+    assert (task0["state"], task0["task"], task0["error"]) == ("failed", 0, outcome["error"])
     assert "Traceback (most recent call last)" in (job_dir / f"{job}_0_log.err").read_text()
     logs = run_launch(["logs", job], launch_env)
     assert "fixture failure: shard 7 is corrupt" in logs.stdout
