@@ -101,16 +101,17 @@ def check_entrypoint_args(spec: JobSpec, argv: list[str]) -> None:
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             parse(list(argv))
-    except SystemExit as exc:
+    except SystemExit as exc:  # an argparse parser: its message went to stderr
         if exc.code in (0, None):  # --help in the passthrough: nothing to submit
             raise LaunchError(f"the arguments for {spec.name} ask for help (`python -m {spec.entrypoint} --help`)") from None
         lines = [ln.strip() for ln in err.getvalue().splitlines() if ln.strip()]
         said = next((ln.split(": error: ", 1)[1] for ln in reversed(lines) if ": error: " in ln), lines[-1] if lines else "")
-        raise LaunchError(f"{spec.name} does not accept these arguments: {said} "
-                          f"(see `python -m {spec.entrypoint} --help`); nothing submitted") from None
-    except (ValueError, TypeError, OSError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise LaunchError(f"{spec.name}: {first}; nothing submitted") from None
+    except (ValueError, TypeError, OSError) as exc:  # a config check (ConfigError is a ValueError)
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    else:
+        return
+    raise LaunchError(f"{spec.name} does not accept these arguments: {said} "
+                      f"(see `python -m {spec.entrypoint} --help`); nothing submitted")
 
 
 def list_presets(spec: JobSpec, as_json: bool) -> int:
