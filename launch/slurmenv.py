@@ -27,10 +27,12 @@ def slurm_env() -> dict[str, str]:
     if os.environ.get("SLURM_CONF"):
         return {"SLURM_CONF": os.environ["SLURM_CONF"]}
     embedded = EmbeddedCluster()
-    if embedded.read_state() is not None:
-        running = set(embedded.running_daemons())
-        if running != set(DAEMONS):
-            down = ", ".join(d for d in DAEMONS if d not in running)
+    state = embedded.read_state()
+    if state is not None:
+        if not embedded.is_up():
+            running = set(embedded.running_daemons())
+            expected = list(state.get("pids") or {}) or list(DAEMONS)  # what `up` started
+            down = ", ".join(d for d in expected if d not in running) or "some daemons"
             raise LaunchError(f"the embedded cluster in {embedded.state_dir} is partly down (not running: {down}); "
                               "bring it back with `launch cluster up` (or `launch cluster down` to use the system Slurm)")
         return embedded.env()

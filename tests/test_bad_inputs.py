@@ -185,7 +185,9 @@ def _prepare(case: Case, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> list[str
         monkeypatch.delenv("SLURM_CONF")
         state = home / "cluster" / "cluster.json"
         state.parent.mkdir(parents=True)
-        state.write_text(json.dumps({"pids": {"slurmctld": 2 ** 22 + 1}}))
+        # What `up` recorded; none of these pids is a daemon of this cluster any more.
+        dead = 2 ** 22 + 1
+        state.write_text(json.dumps({"pids": {d: dead for d in ("mariadb", "munged", "slurmdbd", "slurmctld", "slurmd")}}))
     return [arg.replace("{tmp}", str(tmp)) for arg in case.argv]
 
 
