@@ -29,6 +29,7 @@ from types import ModuleType
 import submitit
 
 from launch.doctor.checks import fast_subset
+from launch.errors import LaunchError
 from launch.executor import CACHE_VARS
 from toolkit.fsutil import atomic_write_text
 from toolkit.metrics import step_records
@@ -165,7 +166,11 @@ class EntrypointRun(submitit.helpers.Checkpointable):
         try:
             prepare_node_local_dirs()
             if self.preflight:
-                fast_subset(self.job_name)
+                try:
+                    fast_subset(self.job_name)
+                except LaunchError as exc:
+                    recorder.write("failed", f"preflight: {one_line(exc).removeprefix('LaunchError: ')}")
+                    raise
             entry = entry_module(self.module)
             print(f"[launch] running {self.module} {' '.join(self.argv)}", flush=True)
             code = entry.main(self.argv)

@@ -154,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         raise LaunchError(problem)
     os.environ.update(env_extra)  # submitit calls sbatch with our environment
-    runner = EntrypointRun(spec.entrypoint, argv, spec.name, preflight=not args.no_preflight, main_task=job.main_task)
+    # The in-job preflight finds the spec (its lock) by name when it is a known job, else by path.
+    spec_ref = spec.name if known_jobs().get(spec.name) == spec.source else str(spec.source.resolve())
+    runner = EntrypointRun(spec.entrypoint, argv, spec_ref, preflight=not args.no_preflight, main_task=job.main_task)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         submitted = executor.submit(runner)

@@ -102,6 +102,18 @@ def test_failed_job_error_reaches_logs_and_status(launch_env):
     assert "fixture failure: shard 7 is corrupt" in logs.stdout
 
 
+def test_failed_preflight_is_the_outcome_for_a_spec_given_by_path(launch_env, tmp_path):
+    spec = tmp_path / "locked.yaml"
+    spec.write_text('name: locked\nentrypoint: fixture_entry\nresources: {time: "00:05:00"}\nlock: {torch: ">=99"}\n')
+    out = run_launch(["submit", str(spec), "--parsable"], launch_env)
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.strip()
+    assert wait_for_state(job, launch_env, {"COMPLETED", "FAILED"}) == "FAILED"
+    status = run_launch(["status", job], launch_env).stdout
+    assert "outcome: failed: preflight: doctor found 1 failing check(s): versions.lock: locked lock: torch" in status
+    assert "fixture done" not in run_launch(["logs", job], launch_env).stdout  # the entrypoint never ran
+
+
 def test_nonzero_exit_code_fails_the_job(launch_env):
     out = run_launch(["submit", "fixture", "--arg", "mode=exit3", "--follow"], launch_env)
     assert out.returncode == 1
