@@ -102,13 +102,12 @@ def job_error(rec: JobRecord, slurm_state: str | None = None) -> str | None:
     outcome = job_outcome(rec, slurm_state)
     if outcome is not None and outcome.get("state") not in ("completed", "running"):
         return describe(outcome)
-    for path in (rec.stderr,):
-        if path.exists():
-            lines = [ln for ln in path.read_text(errors="replace").splitlines()
-                     if ln.strip() and not ln.startswith(("submitit", " ", "Traceback"))]
-            errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-            if errors:
-                return errors[-1].strip()
+    if rec.stderr.exists():  # no outcome (a launcher from before them): the entrypoint's own last error
+        noise = ("submitit", " ", "Traceback", "srun:", "slurmstepd")  # srun's "exit code 2" says nothing
+        lines = [ln for ln in rec.stderr.read_text(errors="replace").splitlines() if ln.strip() and not ln.startswith(noise)]
+        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+        if errors:
+            return errors[-1].strip()
     return None
 
 
