@@ -107,3 +107,18 @@ def test_sigterm_stops_at_the_current_step_with_an_outcome(tmp_path: Path, data:
     outcome = json.loads((out / "outcome.json").read_text())
     assert outcome["state"] == "cancelled" and outcome["step"] >= 1
     assert stderr.strip().splitlines()[-1] == f"train.stage1: cancelled at step {outcome['step']} (SIGTERM)"
+
+
+def test_parser_from_the_config_dataclass() -> None:
+    """Each field is one flag with the field's default; bad values are one-line ConfigErrors."""
+    from train.common.config import ConfigError
+    from train.stage1.train import Stage1Config, parse_args
+
+    assert parse_args([]) == Stage1Config()
+    cfg = parse_args(["--steps", "7", "--vision", "off", "--restart", "--weights", '{"und": 2}'])
+    assert (cfg.steps, cfg.vision, cfg.restart, cfg.weights) == (7, False, True, {"und": 2.0})
+    for bad, words in ((["--steps", "x"], "--steps"), (["--vision", "maybe"], "on or off"),
+                       (["--weights", "[1]"], "JSON object"), (["--bogus", "1"], "--bogus")):
+        with pytest.raises(ConfigError, match=words) as exc:
+            parse_args(bad)
+        assert "\n" not in str(exc.value)
