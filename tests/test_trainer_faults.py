@@ -122,3 +122,31 @@ def test_parser_from_the_config_dataclass() -> None:
         with pytest.raises(ConfigError, match=words) as exc:
             parse_args(bad)
         assert "\n" not in str(exc.value)
+
+
+def test_a_non_finite_step_is_not_applied_and_max_bad_steps_bounds_the_skips(tmp_path: Path) -> None:
+    from toolkit.metrics import SCHEMAS
+    from train.common.metrics import MetricsLogger
+    from train.common.runtime import NonFiniteStep, Runtime
+
+    one = DistInfo(0, 1, 0, "127.0.0.1", 0, "gloo", False)
+    model = torch.nn.Linear(3, 1)
+    stepper = Stepper.create(model, model, lr=0.1, weight_decay=0.0, grad_clip=1.0, lr_lambda=lambda s: 1.0,
+                             device=torch.device("cpu"), dist=one)
+    rt = Runtime("t", SCHEMAS["stage1"], torch.device("cpu"), one, tmp_path,
+                 MetricsLogger(tmp_path, SCHEMAS["stage1"], enabled=False), is_logger=True, max_bad_steps=1)
+    before = model.weight.detach().clone()
+    loss = model(torch.full((2, 3), float("nan"))).sum()
+    stepper.backward(loss)
+    norm, skipped = stepper.step(loss)
+    assert skipped and torch.equal(model.weight, before) and model.weight.grad is None
+    rt.step = 5
+    assert rt.check_finite(float(loss.detach()), norm, skipped) is False  # the one bad step allowed
+    good = model(torch.ones(2, 3)).sum()
+    stepper.backward(good)
+    norm, skipped = stepper.step(good)
+    assert not skipped and not torch.equal(model.weight, before)
+    assert rt.check_finite(float(good.detach()), norm, skipped) is True
+    rt.step, rt.last_checkpoint = 9, tmp_path / "step_00000008"
+    with pytest.raises(NonFiniteStep, match=r"step 9: loss nan.*last good checkpoint: .*step_00000008"):
+        rt.check_finite(float("nan"), float("nan"), True)
