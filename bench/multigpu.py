@@ -152,7 +152,8 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
             "bench": "stage1", "preset": a.preset, "gpus": n,
             "vocab": int(m.group(1)) if (m := re.search(r"\bvocab=(\d+)", header)) else None, "deepspeed": "deepspeed=True" in header,
             "steps_timed": len(steps), "tok_s": tok_s, "tok_s_per_gpu": tok_s / n,
-            "mfu": statistics.median(r["mfu"] for r in steps),
+            # None where the device's peak is unknown (a CPU smoke run): no MFU rather than a wrong one
+            "mfu": statistics.median(mfus) if (mfus := [r["mfu"] for r in steps if r.get("mfu") is not None]) else None,
             "step_ms": statistics.median(r["data_ms"] + r["compute_ms"] for r in steps),
             "fwd_ms": statistics.median(r["fwd_ms"] for r in steps) if steps[0].get("fwd_ms") else None,
             "fwd_spread_median": statistics.median(spreads) if spreads else None,
@@ -164,12 +165,16 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
             "header": header.strip(),
         }
         rows.append(row)
-        print(f"   {n} GPU: {tok_s:,.0f} tok/s, {row['mfu']:.1%} MFU, peak {row['peak_mem_gb']:.1f} GiB, "
+        print(f"   {n} GPU: {tok_s:,.0f} tok/s, {_pct(row['mfu'])} MFU, peak {row['peak_mem_gb']:.1f} GiB, "
               f"vocab {row['vocab']}, wall {row['wall_s']:.0f} s", flush=True)
     base = rows[0]["tok_s_per_gpu"] if rows else 1.0
     for row in rows:
         row["scaling_efficiency"] = row["tok_s_per_gpu"] / base
     return rows
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
 
 
 def print_stage1(rows: list[dict[str, Any]]) -> None:
@@ -181,7 +186,7 @@ def print_stage1(rows: list[dict[str, Any]]) -> None:
                   else f"{r['fwd_spread_median']:.1%} / {r['fwd_spread_max']:.1%}")
         fwd = "-" if r["fwd_ms"] is None else f"{r['fwd_ms']:.0f}"
         print(f"| {r['gpus']} | {'yes' if r['deepspeed'] else 'no'} | {r['tok_s']:,.0f} | {r['tok_s_per_gpu']:,.0f} "
-              f"| {r['mfu']:.1%} | {r['scaling_efficiency']:.3f} | {r['step_ms']:.0f} | {fwd} | {spread} "
+              f"| {_pct(r['mfu'])} | {r['scaling_efficiency']:.3f} | {r['step_ms']:.0f} | {fwd} | {spread} "
               f"| {r['step_max_over_median']:.2f} | {r['peak_mem_gb']:.1f} |")
 
 
