@@ -113,3 +113,22 @@ def test_compile_and_attention_defaults_by_device(monkeypatch):
     assert configure_cache_dir(env) == "/scratch/cache/alice/torchinductor"
     env = {"TRITON_CACHE_DIR": "/a/triton", "TORCHINDUCTOR_CACHE_DIR": "/b/inductor"}
     assert configure_cache_dir(env) == "/b/inductor"
+
+
+def test_activation_checkpointing_recomputes_and_keeps_gradients(models):
+    from train.common.regional_compile import apply_activation_checkpointing, checkpointed_layers
+
+    assert checkpointed_layers(24, 6) == [0, 4, 8, 12, 16, 20] and checkpointed_layers(4, 0) == []
+    assert checkpointed_layers(4, 9) == [0, 1, 2, 3]
+    stock, compiled = models
+    ckpt = copy.deepcopy(stock)
+    assert apply_activation_checkpointing(ckpt, 2) == [0, 2]
+    calls = []
+    ckpt.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    batch = batches(1)[0]
+    want = loss_and_grads(stock, batch)
+    got = loss_and_grads(ckpt, batch)
+    assert len(calls) == 2  # forward, then the recompute in the backward
+    torch.testing.assert_close(got[1], want[1])
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], atol=1e-6, rtol=1e-5, msg=name)

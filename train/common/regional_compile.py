@@ -162,3 +162,36 @@ def apply_regional_compile(model: torch.nn.Module, backend: str = "inductor", **
     final_norm = text.norm
     final_norm.forward = functools.partial(regions["norm"], final_norm)
     return len(layers)
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+
+
+def _checkpointed(forward, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpointed_layers(n_layers: int, count: int) -> list[int]:
+    """Which of ``n_layers`` decoder layers recompute their activations: ``count`` of them, spread
+    evenly (attention and GDN layers alike), so the memory saved is about ``count / n_layers``."""
+    count = max(0, min(count, n_layers))
+    return sorted({(i * n_layers) // count for i in range(count)}) if count else []
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, count: int) -> list[int]:
+    """Per-layer activation checkpointing (non-reentrant) of ``count`` decoder layers; their indices.
+
+    Wraps whatever ``forward`` the layer has at the time (the regional-compile one included), so
+    call it after :func:`apply_regional_compile`. The backward recomputes those layers' forward.
+    """
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    layers = [m for m in model.modules() if isinstance(m, Qwen3_5DecoderLayer)]
+    chosen = checkpointed_layers(len(layers), count)
+    for i in chosen:
+        layers[i].forward = functools.partial(_checkpointed, layers[i].forward)
+    return chosen
