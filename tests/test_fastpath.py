@@ -214,3 +214,21 @@ def test_a_kernel_that_leaks_across_documents_is_refused(site):
 def test_install_kernels_refuses_a_model_without_gdn_layers():
     with pytest.raises(ValueError, match="no Qwen3.5 gated-delta-net"):
         install_kernels(torch.nn.Linear(2, 2), KernelChoice("cpu", "x", "y", "z", False))
+
+
+def test_conv_choice_is_explicit_when_asked(site):
+    site({**WORKING_FLA, "causal_conv1d/__init__.py": "def causal_conv1d_fn(*a, **k):\n    pass\n"})
+    gpu = {"capability": (8, 0), "triton_version": "3.6.0"}
+    assert select_kernels("cuda", **gpu).conv.startswith("causal_conv1d.")
+    assert select_kernels("cuda", conv="fla", **gpu).conv.startswith("fla.modules.causal_conv1d")
+    assert select_kernels("cuda", conv="causal-conv1d", **gpu).conv.startswith("causal_conv1d.")
+    with pytest.raises(ValueError, match="unknown conv"):
+        select_kernels("cuda", conv="cudnn", **gpu)
+
+
+def test_conv_fla_only_is_refused_without_fla_conv(site):
+    files = dict(WORKING_FLA)
+    files["fla/modules/causal_conv1d/__init__.py"] = BROKEN
+    site({**files, "causal_conv1d/__init__.py": "def causal_conv1d_fn(*a, **k):\n    pass\n"})
+    with pytest.raises(FastPathError, match="varlen causal conv"):
+        select_kernels("cuda", conv="fla", capability=(8, 0), triton_version="3.6.0")
