@@ -37,6 +37,7 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
     header, *_ = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert header["event"] == "header" and "torchtitan" in header["mfu_convention"]
     assert "# MFU (torchtitan)" in stdout and "kernels[cpu]" in stdout
+    assert "# compile: off" in stdout and "# packing: rows" in stdout  # the CPU demo never compiles
 
     recs = step_records(out)
     assert [r["step"] for r in recs] == list(range(1, 21))
@@ -44,6 +45,7 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
         assert STEP_FIELDS <= set(r), STEP_FIELDS - set(r)
         assert r["data_ms"] >= 0 and r["compute_ms"] > 0 and r["tok_s"] > 0 and 0 < r["mfu"] < 1
         assert set(r["task_loss"]) <= set(TASKS)
+        assert r["compiles"] == 0 and r["recompiles"] == 0
     assert set().union(*(r["task_loss"] for r in recs)) == set(TASKS)  # every task was trained on
     first = statistics.mean(r["loss"] for r in recs[:3])
     last = statistics.mean(r["loss"] for r in recs[-3:])

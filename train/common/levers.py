@@ -21,15 +21,18 @@ class Levers:
     act_ckpt: int = 0  # decoder layers with activation checkpointing (0: none)
 
 
-def apply_levers(model: torch.nn.Module, device: torch.device, levers: Levers) -> list[str]:
-    """Apply ``levers`` to ``model`` (after install_kernels); the log header's lines about them."""
+def apply_levers(model: torch.nn.Module, device: torch.device, levers: Levers, backend: str = "inductor") -> list[str]:
+    """Apply ``levers`` to ``model`` (after install_kernels); the log header's lines about them.
+
+    ``backend``: torch.compile's (the CPU tests use ``aot_eager``: the same graphs, no C++ build).
+    """
     attention = varlen_attention.select_attention(levers.attention, device)
     varlen_attention.use_attention(model, attention)
     lines = [f"attention: {varlen_attention.describe(attention, device)}"]
     if regional_compile.compile_enabled(levers.compile, device):
         cache = regional_compile.configure_cache_dir()
-        n = regional_compile.apply_regional_compile(model)
-        lines.append(f"compile: regional torch.compile of {n} decoder layers (inductor cache {cache or 'default'})")
+        n = regional_compile.apply_regional_compile(model, backend=backend)
+        lines.append(f"compile: regional torch.compile ({backend}) of {n} decoder layers, cache {cache or 'default'}")
     else:
         lines.append("compile: off")
     if levers.act_ckpt:

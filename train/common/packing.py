@@ -319,6 +319,15 @@ def layout_packer(layout: str, row_len: int, batch_rows: int, pad_id: int = 0, l
     return Packer(row_len=row_len, pad_id=pad_id, long_doc=long_doc)
 
 
+def resolve_layout(requested: str, device_type: str) -> str:
+    """``auto``: ``flat`` on CUDA (with varlen attention), ``rows`` on the CPU (the demo and tests)."""
+    if requested == "auto":
+        return "flat" if device_type == "cuda" else "rows"
+    if requested not in LAYOUTS:
+        raise ValueError(f"unknown packing layout {requested!r} (auto, {', '.join(LAYOUTS)})")
+    return requested
+
+
 def rows_per_batch(layout: str, batch_rows: int) -> int:
     return 1 if layout == "flat" else batch_rows
 

@@ -32,10 +32,11 @@ from train.common.checkpoint import CheckpointError, CheckpointManager, rng_stat
 from train.common.distributed import DistInfo, init_distributed, shutdown_distributed, slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
+from train.common.levers import Levers, apply_levers
 from train.common.losses import LossImplError, select_loss_impl
 from train.common.master_weights import MasterWeightAdamW, needs_master_weights
 from train.common.metrics import MetricsLogger, compile_counts, peak_memory_mb
-from train.common.packing import IGNORE_INDEX, model_kwargs
+from train.common.packing import IGNORE_INDEX, model_kwargs, resolve_layout
 from train.common.profiler import StepProfiler, rank_spread
 from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data, generate_synthetic
 from train.stage1.objective import CausalLMObjective
@@ -76,6 +77,12 @@ class Stage1Config:
     # Images through the preset's Qwen3.5 vision tower (Qwen3_5ForConditionalGeneration); off: the
     # text-only model, images as colour stand-in tokens. Per-preset default in PRESET_DEFAULTS.
     vision: bool = False
+    # Speed levers (train/common/levers.py, measured by bench/stage1_levers.py); auto: on CUDA, off on CPU.
+    compile: str = "auto"  # regional torch.compile of the decoder layers
+    attention: str = "auto"  # varlen (per document, no dense mask) | sdpa (block-diagonal mask)
+    act_ckpt: int = 0  # decoder layers with activation checkpointing
+    packing: str = "auto"  # flat (one stream of batch_rows*row_len) | rows
+    conv_impl: str = "auto"  # causal-conv1d | fla (Triton) | auto: causal-conv1d when installed
 
 
 # Per-preset defaults for what the command line leaves unset. tiny: 512 tokens a step, so 60
@@ -83,7 +90,9 @@ class Stage1Config:
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"steps": 60, "batch_rows": 2, "row_len": 256, "lr": 3e-3, "warmup": 5, "vision": True},
     "qwen35-0.8b": {"steps": 20000, "batch_rows": 1, "row_len": 8192, "lr": 3e-4, "warmup": 500, "ckpt_every": 500},
-    "qwen35-2b": {"steps": 20000, "batch_rows": 2, "row_len": 8192, "lr": 2e-4, "warmup": 500, "ckpt_every": 500},
+    # batch_rows 4 (32k tokens a step): chosen by memory with regional compile on (compiled 4 x 8192
+    # peaked at 96 GiB on the H200, eager 2 rows at 83 GiB; bench/stage1_levers.py, RESULTS.md).
+    "qwen35-2b": {"steps": 20000, "batch_rows": 4, "row_len": 8192, "lr": 2e-4, "warmup": 500, "ckpt_every": 500},
 }
 
 
@@ -115,6 +124,15 @@ def parse_args(argv: list[str] | None) -> Stage1Config:
                    help="next-token loss kernel (auto: fused on CUDA)")
     p.add_argument("--vision", choices=("on", "off"), default=None,
                    help="images through the Qwen3.5 vision tower (default: on for tiny, off for the GPU presets)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default=d.compile,
+                   help="regional torch.compile of the decoder layers (auto: on CUDA, off on CPU)")
+    p.add_argument("--attention", choices=("auto", "varlen", "sdpa"), default=d.attention,
+                   help="full-attention kernel (auto: varlen on CUDA, sdpa on CPU)")
+    p.add_argument("--act-ckpt", type=int, default=d.act_ckpt, help="decoder layers with activation checkpointing")
+    p.add_argument("--packing", choices=("auto", "flat", "rows"), default=d.packing,
+                   help="batch layout (auto: flat on CUDA, rows on CPU)")
+    p.add_argument("--conv-impl", choices=("auto", "causal-conv1d", "fla"), default=d.conv_impl,
+                   help="GDN short-conv kernel on CUDA (auto: causal-conv1d when installed, else fla)")
     a = p.parse_args(argv)
     if a.vision is not None:
         a.vision = a.vision == "on"
@@ -140,6 +158,8 @@ def validate(cfg: Stage1Config) -> None:
 
     if cfg.preset not in PRESETS:
         raise ConfigError(f"unknown preset {cfg.preset!r}; valid presets: {', '.join(PRESETS)}")
+    if cfg.act_ckpt < 0:
+        raise ConfigError(f"--act-ckpt must be >= 0 (0: none), got {cfg.act_ckpt}")
     for name in ("steps", "batch_rows", "row_len", "log_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -259,10 +279,12 @@ def train(cfg: Stage1Config) -> int:
     barrier()
 
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
-    kernels = fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)
+    kernels = fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path, conv=cfg.conv_impl)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, spec = build_model(cfg.preset, device=device, dtype=dtype, init_from=cfg.init_from, vision=cfg.vision)
     fastpath.install_kernels(model, kernels)
+    lever_lines = apply_levers(model, device, Levers(cfg.compile, cfg.attention, cfg.act_ckpt))
+    packing = resolve_layout(cfg.packing, device.type)
     loss_impl = select_loss_impl(device, cfg.loss_impl)
     objective = CausalLMObjective(model, loss_impl)
 
@@ -295,7 +317,7 @@ def train(cfg: Stage1Config) -> int:
         DataConfig(
             str(data_dir), preset=cfg.preset, row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
             weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers,
-            vision=cfg.vision,
+            vision=cfg.vision, packing=packing,
         ),
         rank=dist_info.rank, start_batch=int(data_state["next_batch"]), report=log.print,
     )
@@ -309,6 +331,8 @@ def train(cfg: Stage1Config) -> int:
         "vision_params": spec.n_vision_params,
     })
     log.print("# " + kernels.header().replace("\n", "\n# "))
+    for line in [f"packing: {packing}", *lever_lines]:
+        log.print(f"# {line}")
 
     prof = StepProfiler(device)
     model.train()
