@@ -190,7 +190,7 @@ def _run(v: Variant, preset: str, args: argparse.Namespace, device: torch.device
         sync(device)
         t0 = time.perf_counter()
         loss, _ = train_step(objective, model, opt, sched, None, b, device, cfg.grad_clip)
-        losses.append(float(loss))  # syncs
+        losses.append(float(loss.detach()))  # syncs
         times.append(time.perf_counter() - t0)
         all_tok.append(b["input_ids"].numel())
         useful_tok.append(int(b["n_real_tokens"]))
@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu_smoke:
         device = torch.device("cpu")
+        torch.set_num_threads(1)  # tiny matmuls: more threads only contend on a small shared machine
     elif torch.cuda.is_available():
         device = torch.device("cuda", 0)
     else:
