@@ -169,7 +169,16 @@ def _run(v: Variant, preset: str, args: argparse.Namespace, device: torch.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = fastpath.select_kernels(device, conv=v.conv)
     model, spec = build_model(preset, device=device, dtype=dtype)
-    fastpath.install_kernels(model, kernels)
+    notes = []
+    try:
+        fastpath.install_kernels(model, kernels)
+    except fastpath.FastPathError as exc:
+        if gdn_backend() != "flash_qla":
+            raise
+        # FlashQLA failed the bf16 check: say so, and measure the rest without it (this process)
+        notes.append(f"flash_qla refused, FLA_FLASH_QLA=0 from here on: {str(exc)[:200]}")
+        os.environ["FLA_FLASH_QLA"] = "0"
+        fastpath.install_kernels(model, kernels)
     levers = Levers(compile=v.compile, attention=v.attention, act_ckpt=v.act_ckpt)
     lines = apply_levers(model, device, levers, backend=args.compile_backend)
     objective = CausalLMObjective(model, select_loss_impl(device, "auto"))
@@ -203,7 +212,7 @@ def _run(v: Variant, preset: str, args: argparse.Namespace, device: torch.device
     row = {
         "variant": v.name, "preset": preset, "rows": v.rows, "row_len": args.row_len, "packing": v.packing,
         "compile": v.compile, "attention": v.attention, "act_ckpt": v.act_ckpt, "env": dict(v.env),
-        "kernels": kernels.header().splitlines()[0], "levers": lines, "gdn_backend": gdn_backend(),
+        "kernels": kernels.header().splitlines()[0], "levers": lines, "gdn_backend": gdn_backend(), "notes": notes,
         "tok_s": tok_s, "useful_tok_s": useful_s, "mfu": mfu_all, "mfu_useful": mfu_useful,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
         "build_s": build_s, "first_step_s": times[0], "median_step_s": statistics.median(timed),
@@ -236,14 +245,14 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-HEADER = (f"{'variant':<16} {'tok/step':>8} {'tok/s':>8} {'useful/s':>8} {'MFU':>6} {'uMFU':>6} {'peak GiB':>8} "
+HEADER = (f"{'variant':<16} {'gdn':<12} {'tok/step':>8} {'tok/s':>8} {'useful/s':>8} {'MFU':>6} {'uMFU':>6} {'peak GiB':>8} "
           f"{'1st s':>6} {'step s':>6} {'graphs':>6} {'recomp':>6} {'pack':>6} {'3D':>5} {'drop':>5} {'loss0':>6}")
 
 
 def format_row(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{r['variant']:<16} ERROR {r['error']}"
-    return (f"{r['variant']:<16} {r['tokens_per_step']:>8} {r['tok_s']:>8,.0f} {r['useful_tok_s']:>8,.0f} "
+    return (f"{r['variant']:<16} {r['gdn_backend']:<12} {r['tokens_per_step']:>8} {r['tok_s']:>8,.0f} {r['useful_tok_s']:>8,.0f} "
             f"{r['mfu']:>6.1%} {r['mfu_useful']:>6.1%} {r['peak_gib']:>8.1f} {r['first_step_s']:>6.1f} "
             f"{r['median_step_s']:>6.3f} {r['graphs_warmup']:>6} {r['recompiles']:>6} {r['packing_eff']:>6.1%} "
             f"{r['share_3d']:>5.2f} {r['dropped']:>5.1%} {r['first_loss']:>6.3f}")
@@ -312,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         row["device"] = name
         rows.append(row)
         print(format_row(row), flush=True)
+        for note in row.get("notes", []):
+            print(f"    note: {note}", flush=True)
         with open(out / "levers.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
     print(f"# {time.monotonic() - t_start:.0f} s; MFU convention: train/common/mfu.py; uMFU = useful-token MFU")

@@ -305,6 +305,7 @@ def verify_kernels(
     head_v_dim: int,
     conv_width: int,
     tolerance: float = 5e-2,
+    bf16_tolerance: float = 1e-1,
 ) -> None:
     """Run the chosen kernels once on a small packed input (3 documents, fwd + bwd) and compare
     them with the reference kernels. Catches what an import check cannot: a Triton that cannot
@@ -336,25 +337,40 @@ def verify_kernels(
          (x, weight, None, "silu"), {"seq_idx": seq_idx, "cu_seqlens": cu_seqlens}),
     )
     for piece, name, fast_fn, ref_fn, args, kwargs in checks:
-        if fast_fn is ref_fn:
-            continue
-        leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
-        want = ref_fn(*args, **kwargs)
-        want_grads = torch.autograd.grad(want.float().square().sum(), leaves)
-        try:
-            got = fast_fn(*args, **kwargs)
-            if not torch.is_tensor(got) or got.shape != want.shape:
-                raise TypeError(f"returned {type(got).__name__} {getattr(got, 'shape', '')}, expected {tuple(want.shape)}")
-            got_grads = torch.autograd.grad(got.float().square().sum(), leaves)
-        except Exception as exc:
-            raise FastPathError(f"{piece} kernel {name} failed its first call: {type(exc).__name__}: {exc}") from exc
-        errors = [_relative_error(got, want)] + [_relative_error(a, b) for a, b in zip(got_grads, want_grads, strict=True)]
-        if max(errors) > tolerance:
-            raise FastPathError(
-                f"{piece} kernel {name} disagrees with the varlen reference on a packed input "
-                f"(max relative error {max(errors):.3g} > {tolerance}; output, then input grads: "
-                f"{', '.join(f'{e:.2g}' for e in errors)})"
-            )
+        if fast_fn is not ref_fn:
+            _check_kernel(piece, name, fast_fn, ref_fn, args, kwargs, tolerance)
+    if choice.device == "cuda" and choice.gdr_fn is not reference_kernels.chunk_gated_delta_rule_varlen:
+        # Training runs in bf16, and fla dispatches by dtype (FlashQLA takes only bf16/fp16), so the
+        # kernel that trains is checked too: bf16 inputs, against the reference on the same rounded
+        # values in fp32.
+        rounded = [a.detach().to(torch.bfloat16) for a in (q, k, v, g, beta)]
+        low = [a.clone().requires_grad_() for a in rounded]
+        high = [a.float().requires_grad_() for a in rounded]
+        _check_kernel("gated delta rule (bf16)", choice.gdr, choice.gdr_fn, reference_kernels.chunk_gated_delta_rule_varlen,
+                      tuple(low), checks[0][5], bf16_tolerance, ref_args=tuple(high))
+
+
+def _check_kernel(piece: str, name: str, fast_fn: Callable, ref_fn: Callable, args: tuple, kwargs: dict,
+                  tolerance: float, ref_args: tuple | None = None) -> None:
+    ref_args = args if ref_args is None else ref_args
+    leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+    ref_leaves = [a for a in ref_args if torch.is_tensor(a) and a.requires_grad]
+    want = ref_fn(*ref_args, **kwargs)
+    want_grads = torch.autograd.grad(want.float().square().sum(), ref_leaves)
+    try:
+        got = fast_fn(*args, **kwargs)
+        if not torch.is_tensor(got) or got.shape != want.shape:
+            raise TypeError(f"returned {type(got).__name__} {getattr(got, 'shape', '')}, expected {tuple(want.shape)}")
+        got_grads = torch.autograd.grad(got.float().square().sum(), leaves)
+    except Exception as exc:
+        raise FastPathError(f"{piece} kernel {name} failed its first call: {type(exc).__name__}: {exc}") from exc
+    errors = [_relative_error(got, want)] + [_relative_error(a, b) for a, b in zip(got_grads, want_grads, strict=True)]
+    if max(errors) > tolerance:
+        raise FastPathError(
+            f"{piece} kernel {name} disagrees with the varlen reference on a packed input "
+            f"(max relative error {max(errors):.3g} > {tolerance}; output, then input grads: "
+            f"{', '.join(f'{e:.2g}' for e in errors)})"
+        )
 
 
 def install_kernels(model: torch.nn.Module, choice: KernelChoice, verify: bool = True) -> int:
