@@ -4,7 +4,7 @@ Each variant builds the trainer's model for its preset (the vocab comes from the
 config), installs the kernels the trainer would (`fastpath`), applies the levers the trainer's
 flags name (`train.common.levers`: attention kernel, regional compile, activation
 checkpointing), and times `train.stage1.train.train_step` (forward + loss + backward + clip +
-AdamW with fp32 masters) on batches of the reference run's bimodal length mix: 3D samples of
+AdamW with fp32 masters, the trainer's Stepper) on batches of the reference run's bimodal length mix: 3D samples of
 5.8k-6.9k tokens (65%) and replay samples of 300-800 tokens (35%), packed as the data layer
 packs them (`layout_packer`: a fresh packer per batch, its first rows). The same seed gives every
 variant of a layout the same batches.
@@ -37,6 +37,7 @@ samples among the batch's documents (the drawn mix is 0.65), tokens dropped by c
     python bench/stage1_levers.py --out DIR --quick         # eager-2, compiled-2, flat-4, 0.8b-flat-4
     python bench/stage1_levers.py --out DIR --variants flat-4,conv-fla
     python bench/stage1_levers.py --out DIR --cpu-smoke --quick   # the script itself, tiny, on CPU
+    python bench/stage1_levers.py --out DIR --packing-only        # the layouts' packing alone (CPU)
 
 Results: a table on stdout and DIR/levers.jsonl (one line per variant, appended as each ends).
 `--budget-s` stops starting variants once that much wall time has passed.
@@ -61,6 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.common import fastpath  # noqa: E402
+from train.common.distributed import DistInfo  # noqa: E402
 from train.common.levers import Levers, apply_levers  # noqa: E402
 from train.common.losses import select_loss_impl  # noqa: E402
 from train.common.metrics import compile_counts  # noqa: E402
@@ -68,8 +70,9 @@ from train.common.mfu import mfu_pair  # noqa: E402
 from train.common.packing import collate, layout_packer, rows_per_batch  # noqa: E402
 from train.stage1.model import build_model  # noqa: E402
 from train.stage1.objective import CausalLMObjective  # noqa: E402
-from train.stage1.train import Stage1Config, lr_lambda, make_optimizer, mfu_terms, train_step  # noqa: E402
+from train.stage1.train import Stage1Config, make_stepper, mfu_terms, train_step  # noqa: E402
 
+ONE_RANK = DistInfo(0, 1, 0, "127.0.0.1", 0, "gloo", False)
 P_3D = 0.652  # the reference run's share of 3D samples (880k of 1.35M)
 TASKS_3D = (0, 1, 2)  # gen_img, gen_txt, und; replay_img, replay_text are 3, 4
 
@@ -182,8 +185,7 @@ def _run(v: Variant, preset: str, args: argparse.Namespace, device: torch.device
     levers = Levers(compile=v.compile, attention=v.attention, act_ckpt=v.act_ckpt)
     lines = apply_levers(model, device, levers, backend=args.compile_backend)
     objective = CausalLMObjective(model, select_loss_impl(device, "auto"))
-    opt = make_optimizer(model, cfg, device)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    stepper = make_stepper(objective, model, cfg, device, ONE_RANK, ds=False)
     model.train()
     n = args.warmup + args.steps
     batches, packing = make_batches(v.packing, v.rows, args.row_len, spec.vocab.padded_vocab, n)
@@ -198,8 +200,7 @@ def _run(v: Variant, preset: str, args: argparse.Namespace, device: torch.device
             graphs_warm, recompiles_warm = compile_counts()
         sync(device)
         t0 = time.perf_counter()
-        loss, _ = train_step(objective, model, opt, sched, None, b, device, cfg.grad_clip)
-        losses.append(float(loss.detach()))  # syncs
+        losses.append(train_step(stepper, b, device).loss)  # syncs
         times.append(time.perf_counter() - t0)
         all_tok.append(b["input_ids"].numel())
         useful_tok.append(int(b["n_real_tokens"]))
@@ -221,7 +222,7 @@ def _run(v: Variant, preset: str, args: argparse.Namespace, device: torch.device
         "first_loss": losses[0], "last_loss": losses[-1], "params": spec.n_params, "vocab": spec.vocab.padded_vocab,
         "flops_per_token": flops_per_token, "tokens_per_step": all_tok[0], **packing,
     }
-    del objective, model, opt, sched, batches
+    del objective, model, stepper, batches
     free_memory(device)
     return row
 
@@ -271,6 +272,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reset-each", action="store_true", help="torch._dynamo.reset() before every variant")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (inductor; aot_eager on CPU)")
     p.add_argument("--cpu-smoke", action="store_true", help="run on CPU with the tiny preset, 256-token rows")
+    p.add_argument("--packing-only", action="store_true", help="only the packing statistics of each layout (no model)")
+    p.add_argument("--batches", type=int, default=100, help="batches per layout for --packing-only")
     a = p.parse_args(argv)
     names = a.variants.split(",") if a.variants else list(QUICK if a.quick else VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
@@ -284,8 +287,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def packing_table(args: argparse.Namespace, out: Path) -> int:
+    """Useful-token share, 3D share and dropped tokens of each layout over --batches batches."""
+    print(f"# packing of the bimodal mix (3D share drawn: {P_3D}), {args.batches} batches, row_len {args.row_len}")
+    print(f"{'layout':<8} {'rows':>4} {'tok/step':>8} {'useful':>7} {'3D share':>8} {'dropped':>7}")
+    for layout, rows in (("rows", 1), ("rows", 2), ("rows", 4), ("flat", 2), ("flat", 4), ("flat", 6)):
+        _, stats = make_batches(layout, rows, args.row_len, 1000, args.batches)
+        print(f"{layout:<8} {rows:>4} {rows * args.row_len:>8} {stats['packing_eff']:>7.1%} "
+              f"{stats['share_3d']:>8.3f} {stats['dropped']:>7.1%}", flush=True)
+        with open(out / "packing.jsonl", "a") as f:
+            f.write(json.dumps({"layout": layout, "rows": rows, "row_len": args.row_len, **stats}) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.packing_only:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        return packing_table(args, Path(args.out))
     if args.cpu_smoke:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # tiny matmuls: more threads only contend on a small shared machine
