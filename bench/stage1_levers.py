@@ -209,7 +209,8 @@ def _run(v: Variant, preset: str, args: argparse.Namespace, device: torch.device
     tok_s = sum(all_tok[args.warmup:]) / sum(timed)
     useful_s = sum(useful_tok[args.warmup:]) / sum(timed)
     flops_per_token, peak, _ = mfu_terms(model, cfg, device)
-    mfu_all, mfu_useful = mfu_pair(tok_s, useful_s, flops_per_token, 1, peak)
+    # no MFU where the peak is unknown (the CPU smoke run)
+    mfu_all, mfu_useful = mfu_pair(tok_s, useful_s, flops_per_token, 1, peak) if peak else (None, None)
     row = {
         "variant": v.name, "preset": preset, "rows": v.rows, "row_len": args.row_len, "packing": v.packing,
         "compile": v.compile, "attention": v.attention, "act_ckpt": v.act_ckpt, "env": dict(v.env),
@@ -250,11 +251,15 @@ HEADER = (f"{'variant':<16} {'gdn':<12} {'tok/step':>8} {'tok/s':>8} {'useful/s'
           f"{'1st s':>6} {'step s':>6} {'graphs':>6} {'recomp':>6} {'pack':>6} {'3D':>5} {'drop':>5} {'loss0':>6}")
 
 
+def _pct(x: float | None) -> str:
+    return f"{x:>6.1%}" if x is not None else f"{'-':>6}"
+
+
 def format_row(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{r['variant']:<16} ERROR {r['error']}"
     return (f"{r['variant']:<16} {r['gdn_backend']:<12} {r['tokens_per_step']:>8} {r['tok_s']:>8,.0f} {r['useful_tok_s']:>8,.0f} "
-            f"{r['mfu']:>6.1%} {r['mfu_useful']:>6.1%} {r['peak_gib']:>8.1f} {r['first_step_s']:>6.1f} "
+            f"{_pct(r['mfu'])} {_pct(r['mfu_useful'])} {r['peak_gib']:>8.1f} {r['first_step_s']:>6.1f} "
             f"{r['median_step_s']:>6.3f} {r['graphs_warmup']:>6} {r['recompiles']:>6} {r['packing_eff']:>6.1%} "
             f"{r['share_3d']:>5.2f} {r['dropped']:>5.1%} {r['first_loss']:>6.3f}")
 

@@ -30,6 +30,6 @@ def test_levers_bench_smoke(tmp_path, capsys, monkeypatch):
     assert all(r["recompiles"] == 0 for r in rows.values())
     assert rows["flat-4"]["tokens_per_step"] == 4 * 128 and rows["flat-4"]["packing_eff"] >= 0.97
     for r in rows.values():
-        assert r["useful_tok_s"] <= r["tok_s"] and r["mfu_useful"] <= r["mfu"]
+        assert r["useful_tok_s"] <= r["tok_s"] and r["mfu"] is None  # no MFU without a known peak (CPU)
     out = capsys.readouterr().out
     assert "uMFU" in out and "flat-4" in out

@@ -95,6 +95,7 @@ SCHEMAS: dict[str, Schema] = {
             Column("loss", "loss", ".4f"),
             Column("tok_s", "tok/s", ".0f"),
             Column("mfu", "MFU", ".3g", "%", 100.0, missing="n/a"),
+            Column("mfu_useful", "useful MFU", ".3g", "%", 100.0, missing="n/a"),
             Column("data_ms", "data", ".1f", " ms"),
             Column("compute_ms", "compute", ".1f", " ms"),
             Column("peak_mem_mb", "mem", ".0f", " MB"),

@@ -97,14 +97,24 @@ def _gdn_out(gdn: torch.nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch
 # ----------------------------------------------------------------------------- eager glue
 
 
+def _with_cache(kwargs: dict[str, Any]) -> bool:
+    """A KV cache came along (generation): transformers' own forward then. It is ``cache`` in
+    transformers 5.24, ``past_key_values`` in 5.23; both are dropped when None."""
+    cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+    if not cached:
+        kwargs.pop("cache", None)
+        kwargs.pop("past_key_values", None)
+    return cached
+
+
 def _attention_forward(attn: torch.nn.Module, regions: dict[str, Any], hidden_states: torch.Tensor,
                        position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None,
-                       cache: Any = None, **kwargs: Any):
+                       **kwargs: Any):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.qwen3_5.modeling_qwen3_5 import eager_attention_forward
 
-    if cache is not None or kwargs.get("past_key_values") is not None:  # generation: the stock forward
-        return type(attn).forward(attn, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    if _with_cache(kwargs):
+        return type(attn).forward(attn, hidden_states, position_embeddings, attention_mask, **kwargs)
     cos, sin = position_embeddings
     query, key, value, gate = regions["attn_pre"](attn, hidden_states, cos, sin)
     impl = attn.config._attn_implementation
@@ -117,15 +127,16 @@ def _attention_forward(attn: torch.nn.Module, regions: dict[str, Any], hidden_st
 
 def _decoder_forward(layer: torch.nn.Module, regions: dict[str, Any], hidden_states: torch.Tensor,
                      position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None = None,
-                     position_ids: torch.Tensor | None = None, cache: Any = None, **kwargs: Any) -> torch.Tensor:
+                     position_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    if _with_cache(kwargs):
+        return type(layer).forward(layer, hidden_states, position_embeddings, attention_mask, position_ids, **kwargs)
     residual = hidden_states
     hidden_states = regions["norm"](layer.input_layernorm, hidden_states)
     if layer.block_type == "linear_attention":
-        mixed = layer.linear_attn(hidden_states=hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        mixed = layer.linear_attn(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
     else:
         mixed, _ = layer.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                   position_ids=position_ids, cache=cache,
-                                   position_embeddings=position_embeddings, **kwargs)
+                                   position_ids=position_ids, position_embeddings=position_embeddings, **kwargs)
     return regions["mlp_block"](layer, residual, mixed)
 
 
