@@ -220,3 +220,19 @@ def test_flat_layout_reaches_97_percent_on_the_bimodal_mix_without_bending_it():
     assert flat_eff >= 0.97
     assert abs(flat_share - 0.652) < 0.1  # the drawn share of 3D documents
     assert rows_share < 0.45  # first-fit rows: replay over-represented
+
+
+def test_the_data_layer_builds_flat_batches(tmp_path):
+    """DataConfig(packing="flat"): one [1, batch_rows * row_len] stream per batch, the same draws."""
+    from tests.stage1_fixtures import make_data
+    from train.stage1.data import DataConfig, PackedBatches
+
+    data = make_data(tmp_path)
+    batches = {}
+    for layout in ("rows", "flat"):
+        cfg = DataConfig(str(data), row_len=128, batch_rows=3, packing=layout, num_workers=0)
+        batches[layout] = next(iter(PackedBatches(cfg, rank=0)))
+    flat, rows = batches["flat"], batches["rows"]
+    assert flat["input_ids"].shape == (1, 384) and rows["input_ids"].shape == (3, 128)
+    assert int(flat["n_real_tokens"]) == flat["packing_efficiency"] * 384
+    assert flat["packing_efficiency"] > 0.95 and int((flat["cu_seqlens"][1:] - flat["cu_seqlens"][:-1]).max()) <= 128
