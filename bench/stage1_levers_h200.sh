@@ -10,8 +10,12 @@
 # Steps, run in the order given on one machine (later steps use what earlier ones put in /tmp):
 #   a b c    install those directories
 #   quick    eager-2, compiled-2, flat-4, 0.8b-flat-4 (1 warm-up + 3 steps)
-#   levers1  the 2B lever rows: compile, varlen attention, flat packing, tokens per step by memory
-#   levers2  kernels (fla conv, GDN backends), the warm-cache first step, drift, the 0.8B row
+#   levers1  the 2B lever rows: compile, flat packing + varlen, more rows, varlen alone, tokens by memory
+#   levers2  kernels (fla conv, GDN backends) against flat-4, the warm-cache first step, the 0.8B row,
+#            drift, flat-2
+# Each step starts no variant after 480 s (--budget-s), so it ends inside a 10-minute command; every
+# new token shape pays one inductor compile of the regions (cold the first time, from the on-disk
+# cache in a later process).
 # The first run on a fresh machine pays the cold fla/tilelang compile (about 4 minutes) and the
 # cold inductor compile (a minute or two); the kernel caches in /tmp/kcache serve the later steps.
 # Results: $OUT/levers.jsonl and the printed table (bench/stage1_levers.py).
@@ -43,11 +47,11 @@ for step in "$@"; do
     ;;
   levers1)
     python3 bench/stage1_levers.py --out "$out" --budget-s 480 \
-      --variants eager-2,compiled-2,flat-4,compiled-4,varlen-2,flat-2,flat-6,flat-6-ckpt8
+      --variants eager-2,compiled-2,flat-4,compiled-4,varlen-2,flat-6-ckpt8,flat-6
     ;;
   levers2)
     python3 bench/stage1_levers.py --out "$out" --budget-s 480 \
-      --variants flat-4,conv-fla,gdn-noqla,gdn-triton,compiled-2-warm,eager-2-again,0.8b-flat-4
+      --variants flat-4,conv-fla,gdn-noqla,gdn-triton,compiled-2-warm,0.8b-flat-4,eager-2-again,flat-2
     ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
