@@ -132,3 +132,19 @@ def test_activation_checkpointing_recomputes_and_keeps_gradients(models):
     torch.testing.assert_close(got[1], want[1])
     for name in want[2]:
         torch.testing.assert_close(got[2][name], want[2][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_checkpointing_over_compiled_regions(models):
+    """--compile and --act-ckpt together: the recompute runs the compiled regions again (last test of
+    the module: it wraps the shared compiled model's layers)."""
+    from train.common.regional_compile import apply_activation_checkpointing
+
+    stock, compiled = models
+    apply_activation_checkpointing(compiled, 4)
+    _, recompiles0 = compile_counts()
+    for batch in batches(2, seed=7):
+        want, got = loss_and_grads(stock, batch), loss_and_grads(compiled, batch)
+        torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+        for name in want[2]:
+            torch.testing.assert_close(got[2][name], want[2][name], atol=1e-5, rtol=1e-3, msg=name)
+    assert compile_counts()[1] == recompiles0
