@@ -148,3 +148,11 @@ def test_checkpointing_over_compiled_regions(models):
         for name in want[2]:
             torch.testing.assert_close(got[2][name], want[2][name], atol=1e-5, rtol=1e-3, msg=name)
     assert compile_counts()[1] == recompiles0
+
+
+def test_torch_varlen_check_reports_why_it_is_not_used():
+    """Where torch's varlen kernel cannot run (here: a CPU), the check says why, and the layer
+    falls back to sdpa per document, which the header names."""
+    problem = varlen_attention.check_torch_varlen(torch.device("cpu"))
+    assert problem  # torch's flash-attention varlen kernel is CUDA-only
+    assert varlen_attention.describe("varlen", torch.device("cpu")).startswith("varlen: sdpa per document")

@@ -12,7 +12,9 @@ Kernels, chosen by :func:`select_attention`:
 * ``torch-varlen``: ``torch.nn.attention.varlen.varlen_attn`` (flash-attention kernels built
   into PyTorch >= 2.10, CUDA, bf16/fp16). No extra wheel.
 * ``sdpa-per-doc``: ``scaled_dot_product_attention(is_causal=True)`` on each document in turn.
-  Exact, any device; the CPU path, and the CUDA fallback when torch has no varlen kernel.
+  Exact, any device; the CPU path, and the CUDA fallback when torch has no varlen kernel or its
+  kernel fails the first-use check (:func:`check_torch_varlen`: forward and backward of a small
+  packed bf16 input against sdpa per document); the log header then says which, and why.
 
 Registered with transformers' ``AttentionInterface`` under :data:`VARLEN_IMPL`, and NOT with
 its mask interface, so transformers builds no mask at all for it (the layer needs none).
@@ -32,12 +34,42 @@ VARLEN_IMPL = "packed_varlen"
 ATTENTION_CHOICES = ("auto", "sdpa", "varlen")
 
 
+_TORCH_VARLEN_PROBLEM: dict[str, str | None] = {}  # device -> why torch's kernel is not used (None: used)
+
+
 def _torch_varlen() -> Callable[..., torch.Tensor] | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     return varlen_attn
+
+
+def check_torch_varlen(device: torch.device, tolerance: float = 5e-2) -> str | None:
+    """Why torch's varlen kernel cannot serve on ``device`` (None when it can). Runs once per device:
+    3 documents, 8 query heads on 2 kv heads of 256 dims (the Qwen3.5 shape), fwd + bwd in bf16."""
+    key = str(device)
+    if key in _TORCH_VARLEN_PROBLEM:
+        return _TORCH_VARLEN_PROBLEM[key]
+    if _torch_varlen() is None:
+        problem: str | None = "torch has no torch.nn.attention.varlen"
+    else:
+        try:
+            g = torch.Generator().manual_seed(0)
+            cu = torch.tensor([0, 37, 101, 200], dtype=torch.int32, device=device)
+            q, k, v = (torch.randn(200, h, 256, generator=g).to(device, torch.bfloat16).requires_grad_()
+                       for h in (8, 2, 2))
+            got = torch_varlen(q, k, v, cu, 99, None)
+            got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+            want = sdpa_per_document(q, k, v, cu, None)
+            want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+            errors = [float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+                      for a, b in zip((got, *got_grads), (want, *want_grads), strict=True)]
+            problem = None if max(errors) <= tolerance else f"disagrees with sdpa per document ({max(errors):.3g})"
+        except Exception as exc:  # the kernel's own refusal (arch, head dim, dtype) is the reason to report
+            problem = f"{type(exc).__name__}: {str(exc)[:200]}"
+    _TORCH_VARLEN_PROBLEM[key] = problem
+    return problem
 
 
 def _row_bounds(batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -89,7 +121,8 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     cu = cu_seq_lens_q if cu_seq_lens_q is not None else _row_bounds(batch, seq_len, query.device)
     cu = cu.to(query.device)
     q, k, v = (x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], dim) for x in (query, key, value))
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _torch_varlen() is not None:
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not _TORCH_VARLEN_PROBLEM.get(
+            str(query.device), "unchecked"):
         max_len = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
         out = torch_varlen(q, k, v, cu, max_len, scaling)
     else:
@@ -118,13 +151,19 @@ def describe(choice: str, device: torch.device) -> str:
     """The kernel line of the log header."""
     if choice == "sdpa":
         return "sdpa, block-diagonal causal mask from position_ids"
-    if device.type == "cuda" and _torch_varlen() is not None:
-        return "varlen: torch.nn.attention.varlen.varlen_attn over cu_seqlens"
+    if device.type == "cuda":
+        problem = check_torch_varlen(device)
+        if problem is None:
+            return "varlen: torch.nn.attention.varlen.varlen_attn over cu_seqlens"
+        return f"varlen: sdpa per document (is_causal) over cu_seqlens; torch's varlen kernel not used: {problem}"
     return "varlen: sdpa per document (is_causal) over cu_seqlens"
 
 
 def use_attention(model: torch.nn.Module, choice: str) -> None:
     """Point the text model's full-attention layers at ``choice`` (sdpa | varlen)."""
     impl = register() if choice == "varlen" else "sdpa"
+    device = next(model.parameters()).device
+    if choice == "varlen" and device.type == "cuda":
+        check_torch_varlen(device)  # decides, once, between torch's kernel and sdpa per document
     config = getattr(model.config, "text_config", model.config)
     config._attn_implementation = impl
