@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_variant(VARIANTS[vname], args, device)
             except Exception as exc:  # one failing variant (OOM, a refused kernel) must not hide the others
                 row = {"variant": vname, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                free_memory(device)
+            free_memory(device)  # here, not in the except block: its traceback holds the variant's tensors
         row["device"] = name
         rows.append(row)
         print(format_row(row), flush=True)
