@@ -343,7 +343,8 @@ def verify_kernels(
         # Training runs in bf16, and fla dispatches by dtype (FlashQLA takes only bf16/fp16), so the
         # kernel that trains is checked too: bf16 inputs, against the reference on the same rounded
         # values in fp32.
-        rounded = [a.detach().to(torch.bfloat16) for a in (q, k, v, g, beta)]
+        # as the layer gives them: q, k, v, beta in bf16, the decay g in fp32 (packed_gdn.py)
+        rounded = [a.detach().to(torch.float32 if a is g else torch.bfloat16) for a in (q, k, v, g, beta)]
         low = [a.clone().requires_grad_() for a in rounded]
         high = [a.float().requires_grad_() for a in rounded]
         _check_kernel("gated delta rule (bf16)", choice.gdr, choice.gdr_fn, reference_kernels.chunk_gated_delta_rule_varlen,
