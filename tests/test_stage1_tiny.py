@@ -42,13 +42,14 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
 
     recs = step_records(out)
     assert [r["step"] for r in recs] == list(range(1, 21))
+    # nothing compiles during the run (dynamo's counters are per process: earlier tests may have)
+    assert len({(r["compiles"], r["recompiles"]) for r in recs}) == 1
     for r in recs:
         assert STEP_FIELDS <= set(r), STEP_FIELDS - set(r)
         assert r["data_ms"] >= 0 and r["compute_ms"] > 0 and 0 < r["real_tok_s"] <= r["tok_s"]
         assert r["mfu"] is None and r["mfu_useful"] is None  # no known peak on a CPU: no MFU
         assert r["grad_norm"] > 0
         assert set(r["task_loss"]) <= set(TASKS)
-        assert r["compiles"] == 0 and r["recompiles"] == 0
     assert set().union(*(r["task_loss"] for r in recs)) == set(TASKS)  # every task was trained on
     first = statistics.mean(r["loss"] for r in recs[:3])
     last = statistics.mean(r["loss"] for r in recs[-3:])
