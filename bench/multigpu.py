@@ -1,12 +1,12 @@
 """Multi-GPU runs of the real trainers on one host: stage-1 ZeRO-2 scaling, DFlash k-1 topologies.
 
-The lent GPU machines have no Slurm, so this script plays srun's part: one process per rank, each
+On a GPU machine without Slurm, this script plays srun's part: one process per rank, each
 with the variables srun gives a task (SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID,
 SLURM_NODEID, SLURM_JOB_NODELIST, SLURM_JOB_NUM_NODES), calling the trainer's
 `main(argv, guard=False)`. train.common.distributed reads that layout exactly as it does under
 `launch submit`; only the Slurm guard is off. NVLink multicast stays off in every rank
-(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): on the shared
-lent hosts it can take the GPUs out of service.
+(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): on shared
+hosts it can take the GPUs out of service.
 
     python bench/multigpu.py stage1 --gpus 1,2 --steps 16 --skip 4 --jsonl out.jsonl
     python bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --steps 40 --skip 10
@@ -52,7 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launch.report import step_records  # noqa: E402
+from toolkit.metrics import step_records  # noqa: E402
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 

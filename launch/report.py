@@ -9,13 +9,12 @@ backend, so this works on a login node without a display.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 from launch.errors import LaunchError
 from launch.fsutil import launch_home
+from toolkit.metrics import step_records
 
 PLOTS = ("loss", "task_loss", "tok_s", "mfu")  # plus rank_forward for runs of several ranks
 
@@ -43,22 +42,6 @@ def resolve_metrics(job_or_dir: str) -> Path:
         f"no run found for {job_or_dir!r}: give a run directory, a metrics.jsonl, or a job id with "
         f"{launch_home()}/runs/*/{job_or_dir}/metrics.jsonl"
     )
-
-
-def step_records(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Step records of a metrics.jsonl, sorted by step; the last record of a step wins (a resumed
-    run logs its steps again), a torn line (a killed run) is skipped. Torch-free, for the CLI and
-    the trainers alike."""
-    by_step: dict[int, dict[str, Any]] = {}
-    with open(metrics) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get("event") == "step" and "step" in rec:
-                by_step[int(rec["step"])] = rec
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def read_steps(metrics: Path) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from launch.fsutil import atomic_write_text, fsync_path, sha256_file
+from toolkit.fsutil import atomic_write_text, fsync_path, sha256_file
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from launch.fsutil import atomic_write_text
+from toolkit.fsutil import atomic_write_text
 from train.common.bucketing import BucketedSampler
 from train.common.checkpoint import CheckpointError, CheckpointManager
 from train.common.distributed import init_distributed, shutdown_distributed

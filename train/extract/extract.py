@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from launch.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
+from toolkit.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
 from train.common.distributed import init_distributed, shutdown_distributed
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from launch.fsutil import atomic_write_text
+from toolkit.fsutil import atomic_write_text
+from toolkit.metrics import step_records
 from train.common.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from train.common.distributed import DistInfo, init_distributed, shutdown_distributed, slurm_layout
 from train.common.entrypoint import run_entrypoint
@@ -393,8 +394,6 @@ def batch_digest(batch: dict[str, Any]) -> str:
 
 def _loss_span(metrics_path: Path) -> dict[str, Any]:
     """first/last loss over the whole run, including steps before a resume."""
-    from launch.report import step_records
-
     recs = step_records(metrics_path) if metrics_path.exists() else []
     if not recs:
         return {}

@@ -1,0 +1,6 @@
+"""Neutral leaf package shared by `launch` (the cluster side) and `train` (the trainers).
+
+It imports neither of them, so both may import it without tying the two packages together:
+- `toolkit.fsutil`: atomic writes, fsync, sha256 of a file;
+- `toolkit.metrics`: the metrics.jsonl record format and its reader (torch-free).
+"""
