@@ -10,7 +10,7 @@ SLURM_JOB_NODELIST), on a port derived from the job id, so every rank of one job
 without talking first and two jobs on one node never collide. The first node's address is
 the NodeAddr Slurm itself reaches it at (`scontrol show node`), else its host name; on a
 single node it is 127.0.0.1. MASTER_ADDR / MASTER_PORT override both. A real cluster's
-firewall must let the nodes of a job reach each other on that port (20000-39999) and on the
+firewall must let the nodes of a job reach each other on that port (20000-31999) and on the
 ports the collective backend opens (gloo on CPU, NCCL on GPUs).
 
 Outside Slurm (tests of the trainer internals) it is world size 1 and, by default, no
@@ -29,8 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# Rendezvous ports: 20000-31999, below Linux's ephemeral range (32768-60999), so no outgoing
+# connection of the node can hold the port, and well away from Slurm's (6817-6819).
 PORT_BASE = 20000
-PORT_SPAN = 20000
+PORT_SPAN = 12000
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,7 @@ class DistInfo:
 
 
 def _port_for_job(job_id: str) -> int:
-    # A fixed range well away from Slurm's (6817-6819) and the ephemeral ports; per job so two
-    # jobs on one node do not collide.
+    # Per job, so two jobs on one node do not collide (ids are unique within a cluster).
     digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
     return PORT_BASE + int(digits) % PORT_SPAN
 
