@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import TextIO
 from launch import registry
 from launch.errors import LaunchError
 from launch.registry import JobRecord
+from launch.runs import requeue_line
 from launch.slurmenv import TERMINAL_STATES, job_state, run_slurm
 
 
@@ -69,6 +71,9 @@ def run_status(args: argparse.Namespace) -> int:
     print(line)
     if st["reason"] and st["state"] == "PENDING":
         print(f"  pending: {st['reason']}")
+    requeued = requeue_line(rec.job_id, rec.folder, {**os.environ, **rec.slurm_env()})
+    if requeued:
+        print(f"  {requeued}")
     print(f"  folder: {rec.folder}")
     if st["state"] in TERMINAL_STATES - {"COMPLETED"}:
         err = job_error(rec)
