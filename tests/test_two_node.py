@@ -213,6 +213,20 @@ def test_online_dflash_targets_on_one_node_drafter_on_the_other(env: dict[str, s
     assert json.loads((job_dir / "summary.json").read_text())["steps"] == 4
 
 
+def test_doctor_on_cluster_runs_on_both_nodes(env: dict[str, str], tmp_path: Path) -> None:
+    spec = tmp_path / "cpujob.yaml"
+    spec.write_text(json.dumps({"name": "cpujob", "entrypoint": "train.stage1",
+                                "resources": {"gpus_per_node": 0, "cpus_per_task": 1, "time": "00:05:00"}}))
+    doctor_env = {**env, "LAUNCH_KEEPALIVE_STATE": str(tmp_path / "no-keepalive" / "state.json")}
+    out = launch(["doctor", "--on-cluster", "--nodes", "2", "--job", str(spec), "--json"], doctor_env, timeout=300)
+    assert "Traceback" not in out.stderr, out.stderr
+    rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    for node in NODES:  # every check ran on each node, inside the allocation
+        assert rows[f"{node}: slurm.context"]["status"] == "PASS", rows
+    assert {name.split(":")[0] for name in rows} == set(NODES)
+    assert out.returncode == 0, out.stdout
+
+
 # ---- failures across nodes -------------------------------------------------------------------
 
 
@@ -317,10 +331,15 @@ def test_slurmctld_killed_mid_job_then_up_and_the_job_completes(
     while job_state.stat().st_mtime < started and time.monotonic() < deadline:
         time.sleep(0.2)
     before = cluster.running_daemons()
+    conf = cluster.slurm_conf.read_bytes()
     os.kill(before["slurmctld"], signal.SIGKILL)
     up = launch(["cluster", "up", "--state-dir", str(cluster.state_dir)], {**os.environ, "PYTHONPATH": str(REPO)})
     assert up.returncode == 0, up.stdout + up.stderr
     assert "restarting slurmctld " in up.stdout
+    # the first up's configuration, stand-in GPUs included, though this up named none of it
+    assert cluster.slurm_conf.read_bytes() == conf
+    gres = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %G"], env=env, capture_output=True, text=True, timeout=30)
+    assert sorted(gres.stdout.split("\n")[:2]) == ["node1 gpu:2", "node2 gpu:2"], gres.stdout
     after = cluster.running_daemons()
     assert after["slurmctld"] != before["slurmctld"]
     assert {k: v for k, v in after.items() if k != "slurmctld"} == {k: v for k, v in before.items() if k != "slurmctld"}

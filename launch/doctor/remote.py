@@ -26,10 +26,16 @@ def doctor_in_allocation(job: str | None, preset: str | None, lock_path: str | N
 
     results = run_checks(job, preset=preset, lock_path=Path(lock_path) if lock_path else None,
                          expect_allocation=True)
-    return [r.to_dict() for r in results]
+    rows = [r.to_dict() for r in results]
+    if int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1:  # one task per node: say whose rows
+        node = os.environ.get("SLURMD_NODENAME", "?")
+        rows = [{**row, "check": f"{node}: {row['check']}"} for row in rows]
+    return rows
 
 
-def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: float | None = None) -> list[CheckResult]:
+def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: float | None = None,
+                   nodes: int = 1) -> list[CheckResult]:
+    """The doctor in an allocation like the job's; with `nodes` > 1, one task on each node."""
     import submitit
 
     from launch.jobspec import JobSpec, ResolvedJob
@@ -46,7 +52,7 @@ def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: 
         resolved = ResolvedJob(spec=spec, preset=None, resources=spec.resources, args={}, env={})
     folder = launch_home() / "doctor" / time.strftime("%Y%m%d-%H%M%S")
     executor = make_executor(resolved, folder, resolved.spec.scratch)
-    executor.update_parameters(job_name="launch-doctor", time=DOCTOR_TIME_LIMIT_MIN, nodes=1, ntasks_per_node=1)
+    executor.update_parameters(job_name="launch-doctor", time=DOCTOR_TIME_LIMIT_MIN, nodes=nodes, ntasks_per_node=1)
     try:
         sjob = executor.submit(doctor_in_allocation, job.source and str(job.source) if job else None,
                                job.preset if job else None, str(lock_path.resolve()) if lock_path else None)
@@ -63,7 +69,7 @@ def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: 
                 raise LaunchError(f"doctor job {sjob.job_id} did not finish in time and was cancelled; "
                                   f"is the partition busy? logs: {folder}")
             time.sleep(1.0)
-        rows = sjob.result()
+        rows = [row for task_rows in sjob.results() for row in task_rows]
     except KeyboardInterrupt:
         sjob.cancel(check=False)
         raise
