@@ -273,7 +273,7 @@ def test_node_death_ends_the_run_and_the_requeue_resumes_from_its_checkpoint(
         cluster: EmbeddedCluster, env: dict[str, str], tmp_path: Path) -> None:
     data = make_data(tmp_path)
     job, job_dir = submit(env, "stage1", *STAGE1, "--nodes", "2", "--gpus-per-node", "0",
-                          "--arg", "steps=10", "--arg", "ckpt_every=2", "--arg", f"data_dir={data}")
+                          "--arg", "steps=8", "--arg", "ckpt_every=2", "--arg", f"data_dir={data}")
     first_ckpt = job_dir / "checkpoints" / "step_00000002"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (first_ckpt / "MANIFEST.json").exists():
@@ -315,7 +315,7 @@ def test_node_death_ends_the_run_and_the_requeue_resumes_from_its_checkpoint(
     events = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     headers = [e for e in events if e["event"] == "header"]
     assert len(headers) == 2 and headers[1]["start_step"] >= 2
-    assert sorted({r["step"] for r in steps(job_dir / "metrics.jsonl")}) == list(range(1, 11))
+    assert sorted({r["step"] for r in steps(job_dir / "metrics.jsonl")}) == list(range(1, 9))
 
 
 def test_slurmctld_killed_mid_job_then_up_and_the_job_completes(

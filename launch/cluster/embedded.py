@@ -3,8 +3,10 @@
 `up` starts, in order: MariaDB (accounting store, data in the state dir), munged, slurmdbd,
 slurmctld and one slurmd per node, every one in the foreground under our own pid file, with
 configs rendered from the same jinja2 templates as the `slurm` Ansible role. Nothing is
-installed system-wide and all traffic stays on loopback, so several clusters (one per state
-dir) can run side by side: each picks its own free ports.
+installed system-wide, and every address the daemons are given is a loopback one (MariaDB
+binds 127.0.0.1 only; Slurm's daemons listen on all addresses, as on any node, and are reached
+on loopback), so nothing leaves the machine. Several clusters (one per state dir) can run side
+by side: each picks its own free ports and its own range of job ids.
 
 Several nodes on one machine (`up(nodes=N)`): Debian's slurmd runs once per node name
 (`slurmd -N node1`), each node with its own `Port=`, its own NodeAddr on the loopback range
@@ -381,8 +383,8 @@ class EmbeddedCluster:
             scheduler_parameters="batch_sched_delay=0,sched_min_interval=0",
             slurmd_timeout=config.slurmd_timeout,
             # A requeued job waits cred_expire (default 120 s) before it may start again; with a
-            # short node timeout (fast fail-over, as in tests) the wait is kept as short.
-            cred_expire=2 * config.slurmd_timeout if config.slurmd_timeout else None,
+            # short node timeout (fast fail-over, as in tests) the wait is as short.
+            cred_expire=config.slurmd_timeout,
             prolog=config.prolog or "", epilog=config.epilog or "",
             nodes=[{**node, "gpu_files": ",".join(node["gpu_files"])} for node in nodes],
             partition=config.partition,
