@@ -80,4 +80,4 @@ def test_cli_error_is_one_line(tmp_path: Path) -> None:
                           str(tmp_path / "c")], env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
-    assert "--nodes must be a whole number >= 1" in out.stderr
+    assert "--nodes" in out.stderr and "must be between 1 and" in out.stderr

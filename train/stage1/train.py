@@ -371,7 +371,7 @@ def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: 
         raise CheckpointError(f"{trainer_file} is missing: checkpoint {path} was written by a different world size")
     trainer = torch.load(trainer_file, weights_only=False)
     saved = trainer.get("config") or {}
-    for key in ("preset", "vision", "init_from"):
+    for key in ("preset", "vision"):  # other shape changes: Stepper.load names the first mismatch
         if key in saved and saved[key] != getattr(cfg, key):
             raise CheckpointError(f"checkpoint {path} was written with --{key.replace('_', '-')} {saved[key]}, this "
                                   f"run has {getattr(cfg, key)}: resume with the same model arguments, or use a "
