@@ -191,7 +191,11 @@ class EmbeddedCluster:
 
     def is_up(self) -> bool:
         state = self.read_state()
-        return bool(state) and set(self.running_daemons()) >= set(self.daemon_names(state))
+        if not state:
+            return False
+        # a state from before multi-node clusters has no "nodes": its recorded pids are the daemons
+        names = self.daemon_names(state) if "nodes" in state else list(state.get("pids") or DAEMONS)
+        return set(self.running_daemons()) >= set(names)
 
     def env(self) -> dict[str, str]:
         """Variables that point Slurm's client commands (and submitit) at this cluster."""
