@@ -117,48 +117,162 @@ def test_playbook_refuses_a_bad_inventory_before_touching_hosts(tmp_path: Path) 
 
 # --- proxmox backend (pct stand-in) -----------------------------------------------------------
 
+class PveHost:
+    """kpro6.yml run against the state-only `pct` stand-in (tests/pct_lxc_standin.py) on this
+    machine: stand-in GPU nodes (major 195), /proc/devices, storage.cfg and PVE version."""
+
+    def __init__(self, tmp_path: Path, gpus: int = 8, pve_version: str = "8.2.4", **container_vars: object) -> None:
+        import yaml
+
+        self.tmp = tmp_path
+        self.dev, proc_devices = make_standin_gpus(tmp_path, gpus=gpus)
+        self.conf_dir, self.log = tmp_path / "pve-lxc", tmp_path / "pct.log"
+        self.conf_dir.mkdir()
+        self.conf = self.conf_dir / "200.conf"
+        storage_cfg = tmp_path / "storage.cfg"
+        storage_cfg.write_text("dir: local\n\tpath /var/lib/vz\n\tcontent vztmpl,iso\n\n"
+                               "lvmthin: local-lvm\n\tthinpool data\n\tvgname pve\n\tcontent rootdir,images\n")
+        install_pct_standin(tmp_path / "bin")
+        data = yaml.safe_load((ANSIBLE_DIR / "inventory" / "kpro6.yml").read_text())
+        data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"].update({
+            "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+            "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(self.dev),
+            "gpu_host_scratch_path": str(tmp_path), "gpu_host_scratch_must_be_mountpoint": False,
+            "lxc_container_pve_conf_dir": str(self.conf_dir), "lxc_container_pve_storage_cfg": str(storage_cfg),
+        })
+        ct = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
+        ct.update(container_vars)
+        self.data = data
+        self.inventory = write_inventory(tmp_path / "kpro6.yml", data)
+        self.env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(self.log),
+                    "PCT_CONF_DIR": str(self.conf_dir), "PCT_DEV_ROOT": str(self.dev), "PCT_PVE_VERSION": pve_version}
+
+    def container(self, **changes: object) -> None:
+        ct = self.data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
+        ct.update(changes)
+        write_inventory(self.inventory, self.data)
+
+    def run(self, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+        self.log.write_text("")
+        return run_playbook(self.inventory, "--limit", "kpro6", *args, env=self.env, timeout=300)
+
+    def commands(self) -> list[str]:
+        """The pct calls that change something (not status/config/exec)."""
+        return [line for line in self.log.read_text().splitlines()
+                if not line.startswith(("pct status", "pct exec", "pct config"))]
+
+
+def _ok(run: tuple[subprocess.CompletedProcess[str], dict], host: str = "kpro6") -> dict:
+    proc, recap = run
+    assert proc.returncode == 0 and recap[host]["failed"] == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return recap[host]
+
+
+def _golden(name: str, dev: Path) -> str:
+    return (GOLDEN / name).read_text().replace("<DEV>", str(dev))
+
+
 @needs_root
-def test_proxmox_backend_pct_commands_and_conf_block(tmp_path: Path) -> None:
-    """The lxc_container role's `proxmox` backend against the logging `pct` stand-in.
+def test_proxmox_backend_devn_entries_survive_proxmox_rewrites(tmp_path: Path) -> None:
+    """PVE 8.2: passthrough through devN entries. Golden files tests/golden/pct-commands.txt and
+    tests/golden/pve-200.conf. Then the CT config goes through Proxmox's own rewrite (what a
+    GUI edit, snapshot or backup lock does): the next run changes nothing and reboots nothing."""
+    from tests.pct_lxc_standin import proxmox_rewrite
 
-    Golden files: tests/golden/pct-commands.txt and tests/golden/pve-200.conf, with the temp
-    stand-in device dir written as <DEV>.
-    """
-    import yaml
+    pve = PveHost(tmp_path)
+    _ok(pve.run())
+    assert pve.commands() == _golden("pct-commands.txt", pve.dev).splitlines()
+    conf = pve.conf.read_text()
+    assert conf == _golden("pve-200.conf", pve.dev)
+    assert "lxc." not in conf, "devN entries need no raw lines"
 
-    dev, proc_devices = make_standin_gpus(tmp_path, gpus=8)
-    conf_dir, log = tmp_path / "pve-lxc", tmp_path / "pct.log"
-    conf_dir.mkdir()
-    install_pct_standin(tmp_path / "bin")
-    data = yaml.safe_load((ANSIBLE_DIR / "inventory" / "kpro6.yml").read_text())
-    data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"].update({
-        "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-        "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(dev),
-        "gpu_host_scratch_path": str(tmp_path), "gpu_host_scratch_must_be_mountpoint": False,
-        "lxc_container_pve_conf_dir": str(conf_dir),
-    })
-    inventory = write_inventory(tmp_path / "kpro6.yml", data)
-    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(log), "PCT_CONF_DIR": str(conf_dir)}
+    pve.conf.write_text("# CT 200: trainer\n" + conf)  # a note added in the GUI
+    proxmox_rewrite(pve.conf)
+    subprocess.run(["pct", "set", "200", "--lock", "backup"], env={**os.environ, **pve.env}, check=True)
+    subprocess.run(["pct", "unlock", "200"], env={**os.environ, **pve.env}, check=True)
+    rewritten = pve.conf.read_text()
+    assert rewritten.startswith("# CT 200%3A trainer\n")
+    for _ in range(2):
+        assert _ok(pve.run())["changed"] == 0
+        assert pve.commands() == [], "no set, no reboot"
+    assert pve.conf.read_text() == rewritten
 
-    first, recap = run_playbook(inventory, "--limit", "kpro6", env=env, timeout=300)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr
-    assert recap["kpro6"]["failed"] == 0
 
-    def golden(name: str) -> str:
-        return (GOLDEN / name).read_text().replace("<DEV>", str(dev))
+@needs_root
+def test_proxmox_backend_raw_lines_below_pve_8_1_are_managed_by_key_and_value(tmp_path: Path) -> None:
+    """PVE 7.4 has no devN: raw lxc.* lines with exact major:minor, no `optional` mount. Lines an
+    older version wrote between comment markers are replaced; after Proxmox's rewrite (markers
+    in the description, `lxc.key: value` at the end) the next run changes nothing."""
+    from tests.pct_lxc_standin import proxmox_rewrite
 
-    commands = [line for line in log.read_text().splitlines() if not line.startswith(("pct status", "pct exec"))]
-    assert commands == golden("pct-commands.txt").splitlines()
-    conf = (conf_dir / "200.conf").read_text()
-    assert conf == golden("pve-200.conf")
-    allow = re.findall(r"^lxc\.cgroup2?\.devices\.allow = (.*)$", conf, re.M)
-    assert allow == [f"c {STANDIN_MAJOR}:* rwm"], "only the NVIDIA major from /proc/devices"
+    pve = PveHost(tmp_path, pve_version="7.4-3", ct_gpus=[0, 1])
+    subprocess.run(["pct", "create", "200", "local:vztmpl/x.tar.zst", "--cores", "64", "--memory", "502784",
+                    "--unprivileged", "1"], env={**os.environ, **pve.env}, check=True)
+    with pve.conf.open("a") as conf:  # what this role wrote before: markers, a wildcard major, optional mounts
+        conf.write("# BEGIN launch managed: gpu passthrough\nlxc.cgroup2.devices.allow = c 195:* rwm\n"
+                   f"lxc.mount.entry = {pve.dev}/nvidia5 dev/nvidia5 none bind,optional,create=file\n"
+                   "# END launch managed: gpu passthrough\nlxc.apparmor.profile = unconfined\n")
+    proxmox_rewrite(pve.conf)
+    _ok(pve.run())
+    conf = pve.conf.read_text()
+    raw = re.findall(r"^(lxc\.[a-z0-9.]+): (.*)$", conf, re.M)
+    nodes = {"nvidia0": 0, "nvidia1": 1, "nvidia-caps/nvidia-cap1": 1, "nvidia-uvm": 254, "nvidiactl": 255}
+    assert raw == [("lxc.apparmor.profile", "unconfined")] + [
+        pair for name, minor in nodes.items()
+        for pair in (("lxc.cgroup2.devices.allow", f"c {STANDIN_MAJOR}:{minor} rwm"),
+                     ("lxc.mount.entry", f"{pve.dev}/{name} dev/{name} none bind,create=file 0 0"))]
+    assert "launch managed" not in conf and "optional" not in conf and "*" not in conf
+    assert not any(re.match(r"dev\d+:", line) for line in conf.splitlines())
 
-    log.write_text("")
-    second, recap = run_playbook(inventory, "--limit", "kpro6", env=env, timeout=300)
-    assert second.returncode == 0 and recap["kpro6"]["changed"] == 0, second.stdout[-3000:]
-    assert all(line.startswith(("pct status", "pct exec")) for line in log.read_text().splitlines())
-    assert (conf_dir / "200.conf").read_text() == conf
+    proxmox_rewrite(pve.conf)
+    rewritten = pve.conf.read_text()
+    assert _ok(pve.run())["changed"] == 0 and pve.commands() == []
+    assert pve.conf.read_text() == rewritten
+
+
+@needs_root
+def test_check_mode_shows_exactly_the_device_diff(tmp_path: Path) -> None:
+    pve = PveHost(tmp_path)
+    _ok(pve.run())
+    before = pve.conf.read_text()
+    pve.container(ct_gpus=[0, 1, 2, 3, 4, 5])
+    proc, recap = pve.run("--check", "--diff")
+    assert _ok((proc, recap))["changed"] == 1 and pve.commands() == []
+    assert pve.conf.read_text() == before
+    shown = re.findall(r"^\s+- '([+-] [a-z0-9]+: .*)'$", proc.stdout, re.M)
+    opts = "gid=0,mode=0666,uid=0"
+    assert shown == [f"- dev6: /dev/nvidia6,{opts}", f"- dev7: /dev/nvidia7,{opts}"], proc.stdout[-3000:]
+    _ok(pve.run())
+    assert pve.commands() == ["pct set 200 --delete dev6,dev7", "pct reboot 200"]
+
+
+@needs_root
+def test_proxmox_backend_refuses_missing_gpus_and_foreign_majors(tmp_path: Path) -> None:
+    pve = PveHost(tmp_path, gpus=6, gpu_host_expected_gpus=0)
+    pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"]["gpu_host_expected_gpus"] = 0
+    write_inventory(pve.inventory, pve.data)
+    proc, _ = pve.run()
+    assert proc.returncode != 0
+    assert "kpro6-ct200: ct_gpus=[0, 1, 2, 3, 4, 5, 6, 7] but the host has no /dev/nvidia6, /dev/nvidia7" in proc.stdout
+    assert not any(c.startswith("pct start") for c in pve.commands())
+    for bad in ("[1]", '["*"]', '["a *:* rwm"]'):
+        proc, _ = pve.run("-e", f'{{"lxc_container_nvidia_majors": {bad}}}')
+        assert proc.returncode != 0 and "only those may pass through" in proc.stdout, proc.stdout[-2000:]
+
+
+@needs_root
+def test_scratch_on_the_rootfs_storage_or_a_network_fs_is_refused(tmp_path: Path) -> None:
+    pve = PveHost(tmp_path, ct_scratch_host_path=str(tmp_path / "scratch"))
+    (tmp_path / "storage.cfg").write_text(f"dir: local-lvm\n\tpath {tmp_path / 'images'}\n\tcontent rootdir\n")
+    proc, _ = pve.run()
+    assert proc.returncode != 0 and f"ct_scratch_host_path={tmp_path / 'scratch'} is on " in proc.stdout
+    assert "the storage of the container rootfs" in proc.stdout and pve.commands() == []
+    pve.container(ct_scratch_allow_rootfs_storage=True)
+    fstype = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", str(tmp_path)], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    proc, _ = pve.run("-e", f'{{"lxc_container_network_fstypes": ["{fstype}"]}}')
+    assert proc.returncode != 0 and "a network file system (set ct_scratch_allow_network_fs: true" in proc.stdout
+    _ok(pve.run())
 
 
 @pytest.mark.lxc
