@@ -136,6 +136,7 @@ def lxc_inventory(tmp: Path, *, name: str, lxc_path: Path, dev: Path, proc_devic
                 "slurm_install_packages": False,
                 "slurm_manage_services": False,
                 "slurm_munge_user": "root",
+                "slurm_user": "root",  # no slurm user in the test rootfs (no Slurm packages)
                 "slurm_munge_key_b64": munge_key_b64,
             },
             "hosts": {name: {

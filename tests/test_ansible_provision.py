@@ -88,6 +88,10 @@ def _kpro6_with(tmp_path: Path, **container_vars: object) -> Path:
         ({"node_caches_root": "/mnt/lustre/cache"}, "node_caches_root=/mnt/lustre/cache is not under ct_scratch_mount"),
         ({"node_caches_fstype_hint": "nfs"}, "node_caches_root is on nfs"),
         ({"ct_cores": "many"}, "ct_cores='many' is not an integer"),
+        ({"lxc_container_nvidia_majors": ["*"]}, "lxc_container_nvidia_majors is read from the host's /proc/devices"),
+        ({"lxc_container_nvidia_majors": [1]}, "lxc_container_nvidia_majors is read from the host's /proc/devices"),
+        ({"lxc_container_nvidia_majors": "a *:* rwm"}, "lxc_container_nvidia_majors is read from the host's /proc/devices"),
+        ({"ct_unprivileged": "maybe"}, "ct_unprivileged='maybe' is not a boolean"),
     ],
 )
 def test_bad_inventory_fails_early_with_one_line(tmp_path: Path, change: dict, names: str) -> None:
@@ -192,10 +196,20 @@ def test_proxmox_backend_devn_entries_survive_proxmox_rewrites(tmp_path: Path) -
     subprocess.run(["pct", "unlock", "200"], env={**os.environ, **pve.env}, check=True)
     rewritten = pve.conf.read_text()
     assert rewritten.startswith("# CT 200%3A trainer\n")
-    for _ in range(2):
-        assert _ok(pve.run())["changed"] == 0
-        assert pve.commands() == [], "no set, no reboot"
+    assert _ok(pve.run())["changed"] == 0
+    assert pve.commands() == [], "no set, no reboot"
     assert pve.conf.read_text() == rewritten
+
+    # --check --diff after an inventory change shows exactly the device diff, and changes nothing.
+    pve.container(ct_gpus=[0, 1, 2, 3, 4, 5])
+    proc, recap = pve.run("--check", "--diff")
+    assert _ok((proc, recap))["changed"] == 1 and pve.commands() == []
+    assert pve.conf.read_text() == rewritten
+    shown = re.findall(r"^\s+- '([+-] [a-z0-9]+: .*)'$", proc.stdout, re.M)
+    opts = "gid=0,mode=0666,uid=0"
+    assert shown == [f"- dev6: /dev/nvidia6,{opts}", f"- dev7: /dev/nvidia7,{opts}"], proc.stdout[-3000:]
+    _ok(pve.run())
+    assert pve.commands() == ["pct set 200 --delete dev6,dev7", "pct reboot 200"]
 
 
 @needs_root
@@ -231,33 +245,17 @@ def test_proxmox_backend_raw_lines_below_pve_8_1_are_managed_by_key_and_value(tm
 
 
 @needs_root
-def test_check_mode_shows_exactly_the_device_diff(tmp_path: Path) -> None:
-    pve = PveHost(tmp_path)
-    _ok(pve.run())
-    before = pve.conf.read_text()
-    pve.container(ct_gpus=[0, 1, 2, 3, 4, 5])
-    proc, recap = pve.run("--check", "--diff")
-    assert _ok((proc, recap))["changed"] == 1 and pve.commands() == []
-    assert pve.conf.read_text() == before
-    shown = re.findall(r"^\s+- '([+-] [a-z0-9]+: .*)'$", proc.stdout, re.M)
-    opts = "gid=0,mode=0666,uid=0"
-    assert shown == [f"- dev6: /dev/nvidia6,{opts}", f"- dev7: /dev/nvidia7,{opts}"], proc.stdout[-3000:]
-    _ok(pve.run())
-    assert pve.commands() == ["pct set 200 --delete dev6,dev7", "pct reboot 200"]
-
-
-@needs_root
 def test_proxmox_backend_refuses_missing_gpus_and_foreign_majors(tmp_path: Path) -> None:
     pve = PveHost(tmp_path, gpus=6, gpu_host_expected_gpus=0)
     pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"]["gpu_host_expected_gpus"] = 0
     write_inventory(pve.inventory, pve.data)
     proc, _ = pve.run()
     assert proc.returncode != 0
-    assert "kpro6-ct200: ct_gpus=[0, 1, 2, 3, 4, 5, 6, 7] but the host has no /dev/nvidia6, /dev/nvidia7" in proc.stdout
+    assert "kpro6-ct200: ct_gpus=[0, 1, 2, 3, 4, 5, 6, 7] but the host has no /dev/nvidia6, /dev/nvidia7" in proc.stderr
     assert not any(c.startswith("pct start") for c in pve.commands())
-    for bad in ("[1]", '["*"]', '["a *:* rwm"]'):
-        proc, _ = pve.run("-e", f'{{"lxc_container_nvidia_majors": {bad}}}')
-        assert proc.returncode != 0 and "only those may pass through" in proc.stdout, proc.stdout[-2000:]
+    # An override past the inventory check (-e): the role still takes only /proc/devices' majors.
+    proc, _ = pve.run("-e", '{"lxc_container_nvidia_majors": [1, 195]}')
+    assert proc.returncode != 0 and "only those may pass through" in proc.stdout, proc.stdout[-2000:]
 
 
 @needs_root
@@ -272,7 +270,7 @@ def test_scratch_on_the_rootfs_storage_or_a_network_fs_is_refused(tmp_path: Path
                             text=True, check=True).stdout.strip()
     proc, _ = pve.run("-e", f'{{"lxc_container_network_fstypes": ["{fstype}"]}}')
     assert proc.returncode != 0 and "a network file system (set ct_scratch_allow_network_fs: true" in proc.stdout
-    _ok(pve.run())
+    assert pve.commands() == []
 
 
 @pytest.mark.lxc
@@ -291,10 +289,13 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         path.mkdir()
     template = cached_rootfs_tarball()
     install_pct_lxc_standin(tmp_path / "bin")
+    storage_cfg = tmp_path / "storage.cfg"
+    storage_cfg.write_text(f"dir: local\n\tpath {lxc_path}\n\tcontent rootdir,vztmpl\n")
     inventory = write_inventory(tmp_path / "pve.yml", {"all": {"children": {
         "container_hosts": {"children": {"pve_hosts": {"hosts": {"localhost": {
             "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
             "lxc_container_backend": "proxmox", "lxc_container_pve_conf_dir": str(conf_dir),
+            "lxc_container_pve_storage_cfg": str(storage_cfg),
             "gpu_host_require_gpu": False, "gpu_host_expected_gpus": 3,
             "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(dev),
             "gpu_host_scratch_path": str(scratch), "gpu_host_scratch_must_be_mountpoint": False,
@@ -303,12 +304,13 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
             "vars": {"container_host": "localhost"},
             "hosts": {"pve-ct": {"ct_vmid": int(vmid), "ct_hostname": "trainer-standin",
                                  "ct_template": f"local:vztmpl/{template.name}", "ct_rootfs_storage": "local",
+                                 "ct_unprivileged": False,  # the stand-in runs real LXC privileged only
                                  "ct_cores": 2, "ct_memory_mb": 2048, "ct_gpus": [0, 1],
                                  "ct_scratch_host_path": str(scratch), "ct_scratch_mount": "/scratch"}},
         }}},
     }}})
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(log), "PCT_CONF_DIR": str(conf_dir),
-           "PCT_LXC_PATH": str(lxc_path), "PCT_TEMPLATE_DIR": str(template.parent),
+           "PCT_LXC_PATH": str(lxc_path), "PCT_TEMPLATE_DIR": str(template.parent), "PCT_DEV_ROOT": str(dev),
            "PCT_INIT_CMD": "/bin/sleep infinity"}  # the minimal test rootfs has no systemd
 
     def pct(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -321,14 +323,16 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         assert recap["localhost"]["failed"] == 0 and recap["localhost"]["changed"] > 0
         calls = log.read_text().splitlines()
         assert calls[0].startswith(f"pct create {vmid} local:vztmpl/{template.name} --hostname trainer-standin")
-        assert f"pct set {vmid} --mp0 {scratch},mp=/scratch" in calls and f"pct start {vmid}" in calls
+        assert any(c.startswith(f"pct set {vmid} --mp0 {scratch},mp=/scratch --dev0 /dev/nvidia0,") for c in calls), calls
+        assert f"pct start {vmid}" in calls
 
         assert pct("status", vmid).stdout.strip() == "status: running"
         assert subprocess.run(["lxc-info", "-P", str(lxc_path), "-n", vmid, "-s", "-H"], capture_output=True,
                               text=True, check=True).stdout.strip() == "RUNNING"
         lxc_config = (lxc_path / vmid / "config").read_text()
         assert f"lxc.rootfs.path = dir:{lxc_path / vmid / 'rootfs'}" in lxc_config.splitlines()
-        assert f"lxc.mount.entry = {dev}/nvidia0 dev/nvidia0 none bind,optional,create=file" in lxc_config
+        assert f"lxc.mount.entry = {dev}/nvidia0 dev/nvidia0 none bind,create=file 0 0" in lxc_config
+        assert "optional" not in lxc_config and "195:*" not in lxc_config
         (lxc_path / vmid / "rootfs" / "etc" / "launch-rootfs-marker").write_text(vmid)
         assert pct("exec", vmid, "--", "cat", "/etc/launch-rootfs-marker").stdout == vmid  # its own rootfs
         assert pct("exec", vmid, "--", "hostname").stdout.strip() == "trainer-standin"
@@ -341,6 +345,10 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         # The raw cgroup2 allow line reached LXC: opening gets to the (absent) driver, ENXIO, not EPERM.
         probe = pct("exec", vmid, "--", "python3", "-c", "open('/dev/nvidia0', 'rb')", check=False)
         assert "No such device or address" in probe.stderr, probe.stderr
+        # Least privilege: a node made for another GPU's minor cannot be opened (the cgroup denies it).
+        other = pct("exec", vmid, "--", "sh", "-c", f"mknod /tmp/gpu2 c {STANDIN_MAJOR} 2 && python3 -c "
+                    "\"open('/tmp/gpu2', 'rb')\"", check=False)
+        assert other.returncode != 0 and "Operation not permitted" in other.stderr, other.stderr
         pct("exec", vmid, "--", "sh", "-c", "echo hi > /scratch/probe")
         assert (scratch / "probe").read_text() == "hi\n"
 
@@ -351,6 +359,49 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
     finally:
         pct("destroy", vmid, check=False)
         destroy_container(lxc_path, vmid)
+
+
+# --- role argument specs -----------------------------------------------------------------------
+
+BAD_ROLE_ARGS = {  # role: (variable, bad value, what the error names)
+    "gpu_host": ("gpu_host_expected_gpus", "eight", "int"),
+    "lxc_container": ("lxc_container_backend", "docker", "proxmox, lxc"),
+    "toolchain": ("toolchain_verify", "sometimes", "bool"),
+    "nvidia_userspace": ("nvidia_userspace_expected_gpus", "all", "int"),
+    "node_caches": ("node_caches_vars", "TRITON_CACHE_DIR", "dict"),
+    "python_env": ("python_env_flavour", "tpu", "cpu, gpu"),
+    "slurm": ("slurm_slurmctld_port", "sixty", "int"),
+    "keepalive": ("keepalive_manage_service", "perhaps", "bool"),
+}
+
+
+def test_every_role_rejects_a_bad_argument_before_any_task(tmp_path: Path) -> None:
+    import yaml
+
+    for role in BAD_ROLE_ARGS:
+        assert (ANSIBLE_DIR / "roles" / role / "meta" / "argument_specs.yml").is_file(), role
+    assert sorted(BAD_ROLE_ARGS) == sorted(p.name for p in (ANSIBLE_DIR / "roles").iterdir()), "every role"
+    # block/rescue: the failed validation ends the role (no later task of it runs, nothing touches
+    # this machine), and the play goes on to the next role.
+    tasks = [{"name": f"bad {role}", "block": [{"ansible.builtin.include_role": {"name": role}, "vars": {var: value}}],
+              "rescue": [{"ansible.builtin.debug": {"msg": f"rescued {role}"}}]}
+             for role, (var, value, _) in BAD_ROLE_ARGS.items()]
+    play = tmp_path / "bad-args.yml"
+    play.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}], sort_keys=False))
+    inventory = write_inventory(tmp_path / "inv.yml", {"all": {"hosts": {"localhost": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}})
+    proc, recap = run_playbook(inventory, playbook=play, env={"ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles")})
+    assert recap["localhost"]["failed"] == 0 and recap["localhost"]["changed"] == 0, proc.stdout[-3000:]
+    parts = re.split(r"msg: rescued (\w+)", proc.stdout)  # [before 1st, role 1, between 1st and 2nd, role 2, ...]
+    sections = {parts[i]: parts[i - 1] for i in range(1, len(parts), 2)}
+    assert sorted(sections) == sorted(BAD_ROLE_ARGS), proc.stdout[-3000:]
+    for role, (var, value, expected) in BAD_ROLE_ARGS.items():
+        section = sections[role]
+        role_tasks = re.findall(rf"^TASK \[{role} : (.*?)\] \*", section, re.M)
+        assert len(role_tasks) == 1 and role_tasks[0].startswith("Validating arguments against arg spec 'main'"), \
+            (role, role_tasks)
+        assert "Validation of arguments failed" in section and var in section and expected in section, section[-1500:]
+        assert f"name: {role}" in section, section[-1500:]  # validate_args_context names the role
 
 
 # --- the project wheel python_env installs ----------------------------------------------------
