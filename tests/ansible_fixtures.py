@@ -140,6 +140,7 @@ def lxc_inventory(tmp: Path, *, name: str, lxc_path: Path, dev: Path, proc_devic
                 "slurm_munge_key_b64": munge_key_b64,
             },
             "hosts": {name: {
+                "ct_unprivileged": False,  # the lxc backend makes privileged containers only
                 "ct_template": str(template),
                 "ct_cores": 2,
                 "ct_memory_mb": 2048,
@@ -160,6 +161,37 @@ def lxc_attach(lxc_path: Path, name: str, script: str, check: bool = True) -> su
          "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "--", "/bin/sh", "-c", script],
         capture_output=True, text=True, check=check, timeout=120,
     )
+
+
+# TEST STAND-IN for nvidia-smi inside the container (no GPU here): it lists as GPUs the
+# /dev/nvidiaN nodes the container may open (the stand-in nodes answer ENXIO, "no driver", when
+# the device cgroup lets them through, EPERM when it does not) and reports the userspace driver
+# version written in /etc/nvidia-standin-version.
+NVIDIA_SMI_STANDIN = """#!/usr/bin/python3
+import errno, glob, os, sys
+version = open("/etc/nvidia-standin-version").read().strip()
+gpus = []
+for node in sorted(glob.glob("/dev/nvidia[0-9]*"), key=lambda p: int(p[len("/dev/nvidia"):])):
+    try:
+        os.close(os.open(node, os.O_RDWR))
+    except OSError as err:
+        if err.errno != errno.ENXIO:
+            continue
+    gpus.append(int(node[len("/dev/nvidia"):]))
+if "-L" in sys.argv:
+    for i, gpu in enumerate(gpus):
+        print(f"GPU {i}: NVIDIA H200 (UUID: GPU-standin-{gpu:04d})")
+elif "--query-gpu=driver_version" in sys.argv:
+    print("\\n".join([version] * len(gpus)))
+else:
+    sys.exit("nvidia-smi stand-in: only -L and --query-gpu=driver_version")
+"""
+
+
+def install_nvidia_smi_standin(rootfs: Path, version: str) -> None:
+    (rootfs / "usr" / "local" / "bin" / "nvidia-smi").write_text(NVIDIA_SMI_STANDIN)
+    (rootfs / "usr" / "local" / "bin" / "nvidia-smi").chmod(0o755)
+    (rootfs / "etc" / "nvidia-standin-version").write_text(version + "\n")
 
 
 def destroy_container(lxc_path: Path, name: str) -> None:

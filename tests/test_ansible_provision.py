@@ -31,6 +31,7 @@ from tests.ansible_fixtures import (
     ansible_bin,
     cached_rootfs_tarball,
     destroy_container,
+    install_nvidia_smi_standin,
     install_pct_lxc_standin,
     install_pct_standin,
     lxc_attach,
@@ -395,7 +396,7 @@ def test_every_role_rejects_a_bad_argument_before_any_task(tmp_path: Path) -> No
     parts = re.split(r"msg: rescued (\w+)", proc.stdout)  # [before 1st, role 1, between 1st and 2nd, role 2, ...]
     sections = {parts[i]: parts[i - 1] for i in range(1, len(parts), 2)}
     assert sorted(sections) == sorted(BAD_ROLE_ARGS), proc.stdout[-3000:]
-    for role, (var, value, expected) in BAD_ROLE_ARGS.items():
+    for role, (var, _value, expected) in BAD_ROLE_ARGS.items():
         section = sections[role]
         role_tasks = re.findall(rf"^TASK \[{role} : (.*?)\] \*", section, re.M)
         assert len(role_tasks) == 1 and role_tasks[0].startswith("Validating arguments against arg spec 'main'"), \
@@ -469,6 +470,8 @@ def provisioned(tmp_path_factory: pytest.TempPathFactory):
     ct = Provisioned(tmp_path_factory.mktemp("lxc-provision"))
     ct.lxc_path.mkdir()
     ct.scratch.mkdir()
+    # Scratch on storage of its own (a tmpfs), not on the file system of the container's rootfs.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "launch-test-scratch", str(ct.scratch)], check=True)
     dev, proc_devices = make_standin_gpus(ct.root, gpus=3)
     ct.dev = dev
     ct.inventory = write_inventory(ct.root / "inventory.yml", lxc_inventory(
@@ -481,6 +484,7 @@ def provisioned(tmp_path_factory: pytest.TempPathFactory):
         yield ct
     finally:
         destroy_container(ct.lxc_path, ct.name)
+        subprocess.run(["umount", str(ct.scratch)], check=False)
 
 
 def _assert_ok(run: tuple[subprocess.CompletedProcess[str], dict, float]) -> dict:
@@ -513,18 +517,16 @@ def test_container_runs_on_its_own_rootfs_not_the_hosts(provisioned: Provisioned
 def test_gpu_block_has_only_nvidia_majors_and_the_chosen_nodes(provisioned: Provisioned) -> None:
     config = (provisioned.lxc_path / provisioned.name / "config").read_text()
     block = config.split("# BEGIN launch managed: gpu passthrough\n")[1].split("# END launch managed: gpu passthrough")[0]
-    allow = re.findall(r"^(lxc\.cgroup2?\.devices\.allow) = (.*)$", block, re.M)
-    assert allow == [("lxc.cgroup.devices.allow", f"c {STANDIN_MAJOR}:* rwm"),
-                     ("lxc.cgroup2.devices.allow", f"c {STANDIN_MAJOR}:* rwm")]
-    assert "*:* rwm" not in config
+    allow = re.findall(r"^lxc\.cgroup2?\.devices\.allow = (.*)$", block, re.M)
+    # Each of the container's own nodes by major:minor (ct_gpus [0, 1]: not nvidia2), for the
+    # cgroup v1 and v2 keys of this hybrid host; never a whole major.
+    minors = [0, 1, 1, 254, 255]  # nvidia0, nvidia1, nvidia-caps/nvidia-cap1, nvidia-uvm, nvidiactl
+    assert allow == [f"c {STANDIN_MAJOR}:{m} rwm" for m in minors for _ in range(2)]
+    assert ":* rwm" not in block and "optional" not in block
     dev = provisioned.dev
-    assert set(re.findall(r"^lxc\.mount\.entry = (.*)$", block, re.M)) == {
-        f"{dev}/nvidia0 dev/nvidia0 none bind,optional,create=file",
-        f"{dev}/nvidia1 dev/nvidia1 none bind,optional,create=file",  # ct_gpus [0, 1]: not nvidia2
-        f"{dev}/nvidiactl dev/nvidiactl none bind,optional,create=file",
-        f"{dev}/nvidia-uvm dev/nvidia-uvm none bind,optional,create=file",
-        f"{dev}/nvidia-caps dev/nvidia-caps none bind,optional,create=dir",
-    }
+    assert re.findall(r"^lxc\.mount\.entry = (.*)$", block, re.M) == [
+        f"{dev}/{name} dev/{name} none bind,create=file 0 0"
+        for name in ("nvidia0", "nvidia1", "nvidia-caps/nvidia-cap1", "nvidia-uvm", "nvidiactl")]
     assert config.count("# BEGIN launch managed: gpu passthrough") == 1
 
 
@@ -537,6 +539,34 @@ def test_gpu_nodes_inside_have_major_195_and_the_cgroup_lets_them_open(provision
     # The device cgroup allows major 195: opening reaches the (absent) driver, ENXIO, not EPERM.
     probe = provisioned.attach("python3 -c 'open(\"/dev/nvidia0\", \"rb\")'", check=False)
     assert "No such device or address" in probe.stderr, probe.stderr
+    # Least privilege: a node made for another GPU's minor (nvidia2, not in ct_gpus) cannot be opened.
+    other = provisioned.attach(f"mknod /tmp/gpu2 c {STANDIN_MAJOR} 2 && python3 -c 'open(\"/tmp/gpu2\", \"rb\")'",
+                               check=False)
+    assert other.returncode != 0 and "Operation not permitted" in other.stderr, other.stderr
+
+
+@pytest.mark.lxc
+@pytest.mark.slow
+def test_nvidia_smi_and_driver_version_checks_inside(provisioned: Provisioned, tmp_path: Path) -> None:
+    """nvidia_userspace's checks against a stand-in nvidia-smi (tests/ansible_fixtures.py): the
+    container's GPUs are listed, and a userspace version unlike the host module's fails naming both."""
+    rootfs = provisioned.lxc_path / provisioned.name / "rootfs"
+    install_nvidia_smi_standin(rootfs, "550.54.15")
+    assert provisioned.attach("nvidia-smi -L").stdout.count("GPU-standin-") == 2  # nvidia0, nvidia1
+    play = tmp_path / "userspace.yml"
+    play.write_text(f"- hosts: {provisioned.name}\n  gather_facts: false\n  roles: [nvidia_userspace]\n")
+    host_version = '{"nvidia_userspace_driver_version": "550.54.15", "nvidia_userspace_expected_gpus": 2}'
+    proc, recap = run_playbook(provisioned.inventory, "-e", host_version, playbook=play)
+    assert proc.returncode == 0 and recap[provisioned.name]["changed"] == 0, proc.stdout[-3000:]
+    assert "TASK [nvidia_userspace : Run the installer" not in proc.stdout  # versions equal: nothing installed
+    proc, _ = run_playbook(provisioned.inventory, "-e", host_version.replace(": 2}", ": 3}"), playbook=play)
+    assert proc.returncode != 0 and "nvidia-smi -L lists 2 GPUs, expected 3" in proc.stdout + proc.stderr
+    (rootfs / "etc" / "nvidia-standin-version").write_text("550.90.07\n")
+    check_only = host_version.replace("}", ', "nvidia_userspace_install": false}')  # no installer offline
+    proc, _ = run_playbook(provisioned.inventory, "-e", check_only, playbook=play)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0
+    assert "the userspace driver is 550.90.07 but the host's kernel module is 550.54.15" in out, out[-2000:]
 
 
 @pytest.mark.lxc
@@ -651,3 +681,45 @@ def test_make_provision_limits_to_the_host_and_its_containers() -> None:
     assert "--limit 'kpro6:kpro6_containers' --check --diff" in checked
     assert "--check" not in dry_run("host=kpro6")
     assert "-i 'ansible/inventory/local.yml'" in dry_run("host=localhost")
+
+
+@pytest.mark.lxc
+@pytest.mark.slow
+def test_zz_munge_key_never_in_output_or_the_process_table(provisioned: Provisioned, tmp_path: Path) -> None:
+    """The slurm role at -vvv installs a new munge key: the key appears neither in the output
+    nor in any process's command line or environment while the run lasts (sampled from /proc)."""
+    import threading
+
+    key = base64.b64encode(os.urandom(1024)).decode()
+    secrets = tmp_path / "secret.yml"
+    secrets.write_text(f"slurm_munge_key_b64: {key}\n")
+    secrets.chmod(0o600)
+    play = tmp_path / "slurm.yml"
+    play.write_text(f"- hosts: {provisioned.name}\n  gather_facts: false\n  roles: [slurm]\n")
+    seen: list[str] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        needle = key[:40].encode()
+        while not done.is_set():
+            for proc_dir in Path("/proc").glob("[0-9]*"):
+                for name in ("cmdline", "environ"):
+                    try:
+                        if needle in (proc_dir / name).read_bytes():
+                            seen.append(f"{proc_dir.name}/{name}")
+                    except OSError:
+                        pass
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        proc, recap = run_playbook(provisioned.inventory, "-vvv", "-e", f"@{secrets}", playbook=play)
+    finally:
+        done.set()
+        sampler.join()
+    assert proc.returncode == 0 and recap[provisioned.name]["changed"] > 0, proc.stdout[-3000:]
+    assert "Install the munge key (0400)" in proc.stdout and "EXEC" in proc.stdout + proc.stderr  # it ran, at -vvv
+    assert key[:40] not in proc.stdout + proc.stderr
+    assert seen == [], f"the munge key was visible in /proc: {seen}"
+    assert provisioned.attach("base64 -w0 /etc/munge/munge.key").stdout == key
