@@ -6,13 +6,14 @@ import argparse
 import time
 
 from launch.cluster.embedded import EmbeddedCluster, default_state_dir
+from launch.values import nonneg_int, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["up", "down", "status"])
-    p.add_argument("--gpus", type=int, help="GPUs to declare: the real ones by default; on a machine without "
+    p.add_argument("--gpus", type=nonneg_int, help="GPUs to declare: the real ones by default; on a machine without "
                    "the NVIDIA driver, N stand-in devices (major 195)")
-    p.add_argument("--cpus", type=int, help="CPUs to declare (default: this machine's)")
+    p.add_argument("--cpus", type=positive_int, help="CPUs to declare (default: this machine's)")
     p.add_argument("--prolog", help="Slurm Prolog executable (e.g. the keepalive hook)")
     p.add_argument("--epilog", help="Slurm Epilog executable")
     p.add_argument("--state-dir", help=f"where configs, logs and data live (default {default_state_dir()})")

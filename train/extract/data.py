@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from launch.fsutil import atomic_write_text
+from toolkit.fsutil import atomic_write_text
 
 
 class DatasetError(RuntimeError):

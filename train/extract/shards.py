@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from launch.fsutil import atomic_write_bytes, atomic_write_text
+from toolkit.fsutil import atomic_write_bytes, atomic_write_text
 
 META = "meta.json"
 HEAD = "target_head.safetensors"
