@@ -1,7 +1,7 @@
 """Stage-1 speed levers on one GPU, side by side in one process: the trainer's own step.
 
-Each variant builds the trainer's model for its preset (the vocab comes from the preset's shape
-config), installs the kernels the trainer would (`fastpath`), applies the levers the trainer's
+Each variant builds the trainer's model for its shape (the vocab comes from the shape's config,
+train/common/shapes.py), installs the kernels the trainer would (`fastpath`), applies the levers the trainer's
 flags name (`train.common.levers`: attention kernel, regional compile, activation
 checkpointing), and times `train.stage1.train.train_step` (forward + loss + backward + clip +
 AdamW with fp32 masters, the trainer's Stepper) on batches of the reference run's bimodal length mix: 3D samples of
@@ -86,7 +86,7 @@ class Variant:
     attention: str = "sdpa"
     act_ckpt: int = 0
     conv: str = "auto"
-    preset: str | None = None  # None: --preset
+    shape: str | None = None  # None: --shape
     env: tuple[tuple[str, str], ...] = ()
     reset_first: bool = False  # torch._dynamo.reset() first (fresh in-memory compile state)
 
@@ -107,7 +107,7 @@ VARIANTS = {v.name: v for v in (
     replace(FLAT4, name="gdn-triton", env=(("FLA_TILELANG", "0"), ("FLA_FLASH_QLA", "0"))),
     Variant("compiled-2-warm", reset_first=True),
     replace(BASE, name="eager-2-again"),
-    replace(FLAT4, name="0.8b-flat-4", preset="qwen35-0.8b"),
+    replace(FLAT4, name="0.8b-flat-4", shape="qwen35-0.8b"),
 )}
 QUICK = ("eager-2", "compiled-2", "flat-4", "0.8b-flat-4")
 
@@ -148,15 +148,15 @@ def make_batches(layout: str, rows: int, row_len: int, vocab: int, n: int) -> tu
 
 
 def run_variant(v: Variant, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    preset = v.preset or args.preset
+    shape = v.shape or args.shape
     if args.cpu_smoke:
-        preset = "tiny"
+        shape = "tiny"
     saved_env = {k: os.environ.get(k) for k, _ in v.env}
     os.environ.update(dict(v.env))
     try:
         if v.reset_first or args.reset_each:
             torch._dynamo.reset()
-        return _run(v, preset, args, device)
+        return _run(v, shape, args, device)
     finally:
         for k, old in saved_env.items():
             if old is None:
@@ -165,13 +165,13 @@ def run_variant(v: Variant, args: argparse.Namespace, device: torch.device) -> d
                 os.environ[k] = old
 
 
-def _run(v: Variant, preset: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    cfg = Stage1Config(preset=preset, row_len=args.row_len, batch_rows=v.rows, lr=1e-4, warmup=1, steps=10**6)
+def _run(v: Variant, shape: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    cfg = Stage1Config(shape=shape, row_len=args.row_len, batch_rows=v.rows, lr=1e-4, warmup=1, steps=10**6)
     t_build = time.perf_counter()
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = fastpath.select_kernels(device, conv=v.conv)
-    model, spec = build_model(preset, device=device, dtype=dtype)
+    model, spec = build_model(shape, device=device, dtype=dtype)
     notes = []
     try:
         fastpath.install_kernels(model, kernels)
@@ -212,7 +212,7 @@ def _run(v: Variant, preset: str, args: argparse.Namespace, device: torch.device
     # no MFU where the peak is unknown (the CPU smoke run)
     mfu_all, mfu_useful = mfu_pair(tok_s, useful_s, flops_per_token, 1, peak) if peak else (None, None)
     row = {
-        "variant": v.name, "preset": preset, "rows": v.rows, "row_len": args.row_len, "packing": v.packing,
+        "variant": v.name, "shape": shape, "rows": v.rows, "row_len": args.row_len, "packing": v.packing,
         "compile": v.compile, "attention": v.attention, "act_ckpt": v.act_ckpt, "env": dict(v.env),
         "kernels": kernels.header().splitlines()[0], "levers": lines, "gdn_backend": gdn_backend(), "notes": notes,
         "tok_s": tok_s, "useful_tok_s": useful_s, "mfu": mfu_all, "mfu_useful": mfu_useful,
@@ -267,7 +267,7 @@ def format_row(r: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for levers.jsonl")
-    p.add_argument("--preset", default="qwen35-2b")
+    p.add_argument("--shape", default="qwen35-2b", help="model shape (train/common/shapes.py)")
     p.add_argument("--variants", default=None, help=f"comma-separated, from: {', '.join(VARIANTS)}")
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, 1 warm-up + 3 steps")
     p.add_argument("--row-len", type=int, default=None, help="tokens per row / longest document (8192)")
@@ -276,7 +276,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=560.0, help="start no variant after this many seconds")
     p.add_argument("--reset-each", action="store_true", help="torch._dynamo.reset() before every variant")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (inductor; aot_eager on CPU)")
-    p.add_argument("--cpu-smoke", action="store_true", help="run on CPU with the tiny preset, 256-token rows")
+    p.add_argument("--cpu-smoke", action="store_true", help="run on CPU with the tiny shape, 256-token rows")
     p.add_argument("--packing-only", action="store_true", help="only the packing statistics of each layout (no model)")
     p.add_argument("--batches", type=int, default=100, help="batches per layout for --packing-only")
     a = p.parse_args(argv)
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 64)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# {name}  torch {torch.__version__}  preset {args.preset}  row_len {args.row_len}  "
+    print(f"# {name}  torch {torch.__version__}  shape {args.shape}  row_len {args.row_len}  "
           f"warmup {args.warmup} + {args.steps} steps  gdn {gdn_backend()}  "
           f"TRITON_CACHE_DIR={os.environ.get('TRITON_CACHE_DIR', '-')}  "
           f"TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', '-')}", flush=True)

@@ -137,6 +137,22 @@ def test_collate_flattens_segments_over_the_batch():
     assert kwargs["cu_seq_lens_q"] is batch["cu_seqlens"] and kwargs["max_length_q"] == 4
 
 
+def test_filling_a_later_open_row_with_image_documents():
+    """A row that fills up is removed from the open rows by identity: comparing rows compares
+    their documents, and two equal documents compare their images' tensors (a crash seen in a
+    2-rank stage-1 run)."""
+    from train.common.packing import Document, ImageInput
+
+    def doc(n: int) -> Document:
+        img = ImageInput(torch.zeros(4, 3), (1, 2, 2), 2, start=0)  # 1 placeholder token, own tensor
+        return Document(list(range(1, n + 1)), 0, [img])
+
+    # rows of 10: A+X leave row 1 one token short; a second A opens row 2; Z fits only row 2 and
+    # fills it, so row 2 is removed while row 1 (two documents, the first equal to row 2's) is open
+    rows = list(Packer(row_len=10, open_rows=4).pack([doc(4), doc(5), doc(4), doc(6)]))
+    assert sorted(r.n_real_tokens for r in rows) == [9, 10]
+
+
 # ----------------------------------------------------------------------------- the flat layout
 
 
@@ -225,13 +241,16 @@ def test_flat_layout_reaches_97_percent_on_the_bimodal_mix_without_bending_it():
 def test_the_data_layer_builds_flat_batches(tmp_path):
     """DataConfig(packing="flat"): one [1, batch_rows * row_len] stream per batch, the same draws."""
     from tests.stage1_fixtures import make_data
+    from train.common.shapes import get_shape
     from train.stage1.data import DataConfig, PackedBatches
+    from train.stage1.tokenizer import build_tokenizer
 
     data = make_data(tmp_path)
+    tok = build_tokenizer(get_shape("tiny"), None, vision=False)
     batches = {}
     for layout in ("rows", "flat"):
         cfg = DataConfig(str(data), row_len=128, batch_rows=3, packing=layout, num_workers=0)
-        batches[layout] = next(iter(PackedBatches(cfg, rank=0)))
+        batches[layout] = next(iter(PackedBatches(cfg, tok, rank=0)))
     flat, rows = batches["flat"], batches["rows"]
     assert flat["input_ids"].shape == (1, 384) and rows["input_ids"].shape == (3, 128)
     assert int(flat["n_real_tokens"]) == flat["packing_efficiency"] * 384
