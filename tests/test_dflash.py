@@ -73,7 +73,10 @@ def test_resume_continues_at_the_saved_step(shards, tmp_path, capsys):
     assert steps == [1, 2, 3, 4, 5]
 
 
-def test_block_sees_context_only_up_to_its_anchor():
+def test_block_sees_context_strictly_before_its_anchor():
+    """The inference-true mask: the target state AT the anchor does not exist yet at inference
+    (the anchor is the token just sampled), so changing it must not move the block's output;
+    changing a state before the anchor must."""
     torch.manual_seed(0)
     cfg = drafter_config("tiny", 64, 2, 300, 4)
     drafter = Drafter(cfg).eval()
@@ -85,12 +88,20 @@ def test_block_sees_context_only_up_to_its_anchor():
     blocks, labels = block_inputs(ids, anchors, 4, cfg.mask_token_id)
     assert blocks[0, 0].tolist() == [int(ids[0, 3])] + [cfg.mask_token_id] * 3
     assert labels[0, 1].tolist() == ids[0, 11:14].tolist()
-    base = drafter(hidden, head.embed_tokens(blocks), anchors, lengths)
-    later = hidden.clone()
-    later[:, 4:] += 5.0  # context after anchor 3 changes
-    moved = drafter(later, head.embed_tokens(blocks), anchors, lengths)
-    torch.testing.assert_close(base[0, 0], moved[0, 0])  # block of anchor 3: unchanged
-    assert not torch.allclose(base[0, 1], moved[0, 1])  # block of anchor 10 sees positions 4..10
+    emb = head.embed_tokens(blocks)
+    base = drafter(hidden, emb, anchors, lengths)
+
+    def moved(pos: int) -> torch.Tensor:
+        h = hidden.clone()
+        h[:, pos] += 5.0
+        return drafter(h, emb, anchors, lengths)
+
+    at_anchor = moved(10)
+    torch.testing.assert_close(base[0, 1], at_anchor[0, 1])  # the state at anchor 10: unseen
+    before = moved(9)
+    assert not torch.allclose(base[0, 1], before[0, 1])  # the state at 9: seen by anchor 10's block
+    torch.testing.assert_close(base[0, 0], before[0, 0])  # ... and not by anchor 3's
+    assert not torch.allclose(base[0, 0], moved(2)[0, 0])
 
 
 def test_anchor_sampling_and_gather():

@@ -3,8 +3,10 @@
 For each anchor position `a` of a sequence the drafter gets a block of `block_size` slots: slot 0
 is the anchor token (known), slots 1.. are the mask token. It predicts the tokens at a+1 ..
 a+block_size-1 in ONE parallel pass. Every layer attends, from the block's slots, to
-  - the target's context features at positions 0..a (the captured layers' hidden states,
-    concatenated and projected to the drafter's width), and
+  - the target's context features at positions 0..a-1, strictly before the anchor (the captured
+    layers' hidden states, concatenated and projected to the drafter's width). At inference the
+    anchor is the token the target has just sampled and not yet run, so its state does not exist
+    (SpecForge's mask is `kv_idx < anchor` for the same reason), and
   - all slots of its own block (bidirectional: block diffusion, not autoregressive).
 Positions are rotary: context t at t, slot j of anchor a at a+j.
 
@@ -175,9 +177,9 @@ class Drafter(nn.Module):
         anchor_of_q = anchors.clamp(min=0)[:, :, None].expand(bsz, n_anchor, k).reshape(bsz, -1)  # [B, N]
         pos_q = anchor_of_q + slot.repeat(n_anchor)[None]
         pos_kv = torch.cat([torch.arange(t, device=x.device).expand(bsz, t), pos_q], dim=1)
-        # context t visible to slots of anchor a iff t <= a (and t is a real token of the row)
+        # context t visible to slots of anchor a iff t < a: strictly before the anchor, as at inference
         ctx_pos = torch.arange(t, device=x.device)
-        see_ctx = (ctx_pos[None, None] <= anchor_of_q[:, :, None]) & (ctx_pos[None, None] < lengths[:, None, None])
+        see_ctx = (ctx_pos[None, None] < anchor_of_q[:, :, None]) & (ctx_pos[None, None] < lengths[:, None, None])
         block_id = torch.arange(n_anchor, device=x.device).repeat_interleave(k)
         see_block = (block_id[:, None] == block_id[None, :]).expand(bsz, -1, -1)
         mask = torch.cat([see_ctx, see_block], dim=2)
