@@ -12,6 +12,7 @@ from train.dflash import train as dflash_train
 from train.dflash.model import (
     Drafter,
     TargetHead,
+    TargetShape,
     block_inputs,
     drafter_config,
     gather_block_positions,
@@ -20,6 +21,9 @@ from train.dflash.model import (
 from train.extract import extract as ex
 from train.extract.data import generate_synthetic
 
+# A 64-wide target with 4 query / 2 key-value heads of 16: the drafter's GQA shape comes from it.
+SHAPE = TargetShape(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=128, vocab_size=300, rope_theta=1e7)
 FAST = ["--block-size", "8", "--anchors", "3", "--token-budget", "160", "--lr", "1e-2", "--warmup", "2"]
 
 
@@ -78,7 +82,7 @@ def test_block_sees_context_strictly_before_its_anchor():
     (the anchor is the token just sampled), so changing it must not move the block's output;
     changing a state before the anchor must."""
     torch.manual_seed(0)
-    cfg = drafter_config("tiny", 64, 2, 300, 4)
+    cfg = drafter_config("tiny", SHAPE, [1, 2], 4)
     drafter = Drafter(cfg).eval()
     head = TargetHead(torch.randn(300, 64), torch.randn(300, 64))
     ids = torch.randint(0, 299, (1, 20))

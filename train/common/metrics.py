@@ -100,9 +100,10 @@ class MetricsLogger:
             self._file.write(json.dumps({"event": "header", **info, "mfu_convention": mfu_convention()}) + "\n")
             self._file.flush()
 
-    def log_step(self, record: dict[str, Any]) -> None:
+    def log_step(self, record: dict[str, Any], line_extra: str = "") -> None:
         """record: step, loss, task_loss{task: loss}, tok_s, mfu, data_ms, compute_ms, peak_mem_mb,
-        compiles, recompiles, lr (extra keys pass through to the jsonl)."""
+        compiles, recompiles, lr (extra keys pass through to the jsonl). line_extra: a trainer's own
+        fields, appended to the printed line."""
         if not self.enabled:
             return
         tasks = " ".join(f"{t}={_fmt(v, '.3f')}" for t, v in sorted(record.get("task_loss", {}).items()))
@@ -112,6 +113,7 @@ class MetricsLogger:
             f"tok/s {_fmt(record.get('tok_s'), '.0f')} | MFU {_fmt(None if mfu is None else 100 * mfu, '.3g')}% | "
             f"data {_fmt(record.get('data_ms'), '.1f')} ms | compute {_fmt(record.get('compute_ms'), '.1f')} ms | "
             f"peak mem {_fmt(record.get('peak_mem_mb'), '.0f')} MB | recompiles {record.get('recompiles', 0)}"
+            + (f" | {line_extra}" if line_extra else "")
         )
         assert self._file is not None
         self._file.write(json.dumps({"event": "step", **record}) + "\n")

@@ -39,14 +39,16 @@ from train.dflash.model import (
     Drafter,
     DrafterConfig,
     TargetHead,
+    TargetShape,
     block_inputs,
+    default_drafter,
     drafter_config,
     drafter_loss,
     gather_block_positions,
     sample_anchors,
 )
 from train.dflash.online import BoundedSender, parse_topology, recv_batch
-from train.extract.data import DatasetError, generate_synthetic, load_dataset
+from train.extract.data import DatasetError, TokenData, generate_synthetic
 from train.extract.shards import ShardError
 
 ENTRYPOINT = "train.dflash"
@@ -61,9 +63,13 @@ class DFlashConfig:
     init_from: str | None = None  # online: local checkpoint of the target
     layers: str | None = None  # online: captured target layers (default: n_layers spread over 1..L-3)
     n_layers: int = 5
-    drafter: str = "tiny"  # drafter preset or JSON file of DrafterConfig fields
+    tokenizer: str | None = None  # online: the target's tokenizer dir, for conversations (default: --init-from)
+    # drafter preset (target: 5 layers shaped like the target; tiny) or JSON file of DrafterConfig
+    # fields; auto: tiny for the tiny target, target otherwise
+    drafter: str = "auto"
     block_size: int = 16
-    anchors: int = 4  # anchors sampled per row
+    anchors: int = 512  # anchors per sequence (SpecForge's default), clamped to the response positions
+    max_bad_fraction: float = 0.01  # offline: shards that fail verification may be skipped up to this share
     steps: int = 40
     token_budget: int = 2048  # padded tokens per batch
     max_len: int = 8192  # online: samples are cut to this many tokens
@@ -109,6 +115,8 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
     for name in ("steps", "anchors", "token_budget", "ckpt_every", "log_every", "queue_depth"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0.0 <= cfg.max_bad_fraction <= 1.0:
+        raise ConfigError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.mode == "online":
@@ -156,26 +164,51 @@ def build_target(cfg: DFlashConfig, device: torch.device):
 
 
 def target_batch(model, capture, samples: list[np.ndarray], cfg: DFlashConfig, step: int,
-                 device: torch.device) -> dict[str, torch.Tensor]:
+                 device: torch.device, masks: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
     """What a target rank sends for one step: context, anchors and final states at the anchor blocks."""
     from train.extract.extract import pad_batch, target_forward
 
     ids, lens = pad_batch(samples)
+    loss_mask = pad_masks(masks, ids.shape[1]) if masks is not None else torch.ones_like(ids, dtype=torch.bool)
     hidden, final = target_forward(model.model, capture, ids.to(device))
     lengths = torch.tensor(lens)
-    anchors = sample_anchors(lengths, cfg.anchors, cfg.block_size, step_generator(cfg.seed, step))
+    anchors = sample_anchors(lengths, cfg.anchors, cfg.block_size, step_generator(cfg.seed, step), loss_mask)
     final_blocks = gather_block_positions(final, anchors.to(final.device), cfg.block_size)
     # Sent as fp32 (the drafter trains in fp32 on CPU; a bf16 wire format is a possible saving on GPUs).
     return {"input_ids": ids, "lengths": lengths, "hidden": hidden.float(), "anchors": anchors,
-            "final_blocks": final_blocks.float()}
+            "final_blocks": final_blocks.float(), "loss_mask": loss_mask.long()}
 
 
-def load_online_dataset(cfg: DFlashConfig, vocab_base: int, vocab: int, is_main: bool, barrier) -> list[np.ndarray]:
+def load_online_dataset(cfg: DFlashConfig, vocab_base: int, vocab: int, is_main: bool, barrier) -> TokenData:
+    from train.extract.extract import load_token_data
+
     path = Path(cfg.data) if cfg.data else Path(cfg.out) / "data.jsonl"
     if not cfg.data and not path.exists() and is_main:
         generate_synthetic(path, cfg.synthetic_samples, seed=cfg.seed, vocab=vocab_base)
     barrier()
-    return load_dataset(path, vocab=vocab, max_len=cfg.max_len)
+    data = load_token_data(cfg, path, vocab)  # type: ignore[arg-type]: reads tokenizer, init_from, max_len
+    if data.truncated and is_main:
+        print(data.report(cfg.max_len), flush=True)
+    return data
+
+
+def pad_masks(masks: list[np.ndarray], width: int) -> torch.Tensor:
+    out = torch.zeros(len(masks), width, dtype=torch.bool)
+    for r, m in enumerate(masks):
+        out[r, : len(m)] = torch.from_numpy(m.astype(bool))
+    return out
+
+
+def make_drafter_config(cfg: DFlashConfig, target: TargetShape, layers: list[int], target_preset: str | None
+                        ) -> DrafterConfig:
+    spec = default_drafter(target_preset) if cfg.drafter == "auto" else cfg.drafter
+    return drafter_config(spec, target, layers, cfg.block_size)
+
+
+def step_fields(stats: dict) -> str:
+    """The DFlash part of the step line: slot-1 accuracy, per-slot accuracies, tau."""
+    slots = " ".join("-" if math.isnan(a) else f"{a:.2f}" for a in stats.get("acc_slot", []))
+    return f"acc1 {stats['acc_slot'][0]:.3f} | tau {stats['tau']:.2f} | acc/slot {slots}" if stats.get("acc_slot") else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,18 +239,20 @@ def train(cfg: DFlashConfig) -> int:
     target = None
     if online:
         target, spec, layers, capture = build_target(cfg, device)
-        samples = load_online_dataset(cfg, spec.vocab.base_vocab, target.config.vocab_size, dist_info.is_main,
+        records = load_online_dataset(cfg, spec.vocab.base_vocab, target.config.vocab_size, dist_info.is_main,
                                       barrier)
+        samples = records.ids
         lengths = np.array([len(s) for s in samples])
-        hidden_size = target.config.hidden_size
+        target_shape, target_preset = TargetShape.from_config(target.config), cfg.preset
         embed_w, head_w = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
         data = None
     else:
-        data = ShardDataset(cfg.data)
-        lengths, layers, hidden_size = data.lengths, data.layers, data.hidden_size
+        data = ShardDataset(cfg.data, cfg.max_bad_fraction, report=print if is_drafter else (lambda line: None))
+        lengths, layers = data.lengths, data.layers
         embed_w, head_w = data.head_weights()
+        target_shape, target_preset = data.target_shape(embed_w.shape[0]), data.meta.get("preset")
     sampler = BucketedSampler(lengths, cfg.token_budget, seed=cfg.seed)
-    dcfg: DrafterConfig = drafter_config(cfg.drafter, hidden_size, len(layers), embed_w.shape[0], cfg.block_size)
+    dcfg = make_drafter_config(cfg, target_shape, layers, target_preset)
 
     ckpts = CheckpointManager(out / "checkpoints", keep=2)
     latest = ckpts.latest()
@@ -233,7 +268,8 @@ def train(cfg: DFlashConfig) -> int:
                 break
             if step % n_targets == dist_info.rank:
                 t_batch = time.perf_counter()
-                batch = target_batch(target, capture, [samples[i] for i in ids], cfg, step, device)
+                batch = target_batch(target, capture, [samples[i] for i in ids], cfg, step, device,
+                                     [records.loss_masks[i] for i in ids])
                 if device.type == "cuda":
                     # also waits for sends the drafter has not received: the target's own time
                     # only while the drafter keeps up (bench/multigpu.py checks the drafter's wait)
@@ -285,12 +321,16 @@ def train(cfg: DFlashConfig) -> int:
             final_blocks = batch["final_blocks"].to(device)
         else:
             batch = data.batch(ids)
+            if batch is None:  # every sample of this step is in a skipped shard (reported once)
+                step += 1
+                continue
             batch["anchors"] = sample_anchors(batch["lengths"], cfg.anchors, cfg.block_size,
-                                              step_generator(cfg.seed, step))
+                                              step_generator(cfg.seed, step), batch["loss_mask"])
             final_blocks = gather_block_positions(batch["final"], batch["anchors"], cfg.block_size).to(device)
         t_data = time.perf_counter()
         input_ids, anchors = batch["input_ids"].to(device), batch["anchors"].to(device)
-        blocks, labels = block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id)
+        blocks, labels = block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id,
+                                      batch["loss_mask"].to(device))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp_on):
             hidden = drafter(batch["hidden"].to(device), head.embed_tokens(blocks), anchors,
                              batch["lengths"].to(device))
@@ -311,7 +351,8 @@ def train(cfg: DFlashConfig) -> int:
             log.log_step({"step": step, "loss": loss_value, "task_loss": {}, "epoch": epoch, **stats,
                           "tok_s": n_real / (t_end - t0), "data_ms": 1000 * (t_data - t0),
                           "compute_ms": 1000 * (t_end - t_data), "batch_rows": len(ids),
-                          "padding_efficiency": n_real / batch["input_ids"].numel(), "lr": sched.get_last_lr()[0]})
+                          "padding_efficiency": n_real / batch["input_ids"].numel(), "lr": sched.get_last_lr()[0],
+                          "anchors": int((anchors >= 0).sum())}, line_extra=step_fields(stats))
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             save_checkpoint(ckpts, step, drafter, opt, sched, cfg)
     drafter.save(out / ".drafter.pt.tmp")

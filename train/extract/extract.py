@@ -25,7 +25,7 @@ import os
 import shlex
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,16 +35,20 @@ from launch.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
 from train.common.distributed import init_distributed, shutdown_distributed
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
-from train.extract.data import DatasetError, generate_synthetic, load_dataset
+from train.extract.data import DatasetError, TokenData, generate_synthetic, load_records, load_tokenizer
 from train.extract.shards import (
     HEAD,
     META,
     ShardEntry,
     ShardError,
+    bytes_per_token,
+    check_disk,
+    nonfinite,
     read_index,
     remove_tmp_files,
     shard_keys,
     shard_name,
+    verify_shard,
     write_index,
     write_shard,
 )
@@ -57,7 +61,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class ExtractConfig:
     preset: str = "tiny"
     init_from: str | None = None
-    data: str | None = None  # jsonl of {"id", "input_ids"}; None: <out>/data.jsonl, synthetic, made when absent
+    data: str | None = None  # jsonl of {"id", "input_ids"} or {"id", "conversations"}; None: synthetic
+    tokenizer: str | None = None  # the target's tokenizer dir, for conversations (default: --init-from)
     synthetic_samples: int = 160
     out: str = field(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/extract-local")
     layers: str | None = None  # "1,16,31"; None: n_layers spread evenly over [1, L-3]
@@ -81,14 +86,18 @@ def parse_args(argv: list[str] | None) -> ExtractConfig:
     p = argparse.ArgumentParser(prog="python -m train.extract", description="hidden-state extraction to shards")
     p.add_argument("--preset", default=d.preset)
     p.add_argument("--init-from", default=None, help="local transformers checkpoint dir of the target")
-    p.add_argument("--data", default=None, help='jsonl, one {"id", "input_ids": [...]} per line')
+    p.add_argument("--data", default=None,
+                   help='jsonl, one {"id", "input_ids": [...]} or {"id", "conversations": [...]} per line')
+    p.add_argument("--tokenizer", default=None,
+                   help="local dir of the target's tokenizer + chat template (default: --init-from)")
     p.add_argument("--synthetic-samples", type=int, default=d.synthetic_samples)
     p.add_argument("--out", default=d.out)
     p.add_argument("--layers", default=None, help="comma-separated decoder layer indices (0-based) to capture")
     p.add_argument("--n-layers", type=int, default=d.n_layers, help="without --layers: how many, spread over 1..L-3")
     p.add_argument("--token-budget", type=int, default=d.token_budget, help="padded tokens per batch/shard")
     p.add_argument("--max-len", type=int, default=d.max_len)
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype,
+                   help="storage dtype of hidden states (bf16 halves fp32's ~24 KiB/token of the reference run)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--sync-cmd", default=None, help="shell template with {src} and {name}, run per finished shard")
     p.add_argument("--sync-check-cmd", default=None,
@@ -233,7 +242,10 @@ def extract(cfg: ExtractConfig) -> int:
             generate_synthetic(data_path, cfg.synthetic_samples, seed=cfg.seed, vocab=spec.vocab.base_vocab)
         if dist_info.world_size > 1:
             torch.distributed.barrier()  # every rank reads the file rank 0 wrote
-    samples = load_dataset(data_path, vocab=model.config.vocab_size, max_len=cfg.max_len)
+    records = load_token_data(cfg, data_path, model.config.vocab_size)
+    samples = records.ids
+    if records.truncated:
+        say(records.report(cfg.max_len))
     lengths = np.array([len(s) for s in samples])
     plan = plan_batches(lengths, cfg.token_budget)
     meta = {
@@ -241,6 +253,7 @@ def extract(cfg: ExtractConfig) -> int:
         "vocab_size": model.config.vocab_size, "dtype": cfg.dtype, "data": str(data_path.resolve()),
         "samples": len(samples), "shards": len(plan), "token_budget": cfg.token_budget, "seed": cfg.seed,
         "plan_sha256": hashlib.sha256(json.dumps(plan).encode()).hexdigest(),
+        "truncated": records.truncated, "target_config": target_config(model),
     }
     if (out / META).exists():
         old = json.loads((out / META).read_text())
@@ -265,6 +278,8 @@ def extract(cfg: ExtractConfig) -> int:
         # rewrites its own index or starts a shard (a resume may use a different world size).
         torch.distributed.barrier()
     write_index(out, dist_info.rank, mine)
+    todo = [b for k, b in enumerate(plan) if k % dist_info.world_size == dist_info.rank and shard_name(k) not in mine]
+    check_disk(out, estimate_bytes(todo, lengths, len(layers), model.config.hidden_size, cfg), say)
     say(f"# extract: preset={cfg.preset} layers={layers} samples={len(samples)} shards={len(plan)} "
         f"world={dist_info.world_size} device={device.type} lm_head=never called")
 
@@ -277,7 +292,7 @@ def extract(cfg: ExtractConfig) -> int:
             continue
         name, path = shard_name(k), out / shard_name(k)
         entry = mine.get(name)
-        if entry is not None and (entry.location == "synced" or _whole(path, entry)):
+        if entry is not None and (entry.location == "synced" or _whole(path, entry, say)):
             if entry.location == "local" and cfg.sync_cmd:
                 entry.location = sync_shard(cfg, path, entry)
                 write_index(out, dist_info.rank, mine)
@@ -294,10 +309,11 @@ def extract(cfg: ExtractConfig) -> int:
         ids, lens = pad_batch([samples[i] for i in batch])
         hidden, final = target_forward(base, capture, ids.to(device))
         tensors = {
-            idx: {"input_ids": ids[r, :n].to(torch.int32),
+            idx: {"input_ids": ids[r, :n].to(torch.int32), "loss_mask": torch.from_numpy(records.loss_masks[idx]),
                   "hidden": hidden[r, :n].to(store).cpu(), "final": final[r, :n].to(store).cpu()}
             for r, (idx, n) in enumerate(zip(batch, lens, strict=True))
         }
+        refuse_nonfinite(name, tensors)
         size, digest = write_shard(path, tensors, metadata={"samples": ",".join(map(str, batch))})
         entry = ShardEntry(batch, lens, size, digest)
         mine[name] = entry
@@ -327,9 +343,13 @@ def extract(cfg: ExtractConfig) -> int:
     return 0
 
 
-def _whole(path: Path, entry: ShardEntry) -> bool:
-    """An indexed local shard still there at its recorded size (else it is rewritten)."""
-    return path.is_file() and path.stat().st_size == entry.bytes
+def _whole(path: Path, entry: ShardEntry, say=print) -> bool:
+    """An indexed local shard still there with the size and sha256 it was written with (else it is
+    rewritten: a same-size bit flip shows only in the hash)."""
+    reason = verify_shard(path, entry)
+    if reason is not None and path.exists():
+        say(f"# rewriting {path.name}: {reason}")
+    return reason is None
 
 
 def _adoptable(path: Path, batch: list[int]) -> bool:
@@ -337,7 +357,50 @@ def _adoptable(path: Path, batch: list[int]) -> bool:
         keys = shard_keys(path)
     except ShardError:
         return False
-    return sorted({int(k.split(".")[0]) for k in keys}) == sorted(batch) and len(keys) == 3 * len(batch)
+    per_sample: dict[int, set[str]] = {}
+    for k in keys:
+        idx, _, name = k.partition(".")
+        per_sample.setdefault(int(idx), set()).add(name)
+    return sorted(per_sample) == sorted(batch) and all(v == set(SAMPLE_KEYS) for v in per_sample.values())
+
+
+SAMPLE_KEYS = ("input_ids", "loss_mask", "hidden", "final")
+
+
+def load_token_data(cfg: ExtractConfig, data_path: Path, vocab: int) -> TokenData:
+    """The dataset with its loss masks; the target's tokenizer is loaded only if the file has conversations."""
+    tokenizer_dir = cfg.tokenizer or cfg.init_from
+    try:
+        return load_records(data_path, vocab=vocab, max_len=cfg.max_len)
+    except DatasetError as exc:
+        if "needs the target's tokenizer" not in str(exc) or not tokenizer_dir:
+            raise
+    return load_records(data_path, vocab=vocab, max_len=cfg.max_len, tokenizer=load_tokenizer(tokenizer_dir))
+
+
+def target_config(model: torch.nn.Module) -> dict:
+    """The target's text config fields the drafter is shaped by (train.dflash.model.TargetShape)."""
+    from train.dflash.model import TargetShape
+
+    return asdict(TargetShape.from_config(getattr(model.config, "text_config", model.config)))
+
+
+def estimate_bytes(batches: list[list[int]], lengths: np.ndarray, n_layers: int, hidden: int,
+                   cfg: ExtractConfig) -> int:
+    """Bytes the shards still to write need on this filesystem: bytes/token x tokens; with a
+    verified sync (shards deleted once copied) only the largest shard is here at a time."""
+    per_token = bytes_per_token(n_layers, hidden, cfg.dtype)
+    sizes = [per_token * int(lengths[b].sum()) for b in batches]
+    if not sizes:
+        return 0
+    return max(sizes) if cfg.sync_check_cmd else sum(sizes)
+
+
+def refuse_nonfinite(name: str, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
+    bad = [f"{i}.{k}" for i, t in tensors.items() for k in nonfinite(t)]
+    if bad:
+        raise ShardError(f"{name}: the target produced non-finite hidden states ({', '.join(bad[:3])}); "
+                         "nothing written (check --init-from and the dtype)")
 
 
 __all__ = ["ExtractConfig", "extract", "main"]
