@@ -24,7 +24,7 @@ from train.extract.data import generate_synthetic
 # A 64-wide target with 4 query / 2 key-value heads of 16: the drafter's GQA shape comes from it.
 SHAPE = TargetShape(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     intermediate_size=128, vocab_size=300, rope_theta=1e7)
-FAST = ["--block-size", "8", "--anchors", "3", "--token-budget", "160", "--lr", "1e-2", "--warmup", "2"]
+FAST = ["--block-size", "8", "--token-budget", "160", "--lr", "1e-2", "--warmup", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,17 @@ def shards(tmp_path_factory) -> Path:
     assert ex.main(["--out", str(out), "--data", str(data), "--layers", "1,2", "--token-budget", "160",
                     "--max-len", "40"], guard=False) == 0
     return out
+
+
+LEARN_STEPS = 30
+LEARN = ["--token-budget", "320", "--lr", "5e-3"]
+CHANCE = 1 / 64  # generate_synthetic's alphabet: a drafter that knows only the alphabet
+MARGIN = 0.13
+
+
+def assert_slot1_above_chance(recs: list[dict]) -> None:
+    acc1 = sum(r["acc_slot"][0] for r in recs) / len(recs)
+    assert acc1 > CHANCE + MARGIN, [round(r["acc_slot"][0], 3) for r in recs]
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -51,18 +62,23 @@ def test_offline_training_loss_falls_and_logits_only_at_anchor_blocks(shards, tm
 
     monkeypatch.setattr(dflash_train, "TargetHead", WatchedHead)
     out = tmp_path / "run"
-    assert dflash_train.main(["--data", str(shards), "--out", str(out), "--steps", "20", *FAST], guard=False) == 0
+    assert dflash_train.main(["--data", str(shards), "--out", str(out), "--steps", str(LEARN_STEPS), *FAST, *LEARN],
+                             guard=False) == 0
     recs = _metrics(out)
-    assert len(recs) == 20
+    assert len(recs) == LEARN_STEPS
     first = sum(r["loss"] for r in recs[:5]) / 5
     last = sum(r["loss"] for r in recs[-5:]) / 5
-    assert last < first - 1.5, (first, last)  # ~9 -> ~6 in 20 steps
-    assert recs[-1]["acc"] > recs[0]["acc"]
+    assert last < first - 2.0, (first, last)  # ~7.5 -> ~3 in 30 steps
+    # The learning test under the strict mask: slot-1 accuracy, pooled over the last 5 steps, above
+    # chance (1/64: the synthetic alphabet) by a margin of 0.13 (README: measured 0.3 here).
+    assert_slot1_above_chance(recs[-5:])
+    assert all(len(r["acc_slot"]) == 7 and r["tau"] >= 1.0 for r in recs)
     # lm_head saw only [rows, hidden] inputs: the anchor-block rows, never a [batch, seq, hidden] tensor.
-    max_rows = max(r["batch_rows"] for r in recs) * 3 * 7
+    max_rows = max(r["anchors"] for r in recs) * 7
     assert seen and all(len(s) == 2 and s[0] <= max_rows for s in seen)
+    assert max(r["anchors"] for r in recs) > 3 * max(r["batch_rows"] for r in recs)  # many anchors per row
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 20 and (out / "drafter.pt").is_file()
+    assert summary["steps"] == LEARN_STEPS and (out / "drafter.pt").is_file()
     # Padding is measured per step; the epochs of the bucketed shuffle advanced.
     assert max(r["epoch"] for r in recs) >= 1
 
@@ -106,6 +122,35 @@ def test_block_sees_context_strictly_before_its_anchor():
     assert not torch.allclose(base[0, 1], before[0, 1])  # the state at 9: seen by anchor 10's block
     torch.testing.assert_close(base[0, 0], before[0, 0])  # ... and not by anchor 3's
     assert not torch.allclose(base[0, 0], moved(2)[0, 0])
+
+
+def test_512_anchors_in_one_forward_equal_each_block_alone():
+    """The default 512 anchors on a 600-token row with a loss mask: every anchor on a response
+    token, one batched drafter forward (chunked attention), and each block's output equal to that
+    block computed on its own (the oracle: one anchor per forward)."""
+    torch.manual_seed(0)
+    cfg = drafter_config("tiny", SHAPE, [1, 2], 16)
+    drafter = Drafter(cfg).eval()
+    n = 600
+    lengths = torch.tensor([n, 200])
+    loss_mask = torch.zeros(2, n, dtype=torch.bool)
+    loss_mask[0, 40:] = True  # a 40-token prompt, then the response
+    loss_mask[1, 100:200] = True
+    anchors = sample_anchors(lengths, 512, 16, torch.Generator().manual_seed(1), loss_mask)
+    assert anchors.shape == (2, 512) and (anchors[0] >= 40).all() and (anchors[0] <= n - 16).all()
+    row1 = anchors[1][anchors[1] >= 0]
+    assert len(row1) == 200 - 16 - 100 + 1 and (row1 >= 100).all()  # clamped to the positions available
+    ids = torch.randint(0, 299, (2, n))
+    hidden = torch.randn(2, n, 128)
+    emb = torch.nn.Embedding(300, 64)
+    blocks, labels = block_inputs(ids, anchors, 16, cfg.mask_token_id, loss_mask)
+    assert (labels[1][anchors[1] < 0] == -100).all()
+    with torch.no_grad():
+        # max_scores small enough that the 512 x 16 queries run in several attention chunks
+        out = drafter(hidden, emb(blocks), anchors, lengths, max_scores=1 << 20)
+        for r, j in [(0, 0), (0, 255), (0, 511), (1, 7)]:
+            alone = drafter(hidden[r:r + 1], emb(blocks[r:r + 1, j:j + 1]), anchors[r:r + 1, j:j + 1], lengths[r:r + 1])
+            torch.testing.assert_close(out[r, j], alone[0, 0], atol=2e-5, rtol=1e-4)
 
 
 def test_anchor_sampling_and_gather():
