@@ -223,3 +223,55 @@ def test_bf16_autocast_drafter_learns_like_fp32(shards, tmp_path):
     drafter = torch.load(tmp_path / "bf16" / "drafter.pt", weights_only=False)
     weights = drafter["model"] if "model" in drafter else drafter
     assert all(t.dtype == torch.float32 for t in weights.values() if torch.is_tensor(t) and t.is_floating_point())
+
+
+def _copy(shards: Path, tmp_path: Path) -> tuple[Path, Path]:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(shards, broken)
+    return broken, sorted(broken.glob("shard_*.safetensors"))[0]
+
+
+def test_bit_flipped_shard_is_refused(shards, tmp_path, capsys):
+    """Same size, one bit changed in a hidden state: only the sha256 the index recorded shows it."""
+    broken, victim = _copy(shards, tmp_path)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    code = dflash_train.main(["--data", str(broken), "--out", str(tmp_path / "o"), "--steps", "6", *FAST], guard=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert f"{victim}: corrupt shard (sha256" in err[0] and "--max-bad-fraction" in err[0]
+
+
+def _nan_shard(victim: Path) -> None:
+    """Rewrite a shard with NaN hidden states and index it as if extraction had written it so."""
+    from train.extract.shards import index_name, read_shard, write_shard
+
+    samples = read_shard(victim)
+    for t in samples.values():
+        t["hidden"] = torch.full_like(t["hidden"], float("nan"))
+    size, digest = write_shard(victim, samples)
+    index_path = victim.parent / index_name(0)
+    index = json.loads(index_path.read_text())
+    index["shards"][victim.name].update(bytes=size, sha256=digest)
+    index_path.write_text(json.dumps(index))
+
+
+def test_nan_shard_is_refused_or_skipped_within_the_threshold(shards, tmp_path, capsys):
+    broken, victim = _copy(shards, tmp_path)
+    _nan_shard(victim)
+    args = ["--data", str(broken), "--steps", "8", *FAST]
+    assert dflash_train.main([*args, "--out", str(tmp_path / "o")], guard=False) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{victim}: non-finite hidden states" in err[0], err
+    # 1 bad shard of 5 is 20%: allowed with --max-bad-fraction 0.25, skipped and reported once.
+    out = tmp_path / "skip"
+    assert dflash_train.main([*args, "--out", str(out), "--max-bad-fraction", "0.25"], guard=False) == 0
+    log = capsys.readouterr().out
+    assert log.count(f"# skipping {victim}: non-finite") == 1
+    recs = _metrics(out)
+    assert recs and all(torch.isfinite(torch.tensor(r["loss"])) for r in recs)
+    weights = torch.load(out / "drafter.pt", weights_only=False)["state_dict"]
+    assert all(torch.isfinite(t).all() for t in weights.values())

@@ -177,3 +177,20 @@ def test_sigkill_midway_then_resume(tmp_path, data):
     assert _run(out, data) == 0
     assert sorted(_all_samples(out)) == list(range(20))
     assert len(read_index(out)) == total
+
+
+def test_resume_rewrites_a_bit_flipped_shard(tmp_path, data, capsys):
+    """Resume verifies each indexed shard's sha256, not just its size, and rewrites one that changed."""
+    from launch.fsutil import sha256_file
+
+    out = tmp_path / "x"
+    assert _run(out, data) == 0
+    victim = out / "shard_00001.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-10] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert _run(out, data) == 0
+    log = capsys.readouterr().out
+    assert "# rewriting shard_00001.safetensors: sha256" in log and '"written": 1' in log
+    assert sha256_file(victim) == read_index(out)["shard_00001.safetensors"].sha256
