@@ -194,3 +194,34 @@ def test_resume_rewrites_a_bit_flipped_shard(tmp_path, data, capsys):
     log = capsys.readouterr().out
     assert "# rewriting shard_00001.safetensors: sha256" in log and '"written": 1' in log
     assert sha256_file(victim) == read_index(out)["shard_00001.safetensors"].sha256
+
+
+def _can_unshare_mounts() -> bool:
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs root and unshare -m (a private tmpfs)")
+def test_disk_estimate_printed_and_too_small_a_filesystem_refused(tmp_path, data):
+    """A real 2 MiB tmpfs (private mount namespace) as --out: the estimate is printed, the run
+    refuses with one line before writing anything; on the real disk the same run proceeds."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "small"
+    out.mkdir()
+    repo = Path(__file__).resolve().parents[1]
+    code = ("import sys; from train.extract.extract import main; "
+            f"sys.exit(main({['--out', str(out), '--data', str(data), *SMALL]!r}, guard=False))")
+    script = f"mount -t tmpfs -o size=2m tmpfs {out} && {sys.executable} -c \"$0\"; rc=$?; ls -A {out}; exit $rc"
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script, code], cwd=repo, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(repo)}, timeout=300)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(err) == 1, done.stdout + done.stderr
+    assert "GiB free" in err[0] and "extraction needs" in err[0]
+    assert "# disk:" in done.stdout and ".safetensors" not in done.stdout  # nothing written there
+    assert _run(tmp_path / "big", data) == 0

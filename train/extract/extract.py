@@ -248,6 +248,8 @@ def extract(cfg: ExtractConfig) -> int:
         say(records.report(cfg.max_len))
     lengths = np.array([len(s) for s in samples])
     plan = plan_batches(lengths, cfg.token_budget)
+    # Before anything is written: the estimate, and a refusal when the filesystem lacks the space.
+    check_disk(out, disk_needed(out, plan, lengths, len(layers), model, cfg), say)
     meta = {
         "preset": cfg.preset, "init_from": cfg.init_from, "layers": layers, "hidden_size": model.config.hidden_size,
         "vocab_size": model.config.vocab_size, "dtype": cfg.dtype, "data": str(data_path.resolve()),
@@ -278,8 +280,6 @@ def extract(cfg: ExtractConfig) -> int:
         # rewrites its own index or starts a shard (a resume may use a different world size).
         torch.distributed.barrier()
     write_index(out, dist_info.rank, mine)
-    todo = [b for k, b in enumerate(plan) if k % dist_info.world_size == dist_info.rank and shard_name(k) not in mine]
-    check_disk(out, estimate_bytes(todo, lengths, len(layers), model.config.hidden_size, cfg), say)
     say(f"# extract: preset={cfg.preset} layers={layers} samples={len(samples)} shards={len(plan)} "
         f"world={dist_info.world_size} device={device.type} lm_head=never called")
 
@@ -385,15 +385,18 @@ def target_config(model: torch.nn.Module) -> dict:
     return asdict(TargetShape.from_config(getattr(model.config, "text_config", model.config)))
 
 
-def estimate_bytes(batches: list[list[int]], lengths: np.ndarray, n_layers: int, hidden: int,
-                   cfg: ExtractConfig) -> int:
-    """Bytes the shards still to write need on this filesystem: bytes/token x tokens; with a
-    verified sync (shards deleted once copied) only the largest shard is here at a time."""
-    per_token = bytes_per_token(n_layers, hidden, cfg.dtype)
-    sizes = [per_token * int(lengths[b].sum()) for b in batches]
-    if not sizes:
-        return 0
-    return max(sizes) if cfg.sync_check_cmd else sum(sizes)
+def disk_needed(out: Path, plan: list[list[int]], lengths: np.ndarray, n_layers: int, model: torch.nn.Module,
+                cfg: ExtractConfig) -> int:
+    """Bytes still to write under `out`: bytes/token x tokens of the shards not yet indexed (with a
+    verified sync, shards are deleted once copied: only the largest is here at a time), plus the
+    target head if it is not there yet."""
+    done = read_index(out) if out.is_dir() else {}
+    per_token = bytes_per_token(n_layers, model.config.hidden_size, cfg.dtype)
+    sizes = [per_token * int(lengths[b].sum()) for k, b in enumerate(plan) if shard_name(k) not in done]
+    need = (max(sizes) if cfg.sync_check_cmd else sum(sizes)) if sizes else 0
+    if not (out / HEAD).exists():
+        need += 4 * (model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel())
+    return need
 
 
 def refuse_nonfinite(name: str, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
