@@ -11,6 +11,7 @@ import torch
 from train.dflash import train as dflash_train
 from train.dflash.model import (
     Drafter,
+    DrafterConfig,
     TargetHead,
     TargetShape,
     block_inputs,
@@ -275,3 +276,48 @@ def test_nan_shard_is_refused_or_skipped_within_the_threshold(shards, tmp_path, 
     assert recs and all(torch.isfinite(torch.tensor(r["loss"])) for r in recs)
     weights = torch.load(out / "drafter.pt", weights_only=False)["state_dict"]
     assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_export_reloads_with_equal_outputs_and_the_serving_loaders_fields(shards, tmp_path):
+    """`launch export` for a DFlash run: config.json + model.safetensors in the published DFlash
+    layout. The project's loader reloads it with outputs equal to the checkpoint's drafter (at the
+    exported bf16 weights); transformers parses the config as a Qwen3 config carrying the DFlash
+    fields that SGLang's parse_dflash_draft_config and vLLM's qwen3_dflash read; the weight names
+    are the ones their load_weights map (q/k/v/gate/up_proj stacked, fc, hidden_norm, norm)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from train.dflash.export import export_checkpoint, load_export
+
+    run = tmp_path / "run"
+    assert dflash_train.main(["--data", str(shards), "--out", str(run), "--steps", "3", *FAST], guard=False) == 0
+    out = export_checkpoint(run, None, None)
+    assert out == run / "export" / "step_00000003"
+    state = torch.load(run / "checkpoints" / "step_00000003" / "drafter.pt", weights_only=False)
+    original = Drafter(DrafterConfig(**state["drafter_config"]))
+    original.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state["model"].items()})
+    reloaded = load_export(out)
+    torch.manual_seed(0)
+    cfg = original.cfg
+    hidden = torch.randn(2, 30, cfg.n_target_layers * cfg.hidden_size)
+    emb = torch.randn(2, 3, cfg.block_size, cfg.hidden_size)
+    anchors, lengths = torch.tensor([[2, 9, 20], [5, -1, -1]]), torch.tensor([30, 17])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(hidden, emb, anchors, lengths),
+                                   original.eval()(hidden, emb, anchors, lengths), atol=0, rtol=0)
+
+    hf = AutoConfig.from_pretrained(str(out), local_files_only=True)
+    assert hf.model_type == "qwen3" and hf.architectures == ["DFlashDraftModel"]
+    assert hf.dflash_config == {"target_layer_ids": [1, 2], "block_size": 8, "mask_token_id": cfg.vocab_size - 1}
+    assert hf.num_target_layers == 4 and hf.eagle_aux_hidden_state_layer_ids == [2, 3]
+    assert (hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim) == (2, 4, 2, 64)
+    assert hf.hidden_size == 256 and hf.rope_parameters["rope_theta"] == 1e7 and hf.is_causal is False
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{name}.weight" for i in range(2) for name in (
+            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+            "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == expected
+        assert f.get_tensor("fc.weight").shape == (256, 2 * 256) and f.get_tensor("fc.weight").dtype == torch.bfloat16
+        assert f.get_tensor("layers.0.self_attn.k_proj.weight").shape == (2 * 64, 256)  # GQA: 2 kv heads
