@@ -16,6 +16,7 @@ from train.dflash.model import (
     TargetShape,
     block_inputs,
     drafter_config,
+    drafter_loss,
     gather_block_positions,
     sample_anchors,
 )
@@ -321,3 +322,24 @@ def test_export_reloads_with_equal_outputs_and_the_serving_loaders_fields(shards
         assert set(f.keys()) == expected
         assert f.get_tensor("fc.weight").shape == (256, 2 * 256) and f.get_tensor("fc.weight").dtype == torch.bfloat16
         assert f.get_tensor("layers.0.self_attn.k_proj.weight").shape == (2 * 64, 256)  # GQA: 2 kv heads
+
+
+def test_chunked_loss_equals_one_chunk():
+    """lm_head in checkpointed chunks: loss, gradients and stats equal the single-chunk computation."""
+    torch.manual_seed(0)
+    head = TargetHead(torch.randn(300, 64), torch.randn(300, 64) * 0.1)
+    hidden = torch.randn(2, 5, 8, 64, requires_grad=True)
+    labels = torch.randint(0, 300, (2, 5, 7))
+    labels[1, 3:] = -100
+    final = torch.randn(2, 5, 7, 64)
+    results = []
+    for chunk in (None, 7):
+        hidden.grad = None
+        loss, stats = drafter_loss(head, hidden, labels, final, kl_weight=0.5, gamma=7.0, chunk_rows=chunk)
+        loss.backward()
+        results.append((loss.detach(), hidden.grad.clone(), stats))
+    (l1, g1, s1), (l2, g2, s2) = results
+    torch.testing.assert_close(l1, l2)
+    torch.testing.assert_close(g1, g2)
+    assert s1["acc_slot"] == s2["acc_slot"] and abs(s1["kl"] - s2["kl"]) < 1e-5
+    assert s1["target_agree"] == s2["target_agree"]
