@@ -232,15 +232,20 @@ class BlockAttention:
     """Attention of every block's slots to (context t < anchor) + (its own block), all blocks of
     all rows in one call per layer.
 
-    The context keys are computed once per layer and shared; the mask is built per chunk of
-    anchors so that the [queries x keys] scores stay bounded (`max_scores` elements per call):
-    512 anchors x 16 slots are 8192 queries per row.
+    Each query's keys are the T context positions and the K slots of its own block, never the
+    other blocks': scores are [queries x (T + K)], linear in the number of anchors (a dense mask
+    over all blocks would be quadratic: 512 anchors x 16 slots are 8192 queries per row). The two
+    score parts share one softmax. Queries run in chunks of anchors so that no call holds more
+    than `max_scores` scores.
     """
 
     def __init__(self, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int,
                  max_scores: int = 1 << 27) -> None:
         self.anchors, self.lengths, self.t, self.k = anchors, lengths, ctx_len, block_size
         self.max_scores = max_scores
+        pos = torch.arange(ctx_len, device=anchors.device)
+        # [B, A, T]: context t is visible to anchor a's block iff t < a (and t is a real token)
+        self.see_ctx = (pos[None, None] < anchors[:, :, None]) & (pos[None, None] < lengths[:, None, None])
 
     def chunks(self, bsz: int, heads: int) -> list[tuple[int, int]]:
         n_anchor = self.anchors.shape[1]
@@ -248,27 +253,29 @@ class BlockAttention:
         step = max(1, min(n_anchor, self.max_scores // max(1, per_anchor)))
         return [(i, min(n_anchor, i + step)) for i in range(0, n_anchor, step)]
 
-    def mask(self, lo: int, hi: int) -> torch.Tensor:
-        """[B, 1, (hi-lo)*K, T + (hi-lo)*K]: True = attend."""
-        dev = self.anchors.device
-        a = self.anchors[:, lo:hi].repeat_interleave(self.k, dim=1)  # anchor of each query
-        ctx_pos = torch.arange(self.t, device=dev)
-        see_ctx = (ctx_pos[None, None] < a[:, :, None]) & (ctx_pos[None, None] < self.lengths[:, None, None])
-        block = torch.arange(hi - lo, device=dev).repeat_interleave(self.k)
-        see_block = (block[:, None] == block[None, :]).expand(a.shape[0], -1, -1)
-        return torch.cat([see_ctx, see_block], dim=2)[:, None]
-
     def __call__(self, q, k_ctx, v_ctx, k_blk, v_blk) -> torch.Tensor:
-        bsz, heads = q.shape[:2]
+        """q, k_blk, v_blk [B, heads, A*K, d]; k_ctx, v_ctx [B, kv_heads, T, d] -> [B, heads, A*K, d]."""
+        bsz, heads, _, d = q.shape
         groups = heads // k_ctx.shape[1]
         if groups > 1:  # GQA: each key/value head serves `groups` query heads
             k_ctx, v_ctx, k_blk, v_blk = (t.repeat_interleave(groups, dim=1) for t in (k_ctx, v_ctx, k_blk, v_blk))
+        scale, k, t = d ** -0.5, self.k, self.t
         outs = []
         for lo, hi in self.chunks(bsz, heads):
-            qs = slice(lo * self.k, hi * self.k)
-            k = torch.cat([k_ctx, k_blk[:, :, qs]], dim=2)
-            v = torch.cat([v_ctx, v_blk[:, :, qs]], dim=2)
-            outs.append(F.scaled_dot_product_attention(q[:, :, qs], k, v, attn_mask=self.mask(lo, hi)))
+            a = hi - lo
+            qc = q[:, :, lo * k: hi * k]
+            s_ctx = (qc @ k_ctx.transpose(-1, -2)) * scale  # [B, H, a*K, T]
+            see = self.see_ctx[:, lo:hi].repeat_interleave(k, dim=1)[:, None]  # [B, 1, a*K, T]
+            s_ctx = s_ctx.masked_fill(~see, float("-inf"))
+            qb = qc.view(bsz, heads, a, k, d)
+            kb = k_blk[:, :, lo * k: hi * k].view(bsz, heads, a, k, d)
+            vb = v_blk[:, :, lo * k: hi * k].view(bsz, heads, a, k, d)
+            s_blk = (qb @ kb.transpose(-1, -2)) * scale  # [B, H, a, K, K]: bidirectional in the block
+            probs = torch.softmax(torch.cat([s_ctx, s_blk.reshape(bsz, heads, a * k, k)], -1).float(), -1)
+            probs = probs.to(q.dtype)
+            out = probs[..., :t] @ v_ctx + (probs[..., t:].reshape(bsz, heads, a, k, k) @ vb).reshape(
+                bsz, heads, a * k, d)
+            outs.append(out)
         return torch.cat(outs, dim=2)
 
 
