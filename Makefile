@@ -49,7 +49,7 @@ test: deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
-	$(PY) -m ruff check launch train tests bench images
+	$(PY) -m ruff check launch train toolkit tests bench images
 	$(MAKE) --no-print-directory provision-lint provision-syntax
 
 demo: deps

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `launch doctor --job stage1` on an H200 in the states issue 8 asks about, from the offline
-# wheels of shared/gpu-wheels (the machine has no network). Output: one file per state in OUTDIR.
+# `launch doctor --job stage1` on an H200 in the states issue 8 asks about, from a local wheel
+# directory (`pip install --no-index --find-links DIR ...`; the machine has no network). Output: one file per state in OUTDIR.
 #   stage 1 (wheels: z3-solver, fla-core, flash-linear-attention, causal-conv1d, submitit):
 #     no-fla           fla not importable at all
 #     fla-no-tilelang  fla on Triton 3.6 + Hopper, tilelang absent

@@ -1,12 +1,12 @@
 """Multi-GPU runs of the real trainers on one host: stage-1 ZeRO-2 scaling, DFlash k-1 topologies.
 
-The lent GPU machines have no Slurm, so this script plays srun's part: one process per rank, each
+On a GPU machine without Slurm, this script plays srun's part: one process per rank, each
 with the variables srun gives a task (SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID,
 SLURM_NODEID, SLURM_JOB_NODELIST, SLURM_JOB_NUM_NODES), calling the trainer's
 `main(argv, guard=False)`. train.common.distributed reads that layout exactly as it does under
 `launch submit`; only the Slurm guard is off. NVLink multicast stays off in every rank
-(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): on the shared
-lent hosts it can take the GPUs out of service.
+(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): on shared
+hosts it can take the GPUs out of service.
 
     python bench/multigpu.py stage1 --gpus 1,2 --steps 16 --skip 4 --jsonl out.jsonl
     python bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --steps 40 --skip 10
@@ -54,7 +54,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launch.report import step_records  # noqa: E402
+from launch.jobspec import find_spec  # noqa: E402
+from toolkit.metrics import step_records  # noqa: E402
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -130,8 +131,10 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in [int(x) for x in a.gpus.split(",")]:
         out = Path(a.work) / f"stage1-{a.preset}-{n}gpu"
-        argv = ["--preset", a.preset, "--steps", str(a.steps), "--deepspeed", a.deepspeed, "--out", str(out),
-                "--ckpt-every", "0", "--log-every", "1"]
+        # the job preset's args first (the GPU shape's row length, lr, --vision off), then this run's
+        argv = find_spec("stage1").resolve(a.preset).argv()
+        argv += ["--preset", a.preset, "--steps", str(a.steps), "--deepspeed", a.deepspeed, "--out", str(out),
+                 "--ckpt-every", "0", "--log-every", "1"]
         if a.batch_rows:
             argv += ["--batch-rows", str(a.batch_rows)]
         if a.row_len:

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Issue 10's multi-GPU runs on a lent nvidia-h200-x2 (or larger) machine: no network, no Slurm.
-# Wheels come from two folders that .git/info/exclude ignores, each under the 64 MiB a call carries:
-#   .gpu/a  z3-solver, causal-conv1d (shared/gpu-wheels/c), fla-core, flash-linear-attention,
-#           apache-tvm-ffi, torch-c-dlpack-ext, cut-cross-entropy, deepspeed 0.19.8 (sdist) and
-#           its pydantic 2.14.4, pydantic-core, annotated-types, typing-inspection,
-#           typing-extensions, hjson
-#   .gpu/b  tilelang, transformers 5.23.0, liger-kernel, submitit, cloudpickle
+# Issue 10's multi-GPU runs on a 2x H200 (or larger) machine: no network, no Slurm.
+# Wheels come from two local wheel directories (kept out of git), installed with
+# `pip install --no-index`:
+#   .wheels/a  z3-solver, fla-core, flash-linear-attention, apache-tvm-ffi, torch-c-dlpack-ext,
+#              cut-cross-entropy, liger-kernel, submitit, cloudpickle, deepspeed 0.19.8 (sdist)
+#              and its pydantic 2.14.4, pydantic-core, annotated-types, typing-inspection,
+#              typing-extensions, hjson
+#   .wheels/b  tilelang, transformers 5.23.0
+#   .wheels/c  causal-conv1d (a wheel built once for the GPU node's torch and CUDA; optional)
+# Each directory stays under the 64 MiB one upload to an offline GPU node may carry here.
 # The runs are bench/allreduce_bw.py and bench/multigpu.py. Results land in $OUT.
-# Steps, run in the order given (the machine stays warm 30 s between calls, /tmp with it):
-#   a       (carry .gpu/a) fla, causal-conv1d, z3, deepspeed; GPU topology; all-reduce bandwidth
-#   b       (carry .gpu/b) tilelang, transformers 5.23, submitit
+# Steps, run in the order given on one machine (later steps use what earlier ones put in /tmp):
+#   a       (needs .wheels/a) fla, z3, deepspeed, submitit; GPU topology; all-reduce bandwidth
+#   b       (needs .wheels/b) tilelang, transformers 5.23
+#   c       (needs .wheels/c) causal-conv1d
 #   zero2   stage-1 qwen35-2b, DeepSpeed ZeRO-2, 1 and 2 GPUs
 #   ddp     stage-1 qwen35-2b without DeepSpeed (1 GPU; DDP on 2), AdamW with fp32 masters
 #   dflash  DFlash 1-1 online, qwen35-0.8b target, the 5-layer target-shaped drafter, 4 vs 512 anchors
@@ -27,15 +31,19 @@ for step in "$@"; do
   a)
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
     nvidia-smi topo -m
-    python3 -m pip install -q --no-index --no-deps --target /tmp/gpuenv .gpu/a/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/gpuenv .wheels/a/*.whl || exit 1
     DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/gpuenv \
-      .gpu/a/deepspeed-*.tar.gz || exit 1
+      .wheels/a/deepspeed-*.tar.gz || exit 1
     python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'GPUs', torch.cuda.device_count(), 'deepspeed', deepspeed.__version__)"
     python3 bench/allreduce_bw.py | tee "$out/allreduce.md"
     ;;
   b)
-    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/gpuenv .gpu/b/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/gpuenv .wheels/b/*.whl || exit 1
     python3 -c "import fla, tilelang, transformers, deepspeed; print('transformers', transformers.__version__)" || exit 1
+    ;;
+  c)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/gpuenv .wheels/c/*.whl || exit 1
+    python3 -c "import causal_conv1d; print('causal-conv1d', causal_conv1d.__version__)" || exit 1
     ;;
   zero2)
     python3 bench/multigpu.py stage1 --gpus 1,2 --deepspeed on --steps 16 --skip 4 --timeout 420 \

@@ -36,7 +36,7 @@ from images.rootfs import (
     remove_tree,
 )
 from launch.errors import LaunchError
-from launch.fsutil import atomic_write_text
+from toolkit.fsutil import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGES_DIR = REPO / "images"

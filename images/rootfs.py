@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.errors import LaunchError
-from launch.fsutil import atomic_write_text, sha256_file
+from toolkit.fsutil import atomic_write_text, sha256_file
 
 CHROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
               "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}

@@ -1,60 +1,11 @@
-"""Small filesystem helpers shared by the launcher and the trainers."""
+"""The launcher's own paths. Atomic writes and hashes live in the neutral `toolkit.fsutil`."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import tempfile
 from pathlib import Path
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
-    """Write `data` to `path` so that readers see either the old file or the whole new one.
-
-    Temp file in the same directory, fsync, chmod, rename, then fsync the directory so the
-    rename itself survives a crash.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_path(path.parent)
-
-
-def fsync_path(path: str | os.PathLike[str]) -> None:
-    """fsync a file or a directory (a directory's fsync makes renames into it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> None:
-    atomic_write_bytes(path, text.encode(), mode)
 
 
 def launch_home() -> Path:
     """Root of the launcher's per-user state: embedded cluster, job registry, run folders."""
     return Path(os.environ.get("LAUNCH_HOME", Path.home() / ".launch")).expanduser().resolve()
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

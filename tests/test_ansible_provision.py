@@ -246,7 +246,7 @@ PROJECT_WHEEL = ANSIBLE_DIR / "tools" / "project_wheel.py"
 
 def test_project_wheel_hash_follows_the_sources_and_the_build_is_cached(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    for name in ("launch", "train"):
+    for name in ("launch", "train", "toolkit"):
         shutil.copytree(ANSIBLE_DIR.parent / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ANSIBLE_DIR.parent / name, src / name)
@@ -265,6 +265,7 @@ def test_project_wheel_hash_follows_the_sources_and_the_build_is_cached(tmp_path
     import zipfile
     names = zipfile.ZipFile(wheel).namelist()
     assert "launch/keepalive/cli.py" in names and "launch/keepalive/slurm-hook.sh" in names and "train/__init__.py" in names
+    assert "toolkit/fsutil.py" in names
     mtime = wheel.stat().st_mtime_ns
     assert tool("build", str(src), str(tmp_path / "cache")).stdout.strip() == str(wheel)
     assert wheel.stat().st_mtime_ns == mtime, "a cached wheel is not rebuilt"

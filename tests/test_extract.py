@@ -181,7 +181,7 @@ def test_sigkill_midway_then_resume(tmp_path, data):
 
 def test_resume_rewrites_a_bit_flipped_shard(tmp_path, data, capsys):
     """Resume verifies each indexed shard's sha256, not just its size, and rewrites one that changed."""
-    from launch.fsutil import sha256_file
+    from toolkit.fsutil import sha256_file
 
     out = tmp_path / "x"
     assert _run(out, data) == 0

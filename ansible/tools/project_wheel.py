@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""The project's own wheel (the `launch` and `train` packages), built on the controller for the
+"""The project's own wheel (the `launch`, `train` and `toolkit` packages), built on the controller for the
 python_env role.
 
     project_wheel.py hash SRC            print the sha256 of the sources that go into the wheel
     project_wheel.py build SRC CACHE     print the path of the wheel for those sources, building
                                          it into CACHE/<hash>/ when absent
 
-The hash covers pyproject.toml, README.md and every file under launch/ and train/ (bytecode
+The hash covers pyproject.toml, README.md and every file under launch/, train/ and toolkit/ (bytecode
 excluded); the role keeps it in the venv as a marker, so an unchanged tree installs nothing.
 The build runs `pip wheel --no-deps --no-build-isolation` on a copy of those files, so the
 source tree gets no build/ or *.egg-info, and nothing is fetched from an index.
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 TOP_FILES = ("pyproject.toml", "README.md")
-PACKAGES = ("launch", "train")
+PACKAGES = ("launch", "train", "toolkit")
 
 
 class WheelError(Exception):

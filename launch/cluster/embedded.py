@@ -33,7 +33,8 @@ from pathlib import Path
 import jinja2
 
 from launch.errors import LaunchError
-from launch.fsutil import atomic_write_bytes, atomic_write_text, launch_home
+from launch.fsutil import launch_home
+from toolkit.fsutil import atomic_write_bytes, atomic_write_text
 
 NVIDIA_MAJOR = 195
 MARKER_VAR = "LAUNCH_CLUSTER_STATE"

@@ -27,7 +27,10 @@ TRANSFORMERS_REFUSES_UNSAFE_PACKING = Version("5.23")
 # refuses with "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results").
 HOPPER_BAD_TRITON = (Version("3.4.0"), Version("3.7.1"))
 GDN_TOLERANCE = 0.02  # relative RMS error, bf16 kernel vs float32 reference
-FLA_INSTALL = "pip install flash-linear-attention (extra 'gpu'; offline wheels: shared/gpu-wheels/b)"
+FLA_INSTALL = (
+    "pip install flash-linear-attention (extra 'gpu'; offline, from a local wheel directory: "
+    "pip install --no-index --find-links DIR flash-linear-attention)"
+)
 
 
 def _version(text: str | None) -> Version | None:

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from launch.errors import LaunchError
-from launch.fsutil import atomic_write_text
 from launch.keepalive.holders import GpuHolder, LockHolder
 from launch.keepalive.protocol import decode, encode, read_line
+from toolkit.fsutil import atomic_write_text
 
 log = logging.getLogger("launch.keepalive")
 

@@ -148,7 +148,7 @@ def write_hook_wrappers(directory: Path, python: str, socket: Path, prolog_timeo
                         epilog_timeout: float, log_path: Path | None,
                         pythonpath: str | None) -> dict[str, Path]:
     """Write executable `prolog` and `epilog` scripts into `directory`; return their paths."""
-    from launch.fsutil import atomic_write_text
+    from toolkit.fsutil import atomic_write_text
 
     if not Path(python).is_absolute():
         raise LaunchError(f"--python {python!r} must be an absolute path; slurmd has no PATH to search")

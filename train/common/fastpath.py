@@ -165,7 +165,7 @@ def hopper_problem(capability: tuple[int, int] | None, triton_version: str | Non
     return (
         f"known-bad: fla's gated backward on Hopper (sm_90) with triton {triton_version} gives wrong gradients "
         f"and no tilelang backend is usable ({why}); fix: triton>=3.7.1, or a working tilelang "
-        "(see shared/gpu-wheels/README.md: z3-solver for libz3, LD_LIBRARY_PATH)"
+        "(tilelang needs libz3 from the z3-solver wheel on LD_LIBRARY_PATH)"
     )
 
 

@@ -20,8 +20,8 @@ Exact convention (printed in the trainer's log header via :func:`convention`)::
 * ``tokens_per_s``: tokens (real + padding) processed per second by all ``n_gpus`` together.
 * Peak: dense bf16 tensor-core peak, 989 TFLOP/s for H100/H200 SXM.
 
-Note: bench figures made with a causal-halved attention term and N = all parameters (as in
-shared/gpu-wheels/README.md) come out ~5% lower than this convention for the 2B shape at 8192.
+Note: figures made with a causal-halved attention term and N = all parameters (another common
+convention) come out ~5% lower than this convention for the 2B shape at 8192.
 """
 
 from __future__ import annotations

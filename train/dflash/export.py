@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from launch.fsutil import atomic_write_bytes, atomic_write_text, fsync_path
+from toolkit.fsutil import atomic_write_bytes, atomic_write_text, fsync_path
 from train.common.checkpoint import CheckpointError, CheckpointManager, step_dir_name, verify
 from train.dflash.model import Drafter, DrafterConfig
 

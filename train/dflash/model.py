@@ -484,7 +484,7 @@ def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.T
     correct = argmax == y
     acc_slot = slot_accuracies(correct, valid)
     stats: dict[str, Any] = {"ce": float(ce.mean()), "acc": float(correct.float().mean()),
-                             "acc_slot": acc_slot, "tau": acceptance_length(acc_slot)}
+                             "acc_slot": acc_slot, "acc1": acc_slot[0], "tau": acceptance_length(acc_slot)}
     if verifier_rows is not None:
         with torch.no_grad():
             agree = sum(int((head.lm_head(verifier_rows[lo:lo + chunk].to(rows.dtype)).argmax(-1)

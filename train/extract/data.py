@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from launch.fsutil import atomic_write_text
+from toolkit.fsutil import atomic_write_text
 
 
 class DatasetError(RuntimeError):

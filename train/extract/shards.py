@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from launch.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
+from toolkit.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
 
 META = "meta.json"
 HEAD = "target_head.safetensors"

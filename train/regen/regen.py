@@ -22,18 +22,18 @@ Sampling is seeded per part (seed, part), so a resumed part regenerates the same
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from launch.fsutil import atomic_write_text
+from toolkit.fsutil import atomic_write_text
+from train.common.config import ConfigError, opt, parse_config
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.extract.data import DatasetError, load_tokenizer
@@ -44,40 +44,26 @@ META = "meta.json"
 
 @dataclass
 class RegenConfig:
-    init_from: str = ""  # the target's local checkpoint dir (weights, tokenizer, chat template)
-    data: str = ""  # jsonl of {"id", "conversations": [...]}
-    tokenizer: str | None = None  # default: --init-from
-    out: str = field(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/regen-local")
-    batch_size: int = 16  # conversations per generate call (= per part file)
-    max_new_tokens: int = 1024
-    temperature: float = 0.7  # 0 = greedy
-    top_p: float = 0.8
-    top_k: int = 20
-    seed: int = 0
-    stop_after: int | None = None  # write at most this many parts, then stop (tests, partial runs)
-    allow_slow_path: bool = False
-
-
-class ConfigError(ValueError):
-    pass
+    init_from: str = opt("", help="the target's local checkpoint dir (weights, tokenizer, chat template)")
+    data: str = opt("", help='jsonl of {"id", "conversations": [...]}')
+    tokenizer: str | None = opt(None, help="the target's tokenizer dir (default: --init-from)")
+    out: str = opt(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/regen-local",
+                   help="output dir (default: $LAUNCH_JOB_DIR, else ./runs/regen-local)")
+    batch_size: int = opt(16, help="conversations per generate call (= per part file)")
+    max_new_tokens: int = opt(1024)
+    temperature: float = opt(0.7, help="0 = greedy")
+    top_p: float = opt(0.8)
+    top_k: int = opt(20)
+    seed: int = opt(0)
+    stop_after: int | None = opt(None, parse=int, help="write at most this many parts, then stop")
+    allow_slow_path: bool = opt(False)
 
 
 SETTINGS = ("init_from", "data", "batch_size", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
 
 def parse_args(argv: list[str] | None) -> RegenConfig:
-    d = RegenConfig()
-    p = argparse.ArgumentParser(prog="python -m train.regen", description="regenerate assistant turns with the target")
-    for name, value in asdict(d).items():
-        flag = "--" + name.replace("_", "-")
-        if name == "allow_slow_path":
-            p.add_argument(flag, action="store_true")
-        elif name == "stop_after":
-            p.add_argument(flag, type=int, default=None)
-        else:
-            kind = {int: int, float: float}.get(type(value), str)
-            p.add_argument(flag, type=kind, default=value)
-    cfg = RegenConfig(**vars(p.parse_args(argv)))
+    cfg = parse_config(RegenConfig, argv, "python -m train.regen", "regenerate assistant turns with the target")
     if not cfg.init_from or not cfg.data:
         raise ConfigError("needs --init-from <the target's checkpoint dir> and --data <conversations jsonl>")
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or cfg.top_k < 0:
@@ -88,8 +74,8 @@ def parse_args(argv: list[str] | None) -> RegenConfig:
 
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
-    return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=regen, guard=guard, config_errors=(ConfigError,),
-                          run_errors=(DatasetError, ConfigError, FastPathError, ValueError, OSError))
+    return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=regen, guard=guard,
+                          run_errors=(DatasetError, FastPathError, ValueError, OSError))
 
 
 def read_conversations(path: Path) -> list[dict[str, Any]]:

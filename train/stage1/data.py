@@ -516,7 +516,7 @@ def generate_synthetic(
     `malformed` extra broken lines are spread over the manifests (for tests and demos of the
     malformed-record accounting).
     """
-    from launch.fsutil import atomic_write_text
+    from toolkit.fsutil import atomic_write_text
 
     out = Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
