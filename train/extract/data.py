@@ -68,16 +68,15 @@ class TokenData:
 
 
 def load_tokenizer(path: str | Path):
-    """The target's tokenizer (with its chat template) from a local directory; DatasetError if absent."""
-    path = Path(path)
-    if not path.is_dir():
-        raise DatasetError(f"--tokenizer {path}: no such directory (give the target's local checkpoint dir)")
-    try:
-        from transformers import AutoTokenizer
+    """The target's tokenizer (with its chat template) from a local directory, through the same
+    loader as stage-1 (train.common.hf_local); DatasetError (one line) if it is absent."""
+    from train.common.hf_local import HFLocalError
+    from train.common.hf_local import load_tokenizer as load_local
 
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:  # transformers raises OSError/ValueError/... for a dir without a tokenizer
-        raise DatasetError(f"--tokenizer {path}: no loadable tokenizer there ({str(exc).splitlines()[0][:200]})") from None
+    try:
+        tok = load_local(path)
+    except HFLocalError as exc:
+        raise DatasetError(f"--tokenizer: {exc}") from None
     if not getattr(tok, "chat_template", None):
         raise DatasetError(f"--tokenizer {path}: the tokenizer has no chat template; conversations need one")
     return tok
