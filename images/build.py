@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -394,7 +395,7 @@ def scrub(rootfs: Path) -> None:
 
 
 ZSTD = ["zstd", "-6", "-T0", "-q"]  # one level for every build; zstd's output does not depend on -T
-XZ = ["xz", "-6", "-T0", "-q"]      # what lxc-create -t local unpacks (tar -J)
+XZ = ["xz", "-1", "-T0", "-q"]      # what lxc-create -t local unpacks (tar -J); -1: xz is the slow one
 
 
 def tar_argv(rootfs: Path, source_date_epoch: int) -> list[str]:
@@ -615,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--apply-only", type=Path, metavar="ROOTFS",
                         help="only apply the image's roles to an existing rootfs (debugging); never /")
     args = parser.parse_args(argv)
+    # A TERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the chroot's mounts are undone.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         rootfs = refuse_host_root(args.apply_only) if args.apply_only is not None else None
         if os.geteuid() != 0:

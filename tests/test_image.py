@@ -1,27 +1,37 @@
-"""`make image`: a real build of the trainer image's test flavour, its no-op re-run, and a real
-LXC container booted from the template by the lxc_container role.
+"""`make image` and `make wheelhouse`: real builds of the trainer image, their reproducibility,
+and containers booted from the templates with real LXC.
 
-Real: debootstrap (the cached base rootfs of tests/ansible_fixtures.py), Ansible's
-community.general.chroot connection and the project's roles, apt and gcc inside the chroot,
-tar+zstd, Debian's LXC. The test flavour (images/trainer/image.yml) keeps apt offline (the
-cached .debs) and its lock offline (--no-index), because nothing inside the build chroot can
-reach a package index on the CI machine.
+Real: debootstrap (the cached base rootfs of tests/ansible_fixtures.py), pip (the controller's,
+with its own configuration, for the wheelhouse), Ansible's community.general.chroot connection
+and the project's roles, apt and gcc inside the chroot, tar+zstd+xz, Debian's LXC running
+systemd as the container's init, and `launch doctor` inside the container.
+
+- test flavour (offline apt and lock): built twice, byte-compared; booted with `lxc-create -t local`.
+- cpu flavour: wheelhouse from the controller's pip (PyPI, and the local wheel directory that
+  holds torch's CPU build), built, booted, `import torch, transformers, launch, train` and the
+  doctor's fast checks inside.
+- gpu flavour: only with LAUNCH_TEST_GPU_IMAGE=1 (its wheels are several GB; not in CI). On a
+  machine without a GPU it checks the imports and the doctor's CPU-side checks; fla's kernels,
+  the CUDA runtime against a driver and the GDN fwd+bwd need a GPU node.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from importlib.metadata import version as dist_version
 from pathlib import Path
 
 import pytest
 
 from images import rootfs as rootfs_mod
-from images.build import REPO, load_image
+from images import wheelhouse as wh
+from images.build import REPO, content_digest, inputs_digest, load_image
 from tests.ansible_fixtures import (
     TEST_BASE,
     cached_rootfs_tarball,
@@ -32,16 +42,16 @@ from tests.ansible_fixtures import (
 )
 
 IS_ROOT = os.geteuid() == 0
-HAS_TOOLS = all(shutil.which(t) for t in ("lxc-create", "lxc-start", "lxc-attach", "debootstrap", "zstd", "chroot"))
-needs_root_lxc = pytest.mark.skipif(not (IS_ROOT and HAS_TOOLS), reason="needs root, lxc, debootstrap, zstd")
+HAS_TOOLS = all(shutil.which(t) for t in ("lxc-create", "lxc-start", "lxc-attach", "debootstrap", "zstd", "xz", "chroot"))
+needs_root_lxc = pytest.mark.skipif(not (IS_ROOT and HAS_TOOLS), reason="needs root, lxc, debootstrap, zstd, xz")
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def make_image(out: Path, *args: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess[str], float]:
+def make_image(out: Path, *args: str, flavour: str = "test", timeout: int = 1800) -> tuple[subprocess.CompletedProcess[str], float]:
     """The build entry `make image` runs (mk/image.mk), with this interpreter."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "images.build", "--name", "trainer", "--flavour", "test",
-                           "--out", str(out), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run([sys.executable, "-m", "images.build", "--name", "trainer", "--flavour", flavour,
+                           "--out", str(out), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=ENV)
     return proc, time.monotonic() - start
 
 
@@ -120,6 +130,184 @@ def test_mounts_are_undone_when_the_body_fails(tmp_path: Path) -> None:
     assert not (fake_root / "usr/sbin/policy-rc.d").exists()
     rootfs_mod.remove_tree(fake_root)
     assert not fake_root.exists()
+
+
+# --- locks, wheelhouse and the inputs hash (no build) --------------------------------------------
+
+def test_locks_pin_one_file_per_distribution() -> None:
+    """Every line of the cpu and gpu locks is name==version with the sha256 of one file; the
+    gpu lock's torch is the CUDA build (no +cpu), and it has fla and triton>=3.7.1."""
+    for flavour in ("cpu", "gpu"):
+        image = load_image("trainer", flavour)
+        pins = {p.name: p for p in wh.read_lock(image.lock_file)}
+        assert all(len(p.hashes) == 1 and len(p.hashes[0]) == 64 for p in pins.values()), flavour
+        for needed in ("torch", "transformers", "deepspeed", "submitit", "jinja2", "pyyaml", "packaging", "matplotlib"):
+            assert needed in pins, (flavour, needed)
+        assert image.wheelhouse is not None and "deepspeed" in image.wheelhouse.build
+    cpu = {p.name: p for p in wh.read_lock(load_image("trainer", "cpu").lock_file)}
+    gpu = {p.name: p for p in wh.read_lock(load_image("trainer", "gpu").lock_file)}
+    assert cpu["torch"].version == "2.13.0+cpu" and gpu["torch"].version == "2.13.0"
+    assert "flash-linear-attention" in gpu and "fla-core" in gpu and "flash-linear-attention" not in cpu
+    from packaging.version import Version
+    assert Version(gpu["triton"].version) >= Version("3.7.1")
+    assert "causal-conv1d" not in gpu and "causal-conv1d" in load_image("trainer", "gpu").wheelhouse.optional
+    assert not any(name.startswith("nvidia-driver") for name in gpu), "no NVIDIA userspace driver in the image"
+
+
+@pytest.mark.parametrize("line, message", [
+    ("torch>=2.5", "one exact version"),
+    ("torch==2.13.0 --index-url x", "only --hash"),
+    ("not a requirement!", "torch.lock:1"),
+])
+def test_bad_lock_line_is_one_clear_error(tmp_path: Path, line: str, message: str) -> None:
+    lock = tmp_path / "torch.lock"
+    lock.write_text(line + "\n")
+    with pytest.raises(wh.LaunchError, match=message):
+        wh.read_lock(lock)
+
+
+def test_target_tags_are_the_images_python_and_glibc() -> None:
+    """The tags the wheelhouse accepts, against packaging's own tag parser: bookworm runs
+    CPython 3.11 on glibc 2.36, so manylinux_2_36 and older, abi3 and pure wheels; not 2_39, not cp312."""
+    tags = wh.Target(python="3.11", glibc="2.36").tags()
+    ok = ["torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", "six-1.0-py2.py3-none-any.whl",
+          "tokenizers-0.23.3-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+          "x-1.0-cp311-cp311-manylinux_2_36_x86_64.whl", "x-1.0-cp311-cp311-linux_x86_64.whl"]
+    bad = ["x-1.0-cp311-cp311-manylinux_2_39_x86_64.whl", "x-1.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+           "x-1.0-cp311-cp311-manylinux_2_28_aarch64.whl", "x-1.0-cp311-cp311-musllinux_1_2_x86_64.whl"]
+    for name in ok:
+        assert wh.wheel_identity(name)[2] & tags, name
+    for name in bad:
+        assert not wh.wheel_identity(name)[2] & tags, name
+
+
+def _tiny_wheel(src: Path, out: Path, name: str, version: str, body: str) -> Path:
+    """A real wheel of a one-module project, built by pip (setuptools, no index)."""
+    (src / name).mkdir(parents=True, exist_ok=True)
+    (src / "pyproject.toml").write_text(
+        f'[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        f'[project]\nname = "{name}"\nversion = "{version}"\n[tool.setuptools]\npackages = ["{name}"]\n')
+    (src / name / "__init__.py").write_text(body)
+    before = set(out.glob("*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(out), str(src)], check=True, capture_output=True, env={**os.environ, "SOURCE_DATE_EPOCH": "315532800"})
+    (built,) = set(out.glob("*.whl")) - before
+    return built
+
+
+@pytest.fixture()
+def local_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The controller's pip configured with only a local wheel directory (no index), through
+    pip's own environment variables: what `make wheelhouse` honours on any controller."""
+    links = tmp_path / "links"
+    links.mkdir()
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    return links
+
+
+def _lock_for(wheels: list[Path], path: Path) -> Path:
+    lines = []
+    for wheel in wheels:
+        name, version, _ = wh.wheel_identity(wheel.name)
+        lines.append(f"{name}=={version} --hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}")
+    path.write_text("# test lock\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def test_wheelhouse_fetches_the_lock_with_the_controllers_pip(tmp_path: Path, local_index: Path) -> None:
+    """pip download through the controller's configuration (here: a local wheel directory);
+    SHA256SUMS against hashlib; requirements.txt; a no-op re-run runs no pip; a stale wheel
+    is removed; a changed wheel changes SHA256SUMS; a tampered file fails verify."""
+    alpha = _tiny_wheel(tmp_path / "a", local_index, "alpha", "1.0", "A = 1\n")
+    beta = _tiny_wheel(tmp_path / "b", local_index, "beta", "2.0", "B = 2\n")
+    lock = _lock_for([alpha, beta], tmp_path / "req.lock")
+    house = tmp_path / "house"
+    sums = wh.build_wheelhouse(lock, wh.WheelhouseSpec(), house, log=lambda _: None)
+    assert sorted(sums) == sorted([alpha.name, beta.name, "requirements.txt"])
+    for name, digest in sums.items():
+        assert hashlib.sha256((house / name).read_bytes()).hexdigest() == digest
+    assert (house / "SHA256SUMS").read_text() == "".join(f"{sums[n]}  {n}\n" for n in sorted(sums))
+    assert (house / "requirements.txt").read_text() == "alpha==1.0\nbeta==2.0\n"
+    assert subprocess.run(["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=house).returncode == 0
+    first = wh.sums_digest(house)
+
+    # No-op: with the wheel directory gone, nothing is fetched and nothing changes.
+    shutil.rmtree(local_index)
+    local_index.mkdir()
+    assert wh.build_wheelhouse(lock, wh.WheelhouseSpec(), house, log=lambda _: None) == sums
+    shutil.copy2(house / alpha.name, alpha)
+
+    # A wheel not in the lock is removed; a new beta (other bytes, new hash in the lock) is fetched.
+    (house / "stale-0.1-py3-none-any.whl").write_bytes(b"x")
+    beta2 = _tiny_wheel(tmp_path / "b", local_index, "beta", "2.1", "B = 3\n")
+    lock = _lock_for([alpha, beta2], lock)
+    logged: list[str] = []
+    sums2 = wh.build_wheelhouse(lock, wh.WheelhouseSpec(), house, log=logged.append)
+    assert not (house / "stale-0.1-py3-none-any.whl").exists() and not (house / beta.name).exists()
+    assert sums2[alpha.name] == sums[alpha.name] and beta2.name in sums2
+    assert any("pip download: 1 wheels" in line for line in logged), logged
+    assert wh.sums_digest(house) != first
+
+    # A wheel whose bytes no longer match SHA256SUMS.
+    with (house / alpha.name).open("ab") as f:
+        f.write(b"\0")
+    with pytest.raises(wh.LaunchError, match=f"{alpha.name} does not match its sha256"):
+        wh.verify(house)
+
+
+def test_wheelhouse_refuses_a_wheel_whose_hash_differs_from_the_lock(tmp_path: Path, local_index: Path) -> None:
+    alpha = _tiny_wheel(tmp_path / "a", local_index, "alpha", "1.0", "A = 1\n")
+    lock = tmp_path / "req.lock"
+    lock.write_text(f"alpha==1.0 --hash=sha256:{'0' * 64}\n")
+    proc = subprocess.run([sys.executable, "-c", (
+        "import sys; from pathlib import Path; from images import wheelhouse as wh\n"
+        "try:\n wh.build_wheelhouse(Path(sys.argv[1]), wh.WheelhouseSpec(), Path(sys.argv[2]), log=lambda _: None)\n"
+        "except wh.LaunchError as e:\n print(e); sys.exit(2)\n"), str(lock), str(tmp_path / "house")],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and proc.stdout.startswith("pip download failed: ERROR"), proc.stdout + proc.stderr
+    assert "HASH" in proc.stdout.upper() and len(proc.stdout.strip().splitlines()) == 1
+    assert alpha.exists() and not any((tmp_path / "house").glob("*.whl"))
+
+
+def test_inputs_hash_covers_roles_wheelhouse_ansible_and_apt(tmp_path: Path) -> None:
+    """Changing a role template, a wheel (hence SHA256SUMS), or the installed apt set changes
+    the hash; the manifest's inputs name the Ansible versions and the project's sources."""
+    base = tmp_path / "base.tar.zst"
+    base.write_bytes(b"base rootfs stand-in: only its sha256 enters the hash")
+    house = tmp_path / "house"
+    house.mkdir()
+    (house / "a-1.0-py3-none-any.whl").write_bytes(b"wheel one")
+    lock = tmp_path / "a.lock"
+    lock.write_text("a==1.0\n")
+    wh.write_sums(house, lock)
+    image = load_image("trainer", "cpu")
+    digest, inputs = inputs_digest(image, base, house)
+    assert digest == inputs_digest(image, base, house)[0], "same inputs, same hash"
+    assert inputs["ansible"]["ansible-core"] == dist_version("ansible-core")
+    assert inputs["ansible"]["community.general"][0].isdigit()
+    assert len(inputs["project_sources"]) == 64
+    assert inputs["wheelhouse"]["sha256sums"] == hashlib.sha256((house / "SHA256SUMS").read_bytes()).hexdigest()
+    assert "ansible/roles/node_caches/templates/launch-caches.sh.j2" in inputs["files"]
+
+    # A role template changed (in a copy of ansible/).
+    ansible = tmp_path / "ansible"
+    shutil.copytree(REPO / "ansible", ansible, ignore=shutil.ignore_patterns("__pycache__"))
+    assert inputs_digest(load_image("trainer", "cpu", ansible_dir=ansible), base, house)[0] == digest
+    with (ansible / "roles/node_caches/templates/launch-caches.sh.j2").open("a") as f:
+        f.write("# changed\n")
+    assert inputs_digest(load_image("trainer", "cpu", ansible_dir=ansible), base, house)[0] != digest
+
+    # A wheel changed, and SHA256SUMS rewritten by `make wheelhouse`.
+    (house / "a-1.0-py3-none-any.whl").write_bytes(b"wheel two")
+    wh.write_sums(house, lock)
+    assert inputs_digest(image, base, house)[0] != digest
+
+    # The template's content hash adds the apt set read from the rootfs.
+    apt = {"gcc": "4:12.2.0-3", "libc6": "2.36-9+deb12u10"}
+    assert content_digest(digest, apt) == content_digest(digest, dict(reversed(apt.items())))
+    assert content_digest(digest, apt) != content_digest(digest, {**apt, "libc6": "2.36-9+deb12u11"})
 
 
 # --- the real build ----------------------------------------------------------------------------
