@@ -52,6 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from launch.jobspec import find_spec  # noqa: E402
 from toolkit.metrics import step_records  # noqa: E402
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -128,8 +129,10 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in [int(x) for x in a.gpus.split(",")]:
         out = Path(a.work) / f"stage1-{a.preset}-{n}gpu"
-        argv = ["--preset", a.preset, "--steps", str(a.steps), "--deepspeed", a.deepspeed, "--out", str(out),
-                "--ckpt-every", "0", "--log-every", "1"]
+        # the job preset's args first (the GPU shape's row length, lr, --vision off), then this run's
+        argv = find_spec("stage1").resolve(a.preset).argv()
+        argv += ["--preset", a.preset, "--steps", str(a.steps), "--deepspeed", a.deepspeed, "--out", str(out),
+                 "--ckpt-every", "0", "--log-every", "1"]
         if a.batch_rows:
             argv += ["--batch-rows", str(a.batch_rows)]
         if a.row_len:

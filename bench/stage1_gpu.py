@@ -43,12 +43,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.common import fastpath  # noqa: E402
+from train.common.distributed import DistInfo  # noqa: E402
 from train.common.losses import select_loss_impl  # noqa: E402
 from train.common.metrics import compile_counts  # noqa: E402
 from train.common.packing import Packer, collate  # noqa: E402
 from train.stage1.model import build_model  # noqa: E402
 from train.stage1.objective import CausalLMObjective  # noqa: E402
-from train.stage1.train import Stage1Config, lr_lambda, make_optimizer, mfu_terms, train_step  # noqa: E402
+from train.stage1.train import Stage1Config, make_stepper, mfu_terms, train_step  # noqa: E402
+
+ONE_RANK = DistInfo(0, 1, 0, "127.0.0.1", 0, "gloo", False)
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,7 @@ def run_variant(v: Variant, args: argparse.Namespace, device: torch.device) -> d
     fastpath.install_kernels(model, kernels)
     loss_impl = select_loss_impl(device, v.loss_impl)
     objective = CausalLMObjective(model, loss_impl)
-    opt = make_optimizer(model, cfg, device, fused=v.fused_adamw)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    stepper = make_stepper(objective, model, cfg, device, ONE_RANK, ds=False, fused=v.fused_adamw)
     model.train()
     docs = documents(spec.vocab.padded_vocab, args.row_len, (args.warmup + args.steps + 2) * args.rows * args.row_len,
                      seed=1)
@@ -129,8 +131,7 @@ def run_variant(v: Variant, args: argparse.Namespace, device: torch.device) -> d
         b = batches[i]
         sync(device)
         t0 = time.perf_counter()
-        loss, _ = train_step(objective, model, opt, sched, None, b, device, cfg.grad_clip)
-        losses.append(float(loss))  # syncs
+        losses.append(train_step(stepper, b, device).loss)  # syncs
         times.append(time.perf_counter() - t0)
         real_tokens.append(int((b["task_ids"] >= 0).sum()))
     compiles1 = compile_counts()
@@ -141,7 +142,7 @@ def run_variant(v: Variant, args: argparse.Namespace, device: torch.device) -> d
     row = {
         "variant": v.name, "kernels": kernels.header().splitlines()[0] if kernels.header() else "",
         "loss_impl": loss_impl, "fused_adamw": v.fused_adamw, "packed": v.packed, "tok_s": tok_s,
-        "mfu": tok_s * flops_per_token / peak,
+        "mfu": tok_s * flops_per_token / peak if peak else None,  # no MFU where the peak is unknown
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
         "first_step_s": times[0], "median_step_s": median, "timed_steps": len(timed),
         "slow_steps": sum(t > 3 * median for t in timed), "shapes": len({tuple(b["input_ids"].shape) for b in batches[:n]}),
@@ -150,8 +151,8 @@ def run_variant(v: Variant, args: argparse.Namespace, device: torch.device) -> d
         "row_len": args.row_len, "rows": args.rows,
     }
     if args.profile:
-        row["profile"] = profile_steps(objective, model, opt, sched, batches[:3], device, cfg.grad_clip)
-    del objective, model, opt, sched
+        row["profile"] = profile_steps(stepper, batches[:3], device)
+    del objective, model, stepper
     free_memory(device)
     return row
 
@@ -167,12 +168,12 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def profile_steps(objective, model, opt, sched, batches, device, grad_clip, top: int = 15) -> list[dict]:
+def profile_steps(stepper, batches, device, top: int = 15) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for b in batches:
-            train_step(objective, model, opt, sched, None, b, device, grad_clip)
+            train_step(stepper, b, device)
         sync(device)
     events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in prof.key_averages()) or 1.0

@@ -24,10 +24,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.common import fastpath  # noqa: E402
+from train.common.distributed import DistInfo  # noqa: E402
 from train.stage1.data import DataConfig, PackedBatches, build_batch, generate_synthetic  # noqa: E402
 from train.stage1.model import build_model  # noqa: E402
 from train.stage1.objective import CausalLMObjective  # noqa: E402
-from train.stage1.train import Stage1Config, lr_lambda, make_optimizer, train_step  # noqa: E402
+from train.stage1.train import Stage1Config, make_stepper, train_step  # noqa: E402
+
+ONE_RANK = DistInfo(0, 1, 0, "127.0.0.1", 0, "gloo", False)
 
 
 def main() -> int:
@@ -51,18 +54,17 @@ def main() -> int:
             fastpath.install_kernels(model, fastpath.select_kernels(device))
             cfg = Stage1Config(preset="tiny", steps=a.steps + a.warmup, row_len=a.row_len, batch_rows=a.batch_rows,
                                vision=vision)
-            opt = make_optimizer(model, cfg, device)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+            objective = CausalLMObjective(model, "logits")
+            stepper = make_stepper(objective, model, cfg, device, ONE_RANK, ds=False)
             ds = PackedBatches(DataConfig(str(data), row_len=a.row_len, batch_rows=a.batch_rows, vision=vision), 0)
             batches = [build_batch(ds.sampler, ds.tok, ds.cfg, k) for k in range(a.steps + a.warmup)]
-            variants[name] = dict(model=model, spec=spec, objective=CausalLMObjective(model, "logits"), opt=opt,
-                                  sched=sched, batches=batches, times=[], losses=[])
+            variants[name] = dict(model=model, spec=spec, stepper=stepper, batches=batches, times=[], losses=[])
         for k in range(a.steps + a.warmup):
             for v in variants.values():
                 t = time.perf_counter()
-                loss, _ = train_step(v["objective"], v["model"], v["opt"], v["sched"], None, v["batches"][k], device, 1.0)
+                loss = train_step(v["stepper"], v["batches"][k], device).loss
                 dt = time.perf_counter() - t
-                v["losses"].append(float(loss.detach()))
+                v["losses"].append(loss)
                 if k >= a.warmup:
                     v["times"].append(dt)
     base = statistics.median(variants["text"]["times"])

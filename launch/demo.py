@@ -11,6 +11,7 @@ from launch import registry
 from launch.cli import main as launch_main
 from launch.cluster.embedded import EmbeddedCluster
 from launch.errors import LaunchError
+from toolkit.metrics import SCHEMAS
 
 
 def run_demo(preset: str = "tiny") -> int:
@@ -40,11 +41,11 @@ def run_demo(preset: str = "tiny") -> int:
         print(f"demo: error: no readable summary at {summary_path} ({exc})", file=sys.stderr)
         return 1
     first, last = summary["first_loss"], summary["last_loss"]
-    tok_s = summary.get("mean_tok_s") or summary.get("mean_tok_s_logged") or 0.0
+    tok_s = summary.get(SCHEMAS["stage1"].throughput) or 0.0
     print(f"   job          {rec.job_id} (preset {preset}) on {cluster.slurm_conf}")
     print(f"   steps        {summary['steps']}")
     print(f"   loss         {first:.3f} -> {last:.3f}")
-    print(f"   tokens/s     {tok_s:,.0f}")
+    print(f"   tokens/s     {tok_s:,.0f} (all ranks, padding included)")
     print(f"   logs         {rec.stdout}")
     print(f"   metrics      {summary.get('metrics', Path(rec.folder) / 'metrics.jsonl')}")
     print(f"   wall time    {time.monotonic() - t0:.0f} s")

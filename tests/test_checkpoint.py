@@ -79,6 +79,48 @@ def test_truncated_file_is_refused(tmp_path: Path) -> None:
         mgr.latest()
 
 
+def test_missing_or_dangling_latest_resumes_from_the_newest_that_verifies(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path, keep=5, report=lambda line: None)
+    for step in (2, 4, 6):
+        mgr.save(step, _write({"model.pt": {"w": torch.full((3,), float(step))}}))
+    (tmp_path / "latest").unlink()
+    assert mgr.latest() == tmp_path / "step_00000006"
+    (tmp_path / "latest").write_text("step_00000099\n")  # dangling, e.g. after deleting a checkpoint
+    assert mgr.latest() == tmp_path / "step_00000006"
+    victim = tmp_path / "step_00000006" / "model.pt"
+    victim.write_bytes(victim.read_bytes()[:-3])
+    seen: list[str] = []
+    assert CheckpointManager(tmp_path, report=seen.append).latest() == tmp_path / "step_00000004"
+    assert any("step_00000006" in line and "corrupt" in line for line in seen), seen
+
+
+def test_prune_deletes_only_its_own_lineage_and_restart_keeps_everything(tmp_path: Path) -> None:
+    old = CheckpointManager(tmp_path, keep=2)
+    for step in (10, 20):
+        old.save(step, _write({"model.pt": {"w": torch.ones(1)}}))
+    new = CheckpointManager(tmp_path, keep=2, report=lambda line: None)  # a new lineage (nothing resumed)
+    for step in (1, 2, 3):
+        new.save(step, _write({"model.pt": {"w": torch.zeros(1)}}))
+    names = sorted(p.name for p in tmp_path.glob("step_*"))
+    assert names == ["step_00000002", "step_00000003", "step_00000010", "step_00000020"]
+    resumed = CheckpointManager(tmp_path, keep=2, report=lambda line: None)
+    assert resumed.resume() == tmp_path / "step_00000020" and resumed.lineage == old.lineage
+    resumed.save(30, _write({"model.pt": {"w": torch.ones(1)}}))
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003", "step_00000020",
+                                                                "step_00000030"]
+    aside = CheckpointManager(tmp_path).restart()
+    assert aside is not None and sorted(p.name for p in aside.glob("step_*")) == [
+        "step_00000002", "step_00000003", "step_00000020", "step_00000030"]
+    assert CheckpointManager(tmp_path).latest() is None
+
+
+def test_a_foreign_checkpoint_at_the_same_step_is_kept_aside(tmp_path: Path) -> None:
+    CheckpointManager(tmp_path).save(4, _write({"model.pt": {"w": torch.ones(1)}}))
+    seen: list[str] = []
+    CheckpointManager(tmp_path, report=seen.append).save(4, _write({"model.pt": {"w": torch.zeros(1)}}))
+    assert (tmp_path / "step_00000004.replaced-1" / "model.pt").is_file() and seen
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_data(tmp_path_factory.mktemp("ckpt-data"))
@@ -112,7 +154,8 @@ def test_corrupt_checkpoint_stops_run_with_one_line(tmp_path: Path, data: Path, 
     err = capsys.readouterr().err.strip()
     assert err == (
         f"train.stage1: error: {model_file} is corrupt (size/sha256 differ from MANIFEST.json); "
-        f"delete checkpoint {model_file.parent}"
+        f"delete checkpoint {model_file.parent}; no checkpoint in {model_file.parent.parent} verifies "
+        "(--restart starts over and keeps them aside)"
     )
 
 

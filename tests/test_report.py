@@ -85,3 +85,44 @@ def test_report_cli_by_job_id_and_errors(tmp_path: Path) -> None:
     assert missing.returncode == 2
     assert missing.stderr.startswith("launch report: error: no run found for '999'")
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_dflash_report_plots_its_own_series_and_no_empty_plot(tmp_path: Path) -> None:
+    """A DFlash run's metrics: loss, accuracy and tok/s plots, no stage-1 MFU or per-task plot."""
+    from launch.report import run_title, write_plots
+    from toolkit.metrics import SCHEMAS, header_records, schema_for, step_records
+
+    run_dir = tmp_path / "runs" / "dflash" / "77"
+    run_dir.mkdir(parents=True)
+    recs = [{"event": "header", "trainer": "dflash", "mode": "offline"}]
+    recs += [{"event": "step", "step": s, "loss": 9.0 / s, "ce": 9.0 / s, "acc": 0.01 * s, "tok_s": 500.0 + s,
+              "data_ms": 1.0, "compute_ms": 20.0, "kl": None} for s in range(1, 9)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    metrics = run_dir / "metrics.jsonl"
+    schema = schema_for(header_records(metrics)[-1])
+    assert schema is SCHEMAS["dflash"]
+    paths = write_plots(step_records(metrics), run_dir / "plots", "t", schema)
+    assert sorted(p.name for p in paths) == ["acc.png", "loss.png", "tok_s.png"]
+    for p in paths:
+        _valid_png(p)
+    assert run_title(metrics, header_records(metrics)[-1]) == "dflash 77"
+
+
+def test_cpu_stage1_report_has_no_mfu_plot(tmp_path: Path) -> None:
+    from launch.report import write_plots
+
+    recs = [{"event": "step", "step": s, "loss": 1.0 / s, "tok_s": 10.0, "mfu": None, "mfu_useful": None,
+             "task_loss": {"und": 1.0}} for s in range(1, 4)]
+    paths = write_plots(recs, tmp_path / "plots", "stage1 tiny 1")
+    assert sorted(p.name for p in paths) == ["loss.png", "task_loss.png", "tok_s.png"]
+
+
+def test_report_title_names_job_preset_and_id_from_the_registry(tmp_path: Path, monkeypatch) -> None:
+    from launch import registry
+    from launch.report import run_title
+
+    monkeypatch.setenv("LAUNCH_HOME", str(tmp_path / "home"))
+    registry.record(registry.JobRecord(job_id="4242", name="stage1", preset="tiny", folder=str(tmp_path),
+                                       submitted_at=0.0, slurm_conf=None, argv=[]))
+    metrics = tmp_path / "home" / "runs" / "stage1" / "4242" / "metrics.jsonl"
+    assert run_title(metrics, {"trainer": "stage1", "preset": "tiny"}) == "stage1 tiny 4242"

@@ -12,8 +12,9 @@ from tests.stage1_fixtures import make_data, run, step_records
 from train.stage1 import model as stage1_model
 from train.stage1.data import TASKS
 
-STEP_FIELDS = {"step", "loss", "task_loss", "tok_s", "real_tok_s", "mfu", "data_ms", "compute_ms", "peak_mem_mb",
-               "compiles", "recompiles", "lr", "packing_efficiency", "batch_index", "batch_digest"}
+STEP_FIELDS = {"step", "loss", "task_loss", "tok_s", "real_tok_s", "mfu", "mfu_useful", "data_ms", "compute_ms",
+               "peak_mem_mb", "compiles", "recompiles", "lr", "grad_norm", "packing_efficiency", "batch_index",
+               "batch_digest"}
 
 
 def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,16 +43,25 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
     assert [r["step"] for r in recs] == list(range(1, 21))
     for r in recs:
         assert STEP_FIELDS <= set(r), STEP_FIELDS - set(r)
-        assert r["data_ms"] >= 0 and r["compute_ms"] > 0 and r["tok_s"] > 0 and 0 < r["mfu"] < 1
+        assert r["data_ms"] >= 0 and r["compute_ms"] > 0 and 0 < r["real_tok_s"] <= r["tok_s"]
+        assert r["mfu"] is None and r["mfu_useful"] is None  # no known peak on a CPU: no MFU
+        assert r["grad_norm"] > 0
         assert set(r["task_loss"]) <= set(TASKS)
     assert set().union(*(r["task_loss"] for r in recs)) == set(TASKS)  # every task was trained on
     first = statistics.mean(r["loss"] for r in recs[:3])
     last = statistics.mean(r["loss"] for r in recs[-3:])
     assert last < first - 1.0, (first, last)
-    assert "| data " in stdout and "compute" in stdout and "tok/s" in stdout
+    assert "| data " in stdout and "compute" in stdout and "tok/s" in stdout and "| MFU n/a |" in stdout
+    # fixed columns: every step line names every task, `-` where a step had none of it
+    lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 20 and all(all(f" {t} " in line for t in TASKS) for line in lines)
+    assert len({line.count("|") for line in lines}) == 1
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["first_loss"] == recs[0]["loss"]
-    assert summary["last_loss"] == recs[-1]["loss"] and summary["mean_tok_s"] > 0
+    assert summary["last_loss"] == recs[-1]["loss"] and summary["tok_s_all_ranks"] > 0
+    assert not any("tok_s" in k for k in summary if k != "tok_s_all_ranks")  # one throughput figure
     assert Path(summary["out_dir"]) == out.resolve()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000020"
+    outcome = json.loads((out / "outcome.json").read_text())
+    assert (outcome["state"], outcome["step"], outcome["error"]) == ("completed", 20, None)

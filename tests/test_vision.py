@@ -281,12 +281,16 @@ def test_oracle_can_fail_without_the_text_position_row(models, image_batch):
 
 
 def test_trainer_vision_defaults():
+    from launch.jobspec import find_spec
     from train.stage1.train import parse_args
 
     assert parse_args(["--preset", "tiny"]).vision is True
     assert parse_args(["--preset", "tiny", "--vision", "off"]).vision is False
-    assert parse_args(["--preset", "qwen35-2b"]).vision is False  # the GPU benchmark stays text-only
-    assert parse_args(["--preset", "qwen35-2b", "--vision", "on"]).vision is True
+    # the GPU shapes' job presets (launch/jobs/stage1.yaml) keep the benchmark text-only
+    spec = find_spec("stage1")
+    assert parse_args(spec.resolve("qwen35-2b").argv()).vision is False
+    assert parse_args(spec.resolve("qwen35-2b").argv(["--vision", "on"])).vision is True
+    assert parse_args(spec.resolve("tiny").argv()).vision is True
 
 
 def test_loader_batches_carry_images_and_report_broken_pngs(tmp_path: Path):

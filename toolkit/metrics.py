@@ -4,12 +4,18 @@ One JSON object per line. `{"event": "header", ...}` once per (re)start with the
 `{"event": "step", "step": N, ...}` once per logged step. A resumed run appends to the same file
 and logs its steps again, so readers keep the last record of each step. Torch-free, so the CLI
 on a login node and the trainers share this reader.
+
+SCHEMAS holds, per trainer (the header's `trainer`), the fields of its step records, the fixed
+columns of its console step line and the plots `launch report` draws; the one throughput figure
+of its summary.json is named there too.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -26,3 +32,145 @@ def step_records(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
             if isinstance(rec, dict) and rec.get("event") == "step" and "step" in rec:
                 by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def header_records(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The header records of a metrics.jsonl, in order: one per (re)start."""
+    out = []
+    with open(metrics) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get("event") == "header":
+                out.append(rec)
+    return out
+
+
+# --- the schema: what each trainer logs, how its console line reads, what `launch report` plots
+
+
+@dataclass(frozen=True)
+class Column:
+    """One fixed column of the console step line: `label value[unit]`, `-` when absent."""
+
+    key: str
+    label: str
+    spec: str = ".4g"
+    unit: str = ""
+    scale: float = 1.0
+    missing: str = "-"  # what an absent value reads as (MFU: "n/a" where no peak is known)
+
+
+@dataclass(frozen=True)
+class Plot:
+    """One PNG of `launch report`: `keys` share the axes; drawn only when one of them has data."""
+
+    name: str
+    keys: tuple[str, ...]
+    ylabel: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Schema:
+    trainer: str
+    fields: tuple[str, ...]  # the keys every step record carries (a value may be null)
+    columns: tuple[Column, ...]
+    plots: tuple[Plot, ...]
+    throughput: str  # the one throughput figure of summary.json, named for what it counts
+    first_label: str = "step"
+    per_task: bool = False  # a task_loss{task: loss} dict, one console column and one curve per task
+    per_rank: bool = False  # rank_fwd_ms lists on runs of several ranks
+
+
+SCHEMAS: dict[str, Schema] = {
+    "stage1": Schema(
+        trainer="stage1",
+        fields=("step", "loss", "task_loss", "tok_s", "real_tok_s", "mfu", "mfu_useful", "data_ms", "compute_ms",
+                "peak_mem_mb", "compiles", "recompiles", "lr", "grad_norm", "packing_efficiency", "batch_index",
+                "batch_digest"),
+        columns=(
+            Column("loss", "loss", ".4f"),
+            Column("tok_s", "tok/s", ".0f"),
+            Column("mfu", "MFU", ".3g", "%", 100.0, missing="n/a"),
+            Column("data_ms", "data", ".1f", " ms"),
+            Column("compute_ms", "compute", ".1f", " ms"),
+            Column("peak_mem_mb", "mem", ".0f", " MB"),
+            Column("recompiles", "recompiles", "d"),
+        ),
+        plots=(
+            Plot("loss", ("loss",), "loss"),
+            Plot("tok_s", ("tok_s", "real_tok_s"), "tokens/s"),
+            Plot("mfu", ("mfu", "mfu_useful"), "MFU (%)", 100.0),
+        ),
+        throughput="tok_s_all_ranks",
+        per_task=True,
+        per_rank=True,
+    ),
+    "dflash": Schema(
+        trainer="dflash",
+        fields=("step", "loss", "ce", "acc", "tok_s", "data_ms", "compute_ms", "lr", "grad_norm", "epoch",
+                "batch_rows", "padding_efficiency"),
+        columns=(
+            Column("loss", "loss", ".4f"),
+            Column("acc", "acc", ".3f"),
+            Column("tok_s", "tok/s", ".0f"),
+            Column("data_ms", "data", ".1f", " ms"),
+            Column("compute_ms", "compute", ".1f", " ms"),
+        ),
+        plots=(
+            Plot("loss", ("loss", "ce", "kl"), "loss"),
+            Plot("acc", ("acc", "target_agree"), "accuracy"),
+            Plot("tok_s", ("tok_s",), "real tokens/s"),
+        ),
+        throughput="real_tok_s",
+    ),
+    "extract": Schema(
+        trainer="extract",
+        fields=("step", "samples", "samples_per_s", "tok_s", "mib", "location"),
+        columns=(
+            Column("samples", "samples", "d"),
+            Column("samples_per_s", "samples/s", ".1f"),
+            Column("tok_s", "tok/s", ".0f"),
+            Column("mib", "MiB", ".1f"),
+            Column("location", "at", "s"),
+        ),
+        plots=(
+            Plot("samples_per_s", ("samples_per_s",), "samples/s"),
+            Plot("tok_s", ("tok_s",), "tokens/s"),
+        ),
+        throughput="samples_per_s",
+        first_label="shard",
+    ),
+}
+
+
+def schema_for(header: dict[str, Any] | None) -> Schema:
+    """The schema a run's header names; stage-1's for files written before headers named one."""
+    name = (header or {}).get("trainer", "stage1")
+    if name not in SCHEMAS:
+        raise ValueError(f"unknown trainer {name!r} in the metrics header (known: {', '.join(SCHEMAS)})")
+    return SCHEMAS[name]
+
+
+def _value(x: Any, spec: str, scale: float, missing: str) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return missing
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return format(x * scale if scale != 1.0 else x, spec)
+    return str(x)
+
+
+def step_line(schema: Schema, record: dict[str, Any], tasks: tuple[str, ...] = ()) -> str:
+    """The console line of one step record: the same columns at every step, `-` where absent."""
+    parts = [f"{schema.first_label} {record['step']:>5}"]
+    for col in schema.columns:
+        value = _value(record.get(col.key), col.spec, col.scale, col.missing)
+        unit = col.unit if value not in ("-", col.missing) else ""
+        parts.append(f"{col.label} {value}{unit}")
+        if schema.per_task and col.key == "loss" and tasks:
+            losses = record.get("task_loss") or {}
+            parts.append(" ".join(f"{t} {_value(losses.get(t), '.3f', 1.0, '-')}" for t in tasks))
+    return " | ".join(parts)

@@ -8,7 +8,9 @@ Layout under `root`:
 
 A checkpoint becomes visible only by renaming its finished temp directory, and `latest` moves
 only after that rename. On load every file is checked against the manifest, so a truncated or
-altered file is reported (one line, naming it) instead of being trained from.
+altered file is reported (one line, naming it) instead of being trained from. Resume takes the
+newest checkpoint that verifies, whatever `latest` says (a missing or dangling pointer loses
+nothing); each manifest names its lineage, and pruning deletes only the run's own lineage.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,9 +61,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, root: str | os.PathLike[str], keep: int = 2) -> None:
+    """Saves and finds checkpoints of one lineage: a run from scratch starts a lineage, a resumed
+    run continues the lineage of the checkpoint it resumed from. Pruning deletes only older
+    checkpoints of the same lineage, so a run never deletes what another run wrote."""
+
+    def __init__(self, root: str | os.PathLike[str], keep: int = 2, report: Callable[[str], None] = print) -> None:
         self.root = Path(root)
         self.keep = keep
+        self.report = report
+        self.lineage = uuid.uuid4().hex  # replaced by the resumed checkpoint's in resume()
 
     def save(
         self,
@@ -89,12 +98,17 @@ class CheckpointManager:
             for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
                 fsync_path(path)
                 files[str(path.relative_to(tmp))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-            manifest = {"step": step, "files": files}
+            manifest = {"step": step, "lineage": self.lineage, "files": files}
             atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
             for sub in sorted({p for p in tmp.rglob("*") if p.is_dir()}, reverse=True):
                 fsync_path(sub)
-            if final.exists():  # same step saved again (e.g. final save right after a periodic one)
-                shutil.rmtree(final)
+            if final.exists():
+                if _lineage(final) == self.lineage:  # same step saved again (final save after a periodic one)
+                    shutil.rmtree(final)
+                else:  # not ours (another run's, or damaged): kept under another name
+                    aside = _free_name(final, "replaced")
+                    os.replace(final, aside)
+                    self.report(f"# {final.name} was not written by this run; kept as {aside.name}")
             os.replace(tmp, final)
             fsync_path(self.root)
             atomic_write_text(self.root / LATEST, name + "\n")
@@ -103,22 +117,69 @@ class CheckpointManager:
         return final
 
     def _prune(self, keep_name: str) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if p.is_dir())
-        for old in done[: max(0, len(done) - self.keep)]:
+        mine = [p for p in self.step_dirs() if _lineage(p) == self.lineage]
+        for old in mine[: max(0, len(mine) - self.keep)]:
             if old.name != keep_name:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def step_dirs(self) -> list[Path]:
+        """Checkpoint directories, oldest step first."""
+        return sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
     def latest(self) -> Path | None:
-        """The verified newest checkpoint, None if there is none; CheckpointError if it is damaged."""
-        pointer = self.root / LATEST
-        if not pointer.exists():
-            return None
-        name = pointer.read_text().strip()
-        path = self.root / name
-        if not name or not path.is_dir():
-            raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory")
-        verify(path)
+        """The newest checkpoint that verifies, whatever `latest` says; None when there is none at all.
+
+        A newer checkpoint that does not verify is reported and passed over. When checkpoints exist
+        but none verifies, CheckpointError: a run never starts from scratch over them by itself.
+        """
+        dirs = self.step_dirs()
+        problems: list[CheckpointError] = []
+        for path in reversed(dirs):
+            try:
+                verify(path)
+            except CheckpointError as exc:
+                problems.append(exc)
+                continue
+            for exc in problems:
+                self.report(f"# skipping a newer checkpoint that does not verify: {exc}")
+            pointer = self.root / LATEST
+            named = pointer.read_text().strip() if pointer.is_file() else None
+            if named != path.name:
+                self.report(f"# {pointer} names {named!r}; resuming from {path.name}, the newest that verifies")
+            return path
+        if problems:
+            raise CheckpointError(f"{problems[0]}; no checkpoint in {self.root} verifies "
+                                  "(--restart starts over and keeps them aside)")
+        return None
+
+    def resume(self) -> Path | None:
+        """latest(), and continue its lineage."""
+        path = self.latest()
+        if path is not None:
+            self.lineage = _lineage(path) or self.lineage
         return path
+
+    def restart(self) -> Path | None:
+        """Start over: move every existing checkpoint aside (nothing is deleted); return where."""
+        if not self.root.exists() or not (self.step_dirs() or (self.root / LATEST).exists()):
+            return None
+        aside = _free_name(self.root, "restarted")
+        os.replace(self.root, aside)
+        return aside
+
+
+def _lineage(path: Path) -> str | None:
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("lineage")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _free_name(path: Path, why: str) -> Path:
+    n = 1
+    while (candidate := path.with_name(f"{path.name}.{why}-{n}")).exists():
+        n += 1
+    return candidate
 
 
 def verify(path: Path) -> dict[str, Any]:

@@ -6,19 +6,27 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from train.common.checkpoint import CheckpointError
+from train.common.config import ConfigError
+from train.common.runtime import Cancelled, NonFiniteStep
+
 C = TypeVar("C")
+# What every trainer reports as one line: a bad flag, a checkpoint it cannot trust, a run stopped
+# by a non-finite loss. A trainer adds its own (data errors, fast-path refusals).
+COMMON_RUN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, NonFiniteStep)
 
 
 def run_entrypoint(name: str, argv: Sequence[str] | None, *, parse: Callable[[list[str] | None], C],
-                   run: Callable[[C], int], guard: bool, config_errors: tuple[type[BaseException], ...],
-                   run_errors: tuple[type[BaseException], ...]) -> int:
-    """Exit 2 for a bad command line, the guard's code outside Slurm, 1 for a user-facing run error.
+                   run: Callable[[C], int], guard: bool, config_errors: tuple[type[BaseException], ...] = (),
+                   run_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Exit 2 for a bad command line, the guard's code outside Slurm, 1 for a user-facing run
+    error, 128+signal for a run stopped by SIGTERM (outcome.json: cancelled at step N).
 
     `guard=False` exists only for tests of the loops' internals; `python -m ...` always guards.
     """
     try:
         cfg = parse(None if argv is None else list(argv))
-    except config_errors as exc:
+    except (ConfigError, *config_errors) as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 2
     if guard:
@@ -27,6 +35,9 @@ def run_entrypoint(name: str, argv: Sequence[str] | None, *, parse: Callable[[li
         require_slurm_allocation(name)
     try:
         return run(cfg)
-    except run_errors as exc:
+    except Cancelled as exc:
+        print(f"{name}: {exc}", file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    except (*COMMON_RUN_ERRORS, *run_errors) as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 1

@@ -2,7 +2,9 @@
 
 `metrics.jsonl` is appended and flushed every step, so `launch logs`/`launch report` see a
 live run and a killed run loses at most the line being written. A resumed run appends to the
-same file; readers keep the last record of each step.
+same file; readers keep the last record of each step. The trainer's schema
+(toolkit.metrics.SCHEMAS) fixes the console columns; the header names the trainer, so
+`launch report` draws that trainer's plots.
 """
 
 from __future__ import annotations
@@ -17,20 +19,8 @@ from typing import Any, TextIO
 
 import torch
 
-DEFAULT_MFU_CONVENTION = (
-    "MFU = achieved model FLOP/s / peak; model FLOPs per token = 6*N_matmul + full-attention term "
-    "(torchtitan convention); peak 989 TFLOP/s bf16 dense per H100/H200 GPU"
-)
-
-
-def mfu_convention() -> str:
-    """The MFU convention text from train.common.mfu if it states one, else ours."""
-    try:
-        from train.common import mfu as mfu_module
-    except ImportError:
-        return DEFAULT_MFU_CONVENTION
-    convention = getattr(mfu_module, "convention", None)
-    return convention() if callable(convention) else DEFAULT_MFU_CONVENTION
+from toolkit.metrics import Schema, step_line
+from train.common.mfu import convention as mfu_convention
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -50,19 +40,19 @@ def compile_counts() -> tuple[int, int]:
     return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["recompiles"].values()))
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 class MetricsLogger:
     def __init__(
         self,
         out_dir: str | os.PathLike[str],
+        schema: Schema,
+        tasks: tuple[str, ...] = (),
         enabled: bool = True,
         stream: TextIO | None = None,
         tensorboard: bool = True,
         wandb_project: str | None = None,
     ) -> None:
+        self.schema = schema
+        self.tasks = tasks
         self.enabled = enabled
         self.stream = stream or sys.stdout
         self.path = Path(out_dir) / "metrics.jsonl"
@@ -93,36 +83,40 @@ class MetricsLogger:
             print(line, file=self.stream, flush=True)
 
     def header(self, info: dict[str, Any]) -> None:
-        """Log the run's facts once, MFU convention included."""
-        self.print("# " + " ".join(f"{k}={v}" for k, v in info.items()))
-        self.print(f"# {mfu_convention()}")
+        """Log the run's facts once (the trainer's name first; the MFU convention where it logs MFU)."""
+        info = {"trainer": self.schema.trainer, **info}
+        if "mfu" in self.schema.fields:
+            info["mfu_convention"] = mfu_convention()
+        self.print("# " + " ".join(f"{k}={v}" for k, v in info.items() if k != "mfu_convention"))
+        if "mfu_convention" in info:
+            self.print(f"# {info['mfu_convention']}")
         if self._file:
-            self._file.write(json.dumps({"event": "header", **info, "mfu_convention": mfu_convention()}) + "\n")
+            self._file.write(json.dumps({"event": "header", **info}) + "\n")
             self._file.flush()
 
     def log_step(self, record: dict[str, Any]) -> None:
-        """record: step, loss, task_loss{task: loss}, tok_s, mfu, data_ms, compute_ms, peak_mem_mb,
-        compiles, recompiles, lr (extra keys pass through to the jsonl)."""
+        """One step: the schema's fields (absent ones null in the jsonl); extra keys pass through."""
         if not self.enabled:
             return
-        tasks = " ".join(f"{t}={_fmt(v, '.3f')}" for t, v in sorted(record.get("task_loss", {}).items()))
-        mfu = record.get("mfu")
-        self.print(
-            f"step {record['step']:>5} | loss {_fmt(record['loss'], '.4f')} | {tasks} | "
-            f"tok/s {_fmt(record.get('tok_s'), '.0f')} | MFU {_fmt(None if mfu is None else 100 * mfu, '.3g')}% | "
-            f"data {_fmt(record.get('data_ms'), '.1f')} ms | compute {_fmt(record.get('compute_ms'), '.1f')} ms | "
-            f"peak mem {_fmt(record.get('peak_mem_mb'), '.0f')} MB | recompiles {record.get('recompiles', 0)}"
-        )
+        record = {**dict.fromkeys(self.schema.fields), **record}
+        self.print(step_line(self.schema, record, self.tasks))
         assert self._file is not None
-        self._file.write(json.dumps({"event": "step", **record}) + "\n")
+        self._file.write(json.dumps({"event": "step", **_finite_or_none(record)}) + "\n")
         self._file.flush()
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        scalars.update({f"task_loss/{t}": v for t, v in record.get("task_loss", {}).items()})
+        scalars = {k: v for k, v in record.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        scalars.update({f"task_loss/{t}": v for t, v in (record.get("task_loss") or {}).items()})
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, record["step"])
         if self._wandb is not None:
             self._wandb.log(scalars, step=record["step"])
+
+    def event(self, name: str, **fields: Any) -> None:
+        """A non-step record (e.g. a skipped non-finite step), kept in the jsonl."""
+        if self._file:
+            self._file.write(json.dumps({"event": name, **_finite_or_none(fields)}) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
         if self._file:
@@ -132,3 +126,8 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _finite_or_none(record: dict[str, Any]) -> dict[str, Any]:
+    """NaN/inf as null: json.dumps would write NaN, which strict JSON readers refuse."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

@@ -16,24 +16,24 @@ resumed from on a re-run with the same argv), drafter.pt (final weights + config
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from toolkit.fsutil import atomic_write_text
+from toolkit.metrics import SCHEMAS
 from train.common.bucketing import BucketedSampler
-from train.common.checkpoint import CheckpointError, CheckpointManager
-from train.common.distributed import init_distributed, shutdown_distributed
+from train.common.checkpoint import CheckpointManager
+from train.common.config import ConfigError, opt, parse_config
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
-from train.common.metrics import MetricsLogger
+from train.common.runtime import Runtime
+from train.common.stepper import Stepper
 from train.dflash.data import ShardDataset, batch_stream, pad_samples
 from train.dflash.model import (
     Drafter,
@@ -54,56 +54,42 @@ ENTRYPOINT = "train.dflash"
 
 @dataclass
 class DFlashConfig:
-    mode: str = "offline"  # offline | online
-    data: str | None = None  # offline: extraction dir; online: jsonl (None: synthetic in <out>/data.jsonl)
-    topology: str = "2-1"  # online: k target ranks - 1 drafter rank
-    preset: str = "tiny"  # online: the target's stage-1 preset
-    init_from: str | None = None  # online: local checkpoint of the target
-    layers: str | None = None  # online: captured target layers (default: n_layers spread over 1..L-3)
-    n_layers: int = 5
-    drafter: str = "tiny"  # drafter preset or JSON file of DrafterConfig fields
-    block_size: int = 16
-    anchors: int = 4  # anchors sampled per row
-    steps: int = 40
-    token_budget: int = 2048  # padded tokens per batch
-    max_len: int = 8192  # online: samples are cut to this many tokens
-    lr: float = 3e-3
-    warmup: int = 4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    gamma: float | None = 7.0  # slot loss weights exp(-(j-1)/gamma); 0 = uniform
-    kl_weight: float = 0.0  # weight of KL(verifier || drafter) on the anchor blocks
-    queue_depth: int = 4  # online: messages in flight per target rank
-    seed: int = 0
-    synthetic_samples: int = 160
-    out: str = field(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/dflash-local")
-    ckpt_every: int = 50
-    log_every: int = 1
-    allow_slow_path: bool = False
+    mode: str = opt("offline", choices=("offline", "online"))
+    data: str | None = opt(None, help="offline: extraction dir; online: jsonl (default: synthetic in <out>/data.jsonl)")
+    topology: str = opt("2-1", help="online: k target ranks - 1 drafter rank")
+    preset: str = opt("tiny", help="online: the target's model shape")
+    init_from: str | None = opt(None, help="online: local checkpoint of the target")
+    layers: str | None = opt(None, help="online: captured target layers (default: n_layers spread over 1..L-3)")
+    n_layers: int = opt(5)
+    drafter: str = opt("tiny", help="drafter preset or JSON file of DrafterConfig fields")
+    block_size: int = opt(16)
+    anchors: int = opt(4, help="anchors sampled per row")
+    steps: int = opt(40)
+    token_budget: int = opt(2048, help="padded tokens per batch")
+    max_len: int = opt(8192, help="online: samples are cut to this many tokens")
+    lr: float = opt(3e-3)
+    warmup: int = opt(4)
+    weight_decay: float = opt(0.0)
+    grad_clip: float = opt(1.0)
+    gamma: float | None = opt(7.0, help="slot loss weights exp(-(j-1)/gamma); 0 = uniform")
+    kl_weight: float = opt(0.0, help="weight of KL(verifier || drafter) on the anchor blocks")
+    queue_depth: int = opt(4, help="online: messages in flight per target rank")
+    seed: int = opt(0)
+    synthetic_samples: int = opt(160)
+    out: str = opt(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/dflash-local",
+                   help="run directory (default: $LAUNCH_JOB_DIR, else ./runs/dflash-local)")
+    ckpt_every: int = opt(50)
+    log_every: int = opt(1)
+    restart: bool = opt(False, help="start from step 0: existing checkpoints are moved aside, never deleted")
+    max_bad_steps: int = opt(0, help="non-finite steps to skip (update dropped) before the run stops")
+    allow_slow_path: bool = opt(False)
     # Matmuls of the drafter step in bf16 under autocast, fp32 weights and optimizer. auto: on
     # CUDA (an fp32 drafter was the bottleneck of the 1-1 topology on H200s), off on CPU.
-    amp: str = "auto"  # auto | bf16 | off
-
-
-class ConfigError(ValueError):
-    pass
+    amp: str = opt("auto", choices=("auto", "bf16", "off"))
 
 
 def parse_args(argv: list[str] | None) -> DFlashConfig:
-    d = DFlashConfig()
-    p = argparse.ArgumentParser(prog="python -m train.dflash", description="DFlash drafter training")
-    for name, value in asdict(d).items():
-        flag = "--" + name.replace("_", "-")
-        if name == "allow_slow_path":
-            p.add_argument(flag, action="store_true")
-        elif name == "mode":
-            p.add_argument(flag, choices=("offline", "online"), default=value)
-        elif name == "amp":
-            p.add_argument(flag, choices=("auto", "bf16", "off"), default=value)
-        else:
-            kind = {int: int, float: float}.get(type(value), str)
-            p.add_argument(flag, type=float if name == "gamma" else kind, default=value)
-    cfg = DFlashConfig(**vars(p.parse_args(argv)))
+    cfg = parse_config(DFlashConfig, argv, "python -m train.dflash", "DFlash drafter training")
     if cfg.mode == "offline" and not cfg.data:
         raise ConfigError("--mode offline needs --data <extraction dir> (from `launch submit extract`)")
     for name in ("steps", "anchors", "token_budget", "ckpt_every", "log_every", "queue_depth"):
@@ -121,8 +107,7 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
     return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=train, guard=guard,
-                          config_errors=(ConfigError,),
-                          run_errors=(ShardError, DatasetError, CheckpointError, ConfigError, FastPathError, ValueError))
+                          run_errors=(ShardError, DatasetError, FastPathError, ValueError))
 
 
 def lr_at(cfg: DFlashConfig, step: int) -> float:
@@ -181,158 +166,203 @@ def load_online_dataset(cfg: DFlashConfig, vocab_base: int, vocab: int, is_main:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Source:
+    """Where batches come from: the shards (offline) or the live target (online, target ranks)."""
+
+    lengths: np.ndarray
+    layers: list[int]
+    hidden_size: int
+    embed_w: torch.Tensor
+    head_w: torch.Tensor
+    data: ShardDataset | None = None
+    target: Any = None
+    capture: Any = None
+    samples: list[np.ndarray] | None = None
+
+
+@dataclass
+class DrafterRun:
+    head: TargetHead
+    drafter: Drafter
+    dcfg: DrafterConfig
+    stepper: Stepper
+    stream: Any
+    amp_on: bool
+    n_targets: int
+    wire: torch.device
+    data: ShardDataset | None
+    t_start: float = field(default_factory=time.perf_counter)
+    real_tokens: int = 0
+    first: float | None = None
+    last: float | None = None
+
+
 def train(cfg: DFlashConfig) -> int:
-    torch.manual_seed(cfg.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """setup -> steps -> finish on the shared runtime; online target ranks only produce batches."""
     online = cfg.mode == "online"
-    dist_info = init_distributed(device, force_group=online)
-    if device.type == "cuda":
-        device = torch.device("cuda", dist_info.local_rank)
-    n_targets = parse_topology(cfg.topology) if online else 0
-    if online and dist_info.world_size != n_targets + 1:
-        raise ConfigError(f"--topology {cfg.topology} needs {n_targets + 1} ranks, this job has "
-                          f"{dist_info.world_size}; set the job's GPUs/tasks to {n_targets + 1}")
-    if not online and dist_info.world_size > 1:
-        raise ConfigError(f"--mode offline trains one drafter on one rank; this job has {dist_info.world_size} "
-                          "tasks (use the `offline` preset, or --gpus-per-node 1)")
-    drafter_rank = n_targets if online else 0
-    is_drafter = dist_info.rank == drafter_rank
-    barrier = torch.distributed.barrier if online else (lambda: None)
-    wire = device if dist_info.backend == "nccl" else torch.device("cpu")  # where sent/received tensors live
-    out = Path(cfg.out)
-    log = MetricsLogger(out, enabled=is_drafter, tensorboard=False)
-
-    # The data and the target's head: from the shards (offline) or the live target (online).
-    target = None
-    if online:
-        target, spec, layers, capture = build_target(cfg, device)
-        samples = load_online_dataset(cfg, spec.vocab.base_vocab, target.config.vocab_size, dist_info.is_main,
-                                      barrier)
-        lengths = np.array([len(s) for s in samples])
-        hidden_size = target.config.hidden_size
-        embed_w, head_w = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
-        data = None
-    else:
-        data = ShardDataset(cfg.data)
-        lengths, layers, hidden_size = data.lengths, data.layers, data.hidden_size
-        embed_w, head_w = data.head_weights()
-    sampler = BucketedSampler(lengths, cfg.token_budget, seed=cfg.seed)
-    dcfg: DrafterConfig = drafter_config(cfg.drafter, hidden_size, len(layers), embed_w.shape[0], cfg.block_size)
-
-    ckpts = CheckpointManager(out / "checkpoints", keep=2)
-    latest = ckpts.latest()
-    start = int(latest.name.split("_")[1]) if latest is not None else 0
-    barrier()  # every rank has read the start step before the drafter may write a newer checkpoint
-
-    if online and not is_drafter:
-        del embed_w, head_w
-        sender = BoundedSender(drafter_rank, cfg.queue_depth, wire)
-        t0, produce_s = time.perf_counter(), []
-        for step, _epoch, ids in batch_stream(sampler, start):
-            if step >= cfg.steps:
-                break
-            if step % n_targets == dist_info.rank:
-                t_batch = time.perf_counter()
-                batch = target_batch(target, capture, [samples[i] for i in ids], cfg, step, device)
-                if device.type == "cuda":
-                    # also waits for sends the drafter has not received: the target's own time
-                    # only while the drafter keeps up (bench/multigpu.py checks the drafter's wait)
-                    torch.cuda.synchronize(device)
-                produce_s.append(time.perf_counter() - t_batch)
-                sender.send(batch)
-        sender.close()
-        # median time to produce a batch: with k targets the drafter saturates once k exceeds
-        # (this / the drafter's compute time per step); bench/multigpu.py reads this line.
-        median = float(np.median(produce_s)) if produce_s else 0.0
-        print(f"# target rank {dist_info.rank}: sent {len(produce_s)} batches in {time.perf_counter() - t0:.1f}s, "
-              f"queue full {sender.waits} times, median {median:.4f}s to produce one", flush=True)
-        barrier()
-        shutdown_distributed(dist_info)
-        return 0
-
-    # The drafter rank.
-    head = TargetHead(embed_w.to(device), head_w.to(device)).to(device)
-    del target
-    drafter = Drafter(dcfg).to(device)
-    drafter.match_output_scale(head.lm_head.weight)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s))
-    if latest is not None:
-        state = torch.load(latest / "drafter.pt", map_location=device, weights_only=False)
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        log.print(f"# resumed from {latest} at step {start}")
-    n_params = sum(p.numel() for p in drafter.parameters())
-    amp_on = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
-    log.header({"mode": cfg.mode, "topology": cfg.topology if online else "-", "drafter_params": n_params,
-                "target_layers": layers, "block_size": dcfg.block_size, "anchors": cfg.anchors,
-                "buckets": sampler.edges, "bucket_efficiency": f"{sampler.stats(0).efficiency:.3f}",
-                "start_step": start, "steps": cfg.steps, "device": device.type,
-                "amp": "bf16" if amp_on else "off"})
-
-    stream = batch_stream(sampler, start)
-    first = last = None
-    t_start = time.perf_counter()
-    real_tokens = 0
-    step = start
-    while step < cfg.steps:
-        t0 = time.perf_counter()
-        s, epoch, ids = next(stream)
-        assert s == step
-        if online:
-            batch = recv_batch(step % n_targets, wire)
-            final_blocks = batch["final_blocks"].to(device)
-        else:
-            batch = data.batch(ids)
-            batch["anchors"] = sample_anchors(batch["lengths"], cfg.anchors, cfg.block_size,
-                                              step_generator(cfg.seed, step))
-            final_blocks = gather_block_positions(batch["final"], batch["anchors"], cfg.block_size).to(device)
-        t_data = time.perf_counter()
-        input_ids, anchors = batch["input_ids"].to(device), batch["anchors"].to(device)
-        blocks, labels = block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp_on):
-            hidden = drafter(batch["hidden"].to(device), head.embed_tokens(blocks), anchors,
-                             batch["lengths"].to(device))
-            loss, stats = drafter_loss(head, hidden, labels, final_blocks, cfg.kl_weight, cfg.gamma or None)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        step += 1
-        loss_value = float(loss.detach())
-        first = loss_value if first is None else first
-        last = loss_value
-        n_real = int(batch["lengths"].sum())
-        real_tokens += n_real
-        t_end = time.perf_counter()
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            log.log_step({"step": step, "loss": loss_value, "task_loss": {}, "epoch": epoch, **stats,
-                          "tok_s": n_real / (t_end - t0), "data_ms": 1000 * (t_data - t0),
-                          "compute_ms": 1000 * (t_end - t_data), "batch_rows": len(ids),
-                          "padding_efficiency": n_real / batch["input_ids"].numel(), "lr": sched.get_last_lr()[0]})
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            save_checkpoint(ckpts, step, drafter, opt, sched, cfg)
-    drafter.save(out / ".drafter.pt.tmp")
-    os.replace(out / ".drafter.pt.tmp", out / "drafter.pt")
-    summary = {"mode": cfg.mode, "steps": step, "first_loss": first, "last_loss": last,
-               "real_tok_s": real_tokens / max(1e-9, time.perf_counter() - t_start),
-               "drafter": str((out / "drafter.pt").resolve()), "drafter_params": n_params}
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    log.print(f"# done: {json.dumps(summary)}")
-    log.close()
-    barrier()
-    shutdown_distributed(dist_info)
+    with Runtime.start(ENTRYPOINT, SCHEMAS["dflash"], cfg.out, force_group=online, log_rank=None,
+                       tensorboard=False, max_bad_steps=cfg.max_bad_steps) as rt:
+        n_targets = check_layout(cfg, rt)
+        wire = rt.device if rt.dist.backend == "nccl" else torch.device("cpu")  # where sent tensors live
+        src = load_source(cfg, rt)
+        sampler = BucketedSampler(src.lengths, cfg.token_budget, seed=cfg.seed)
+        _, latest = rt.checkpoints(keep=2, restart=cfg.restart)
+        start = int(latest.name.split("_")[1]) if latest is not None else 0
+        if online and not rt.is_logger:
+            run_target_rank(cfg, rt, src, sampler, start, n_targets, wire)
+            return 0
+        run = setup_drafter(cfg, rt, src, sampler, latest, start, n_targets, wire)
+        while rt.step < cfg.steps:
+            t0 = time.perf_counter()
+            s, epoch, ids = next(run.stream)
+            assert s == rt.step
+            batch, final_blocks = next_batch(cfg, run, rt.step, ids, rt.device)
+            t_data = time.perf_counter()
+            loss, stats = drafter_forward(cfg, run, batch, final_blocks, rt.device)
+            run.stepper.backward(loss)
+            grad_norm, skipped = run.stepper.step(loss)
+            rt.step += 1
+            loss_value = float(loss.detach())
+            rt.check_finite(loss_value, grad_norm, skipped)
+            run.first = loss_value if run.first is None else run.first
+            run.last = loss_value
+            n_real = int(batch["lengths"].sum())
+            run.real_tokens += n_real
+            t_end = time.perf_counter()
+            if rt.step % cfg.log_every == 0 or rt.step == cfg.steps:
+                rt.log.log_step({"step": rt.step, "loss": loss_value, "epoch": epoch, **stats,
+                                 "tok_s": n_real / (t_end - t0), "data_ms": 1000 * (t_data - t0),
+                                 "compute_ms": 1000 * (t_end - t_data), "batch_rows": len(ids),
+                                 "padding_efficiency": n_real / batch["input_ids"].numel(),
+                                 "lr": run.stepper.lr, "grad_norm": grad_norm})
+            if rt.step % cfg.ckpt_every == 0 or rt.step == cfg.steps:
+                rt.last_checkpoint = save_checkpoint(rt.ckpts, rt.step, run.drafter, run.stepper.optimizer,
+                                                     run.stepper.scheduler, cfg)
+        finish(cfg, run, rt)
     return 0
 
 
-def save_checkpoint(ckpts: CheckpointManager, step: int, drafter: Drafter, opt, sched, cfg: DFlashConfig) -> None:
+def check_layout(cfg: DFlashConfig, rt: Runtime) -> int:
+    """The number of target ranks (0 offline); the job's task count must fit the topology."""
+    world = rt.dist.world_size
+    if cfg.mode != "online":
+        if world > 1:
+            raise ConfigError(f"--mode offline trains one drafter on one rank; this job has {world} "
+                              "tasks (use the `offline` preset, or --gpus-per-node 1)")
+        return 0
+    n_targets = parse_topology(cfg.topology)
+    if world != n_targets + 1:
+        raise ConfigError(f"--topology {cfg.topology} needs {n_targets + 1} ranks, this job has "
+                          f"{world}; set the job's GPUs/tasks to {n_targets + 1}")
+    return n_targets
+
+
+def load_source(cfg: DFlashConfig, rt: Runtime) -> Source:
+    """The data and the target's head: from the shards (offline) or the live target (online)."""
+    if cfg.mode != "online":
+        data = ShardDataset(cfg.data)
+        embed_w, head_w = data.head_weights()
+        return Source(data.lengths, data.layers, data.hidden_size, embed_w, head_w, data=data)
+    target, spec, layers, capture = build_target(cfg, rt.device)
+    samples = load_online_dataset(cfg, spec.vocab.base_vocab, target.config.vocab_size, rt.dist.is_main,
+                                  rt.barrier)
+    return Source(np.array([len(s) for s in samples]), layers, target.config.hidden_size,
+                  target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach(),
+                  target=target, capture=capture, samples=samples)
+
+
+def run_target_rank(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: BucketedSampler, start: int,
+                    n_targets: int, wire: torch.device) -> None:
+    """An online target rank: its share of the steps' batches, sent to the drafter rank."""
+    sender = BoundedSender(n_targets, cfg.queue_depth, wire)
+    t0, produce_s = time.perf_counter(), []
+    for step, _epoch, ids in batch_stream(sampler, start):
+        if step >= cfg.steps:
+            break
+        rt.step = step
+        if step % n_targets == rt.dist.rank:
+            t_batch = time.perf_counter()
+            batch = target_batch(src.target, src.capture, [src.samples[i] for i in ids], cfg, step, rt.device)
+            if rt.device.type == "cuda":
+                # also waits for sends the drafter has not received: the target's own time
+                # only while the drafter keeps up (bench/multigpu.py checks the drafter's wait)
+                torch.cuda.synchronize(rt.device)
+            produce_s.append(time.perf_counter() - t_batch)
+            sender.send(batch)
+    sender.close()
+    # median time to produce a batch: with k targets the drafter saturates once k exceeds
+    # (this / the drafter's compute time per step); bench/multigpu.py reads this line.
+    median = float(np.median(produce_s)) if produce_s else 0.0
+    print(f"# target rank {rt.dist.rank}: sent {len(produce_s)} batches in {time.perf_counter() - t0:.1f}s, "
+          f"queue full {sender.waits} times, median {median:.4f}s to produce one", flush=True)
+    rt.barrier()
+
+
+def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: BucketedSampler, latest: Path | None,
+                  start: int, n_targets: int, wire: torch.device) -> DrafterRun:
+    device = rt.device
+    dcfg: DrafterConfig = drafter_config(cfg.drafter, src.hidden_size, len(src.layers), src.embed_w.shape[0],
+                                         cfg.block_size)
+    head = TargetHead(src.embed_w.to(device), src.head_w.to(device)).to(device)
+    src.target = None  # the drafter rank needs only the target's head
+    drafter = Drafter(dcfg).to(device)
+    drafter.match_output_scale(head.lm_head.weight)
+    stepper = Stepper.create(drafter, drafter, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                             lr_lambda=lambda s: lr_at(cfg, s), device=device, dist=rt.dist, data_parallel=False)
+    if latest is not None:
+        stepper.load_state_dict(torch.load(latest / "drafter.pt", map_location=device, weights_only=False), latest)
+        rt.print(f"# resumed from {latest} at step {start}")
+    rt.step = start
+    amp_on = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
+    online = cfg.mode == "online"
+    rt.log.header({"mode": cfg.mode, "topology": cfg.topology if online else "-",
+                   "drafter_params": sum(p.numel() for p in drafter.parameters()), "target_layers": src.layers,
+                   "block_size": dcfg.block_size, "anchors": cfg.anchors, "buckets": sampler.edges,
+                   "bucket_efficiency": f"{sampler.stats(0).efficiency:.3f}", "start_step": start,
+                   "steps": cfg.steps, "device": device.type, "amp": "bf16" if amp_on else "off"})
+    return DrafterRun(head, drafter, dcfg, stepper, batch_stream(sampler, start), amp_on, n_targets, wire, src.data)
+
+
+def next_batch(cfg: DFlashConfig, run: DrafterRun, step: int, ids: Any, device: torch.device
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """This step's batch and the target's final states at its anchor blocks."""
+    if run.data is None:  # online: from the target rank whose turn it is
+        batch = recv_batch(step % run.n_targets, run.wire)
+        return batch, batch["final_blocks"].to(device)
+    batch = run.data.batch(ids)
+    batch["anchors"] = sample_anchors(batch["lengths"], cfg.anchors, cfg.block_size, step_generator(cfg.seed, step))
+    return batch, gather_block_positions(batch["final"], batch["anchors"], cfg.block_size).to(device)
+
+
+def drafter_forward(cfg: DFlashConfig, run: DrafterRun, batch: dict[str, torch.Tensor], final_blocks: torch.Tensor,
+                    device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+    input_ids, anchors = batch["input_ids"].to(device), batch["anchors"].to(device)
+    blocks, labels = block_inputs(input_ids, anchors, run.dcfg.block_size, run.dcfg.mask_token_id)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.amp_on):
+        hidden = run.drafter(batch["hidden"].to(device), run.head.embed_tokens(blocks), anchors,
+                             batch["lengths"].to(device))
+        return drafter_loss(run.head, hidden, labels, final_blocks, cfg.kl_weight, cfg.gamma or None)
+
+
+def finish(cfg: DFlashConfig, run: DrafterRun, rt: Runtime) -> None:
+    out = rt.out
+    run.drafter.save(out / ".drafter.pt.tmp")
+    os.replace(out / ".drafter.pt.tmp", out / "drafter.pt")
+    rt.finish({"mode": cfg.mode, "steps": rt.step, "first_loss": run.first, "last_loss": run.last,
+               # the one throughput figure: real (non-padding) tokens per second of the drafter
+               "real_tok_s": run.real_tokens / max(1e-9, time.perf_counter() - run.t_start),
+               "drafter": str((out / "drafter.pt").resolve()),
+               "drafter_params": sum(p.numel() for p in run.drafter.parameters())})
+    rt.barrier()
+
+
+def save_checkpoint(ckpts: CheckpointManager, step: int, drafter: Drafter, opt, sched, cfg: DFlashConfig) -> Path:
     def write(tmp: Path) -> None:
         torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                     "config": asdict(cfg), "drafter_config": asdict(drafter.cfg), "step": step}, tmp / "drafter.pt")
 
-    ckpts.save(step, write, is_main=True)
+    return ckpts.save(step, write, is_main=True)
 
 
 __all__ = ["DFlashConfig", "main", "pad_samples"]

@@ -18,7 +18,6 @@ deleted once the copy's hash matches. Without a check command nothing is deleted
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -32,9 +31,11 @@ import numpy as np
 import torch
 
 from toolkit.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
-from train.common.distributed import init_distributed, shutdown_distributed
+from toolkit.metrics import SCHEMAS
+from train.common.config import ConfigError, opt, parse_config
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
+from train.common.runtime import Runtime
 from train.extract.data import DatasetError, generate_synthetic, load_dataset
 from train.extract.shards import (
     HEAD,
@@ -55,47 +56,28 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 @dataclass
 class ExtractConfig:
-    preset: str = "tiny"
-    init_from: str | None = None
-    data: str | None = None  # jsonl of {"id", "input_ids"}; None: <out>/data.jsonl, synthetic, made when absent
-    synthetic_samples: int = 160
-    out: str = field(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/extract-local")
-    layers: str | None = None  # "1,16,31"; None: n_layers spread evenly over [1, L-3]
-    n_layers: int = 5
-    token_budget: int = 8192  # padded tokens per batch (= per shard); 65536 on an H200
-    max_len: int = 8192
-    dtype: str = "bfloat16"  # storage dtype of the hidden states
-    seed: int = 0
-    sync_cmd: str | None = None
-    sync_check_cmd: str | None = None
-    stop_after: int | None = None  # write at most this many shards, then stop (tests, partial runs)
-    allow_slow_path: bool = False
-
-
-class ConfigError(ValueError):
-    pass
+    preset: str = opt("tiny", help="the target's model shape (train/stage1/model.py)")
+    init_from: str | None = opt(None, help="local transformers checkpoint dir of the target")
+    data: str | None = opt(None, help='jsonl, one {"id", "input_ids": [...]} per line '
+                                      "(default: <out>/data.jsonl, synthetic, made when absent)")
+    synthetic_samples: int = opt(160)
+    out: str = opt(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/extract-local",
+                   help="shard directory (default: $LAUNCH_JOB_DIR, else ./runs/extract-local)")
+    layers: str | None = opt(None, help="comma-separated decoder layer indices (0-based) to capture")
+    n_layers: int = opt(5, help="without --layers: how many, spread over 1..L-3")
+    token_budget: int = opt(8192, help="padded tokens per batch/shard (65536 on an H200)")
+    max_len: int = opt(8192)
+    dtype: str = opt("bfloat16", choices=tuple(DTYPES), help="storage dtype of the hidden states")
+    seed: int = opt(0)
+    sync_cmd: str | None = opt(None, help="shell template with {src} and {name}, run per finished shard")
+    sync_check_cmd: str | None = opt(None, help="shell template with {name} printing the copy's sha256 first; "
+                                                "local file deleted on match")
+    stop_after: int | None = opt(None, parse=int, help="stop after writing this many shards")
+    allow_slow_path: bool = opt(False)
 
 
 def parse_args(argv: list[str] | None) -> ExtractConfig:
-    d = ExtractConfig()
-    p = argparse.ArgumentParser(prog="python -m train.extract", description="hidden-state extraction to shards")
-    p.add_argument("--preset", default=d.preset)
-    p.add_argument("--init-from", default=None, help="local transformers checkpoint dir of the target")
-    p.add_argument("--data", default=None, help='jsonl, one {"id", "input_ids": [...]} per line')
-    p.add_argument("--synthetic-samples", type=int, default=d.synthetic_samples)
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--layers", default=None, help="comma-separated decoder layer indices (0-based) to capture")
-    p.add_argument("--n-layers", type=int, default=d.n_layers, help="without --layers: how many, spread over 1..L-3")
-    p.add_argument("--token-budget", type=int, default=d.token_budget, help="padded tokens per batch/shard")
-    p.add_argument("--max-len", type=int, default=d.max_len)
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--sync-cmd", default=None, help="shell template with {src} and {name}, run per finished shard")
-    p.add_argument("--sync-check-cmd", default=None,
-                   help="shell template with {name} printing the copy's sha256 first; local file deleted on match")
-    p.add_argument("--stop-after", type=int, default=None, help="stop after writing this many shards")
-    p.add_argument("--allow-slow-path", action="store_true")
-    cfg = ExtractConfig(**vars(p.parse_args(argv)))
+    cfg = parse_config(ExtractConfig, argv, "python -m train.extract", "hidden-state extraction to shards")
     if cfg.token_budget < 2 or cfg.max_len < 2 or cfg.n_layers < 1:
         raise ConfigError("--token-budget and --max-len must be >= 2, --n-layers >= 1")
     if cfg.max_len > cfg.token_budget:
@@ -200,39 +182,61 @@ def sync_shard(cfg: ExtractConfig, path: Path, entry: ShardEntry) -> str:
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
     return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=extract, guard=guard,
-                          config_errors=(ConfigError,),
-                          run_errors=(DatasetError, ShardError, ConfigError, FastPathError, ValueError))
+                          run_errors=(DatasetError, ShardError, FastPathError, ValueError))
+
+
+@dataclass
+class Extraction:
+    cfg: ExtractConfig
+    base: torch.nn.Module
+    capture: HiddenCapture
+    samples: list[np.ndarray]
+    lengths: np.ndarray
+    plan: list[list[int]]
+    mine: dict[str, ShardEntry]  # this rank's index
+    t0: float = field(default_factory=time.perf_counter)
+    written: int = 0
+    skipped: int = 0
+    done_samples: int = 0
+    done_tokens: int = 0
 
 
 def extract(cfg: ExtractConfig) -> int:
+    """setup -> one shard per plan batch of this rank (skipped when already whole) -> finish."""
+    with Runtime.start(ENTRYPOINT, SCHEMAS["extract"], cfg.out, tensorboard=False) as rt:
+        job = setup(cfg, rt)
+        for k, batch in enumerate(job.plan):
+            if k % rt.dist.world_size != rt.dist.rank or already_done(job, rt, k, batch):
+                continue
+            if cfg.stop_after is not None and job.written >= cfg.stop_after:
+                break
+            write_one(job, rt, k, batch)
+        finish(job, rt)
+    return 0
+
+
+def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
+    """The frozen target (no lm_head call), the dataset and its batch plan, meta.json, the index."""
     from safetensors.torch import save
 
     from train.common import fastpath
     from train.stage1.model import build_model
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dist_info = init_distributed(device)
-    if device.type == "cuda":
-        device = torch.device("cuda", dist_info.local_rank)
-    out = Path(cfg.out)
+    out, dist_info = rt.out, rt.dist
     out.mkdir(parents=True, exist_ok=True)
-    say = (lambda line: print(line, flush=True)) if dist_info.is_main else (lambda line: None)
-
-    kernels = fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)
+    kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path)
     torch.manual_seed(cfg.seed)  # the same random-init target on every rank and every resume
-    model_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, spec = build_model(cfg.preset, device=device, dtype=model_dtype, init_from=cfg.init_from)
+    model_dtype = torch.bfloat16 if rt.device.type == "cuda" else torch.float32
+    model, spec = build_model(cfg.preset, device=rt.device, dtype=model_dtype, init_from=cfg.init_from)
     fastpath.install_kernels(model, kernels)
     model.eval().requires_grad_(False)
-    base = model.model
     layers = parse_layers(cfg.layers, model.config.num_hidden_layers, cfg.n_layers)
 
     data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
     if not cfg.data:
         if dist_info.is_main and not data_path.exists():
             generate_synthetic(data_path, cfg.synthetic_samples, seed=cfg.seed, vocab=spec.vocab.base_vocab)
-        if dist_info.world_size > 1:
-            torch.distributed.barrier()  # every rank reads the file rank 0 wrote
+        rt.barrier()  # every rank reads the file rank 0 wrote
     samples = load_dataset(data_path, vocab=model.config.vocab_size, max_len=cfg.max_len)
     lengths = np.array([len(s) for s in samples])
     plan = plan_batches(lengths, cfg.token_budget)
@@ -250,81 +254,89 @@ def extract(cfg: ExtractConfig) -> int:
                               "use a new --out or the same arguments as before")
     elif dist_info.is_main:
         # The head first, then meta.json: a directory with a meta.json always has its head.
-        head = {"embed_tokens": base.embed_tokens.weight.detach().cpu().contiguous(),
+        head = {"embed_tokens": model.model.embed_tokens.weight.detach().cpu().contiguous(),
                 "lm_head": model.lm_head.weight.detach().cpu().clone()}  # a copy: tied weights share memory
         atomic_write_bytes(out / HEAD, save(head))
         atomic_write_text(out / META, json.dumps(meta, indent=1) + "\n")
 
     if dist_info.is_main:
         for tmp in remove_tmp_files(out):
-            say(f"# removed {tmp.name}: a write cut short by an earlier crash")
-    index = {name: e for name, e in read_index(out).items()}
+            rt.print(f"# removed {tmp.name}: a write cut short by an earlier crash")
+    index = read_index(out)
     mine = {name: e for name, e in index.items() if int(name[6:11]) % dist_info.world_size == dist_info.rank}
+    # Every rank has read the merged index, and rank 0's tmp cleanup is over, before any rank
+    # rewrites its own index or starts a shard (a resume may use a different world size).
     if dist_info.world_size > 1:
-        # Every rank has read the merged index, and rank 0's tmp cleanup is over, before any rank
-        # rewrites its own index or starts a shard (a resume may use a different world size).
-        torch.distributed.barrier()
+        rt.barrier()
     write_index(out, dist_info.rank, mine)
-    say(f"# extract: preset={cfg.preset} layers={layers} samples={len(samples)} shards={len(plan)} "
-        f"world={dist_info.world_size} device={device.type} lm_head=never called")
+    rt.log.header({"preset": cfg.preset, "layers": layers, "samples": len(samples), "shards": len(plan),
+                   "world": dist_info.world_size, "device": rt.device.type, "lm_head": "never called"})
+    return Extraction(cfg, model.model, HiddenCapture(model.model, layers), samples, lengths, plan, mine)
 
-    capture = HiddenCapture(base, layers)
-    store = DTYPES[cfg.dtype]
-    t0 = time.perf_counter()
-    done_samples = done_tokens = written = skipped = 0
-    for k, batch in enumerate(plan):
-        if k % dist_info.world_size != dist_info.rank:
-            continue
-        name, path = shard_name(k), out / shard_name(k)
-        entry = mine.get(name)
-        if entry is not None and (entry.location == "synced" or _whole(path, entry)):
-            if entry.location == "local" and cfg.sync_cmd:
-                entry.location = sync_shard(cfg, path, entry)
-                write_index(out, dist_info.rank, mine)
-            skipped += 1
-            continue
-        if entry is None and path.exists() and _adoptable(path, batch):
-            mine[name] = ShardEntry(batch, [int(lengths[i]) for i in batch], path.stat().st_size, sha256_file(path))
-            write_index(out, dist_info.rank, mine)
-            say(f"# adopted {name}: whole but not yet indexed (crash after its rename)")
-            skipped += 1
-            continue
-        if cfg.stop_after is not None and written >= cfg.stop_after:
-            break
-        ids, lens = pad_batch([samples[i] for i in batch])
-        hidden, final = target_forward(base, capture, ids.to(device))
-        tensors = {
-            idx: {"input_ids": ids[r, :n].to(torch.int32),
-                  "hidden": hidden[r, :n].to(store).cpu(), "final": final[r, :n].to(store).cpu()}
-            for r, (idx, n) in enumerate(zip(batch, lens, strict=True))
-        }
-        size, digest = write_shard(path, tensors, metadata={"samples": ",".join(map(str, batch))})
-        entry = ShardEntry(batch, lens, size, digest)
-        mine[name] = entry
-        write_index(out, dist_info.rank, mine)
-        if cfg.sync_cmd:
-            entry.location = sync_shard(cfg, path, entry)
-            write_index(out, dist_info.rank, mine)
-        written += 1
-        done_samples += len(batch)
-        done_tokens += sum(lens)
-        dt = time.perf_counter() - t0
-        say(f"shard {k + 1}/{len(plan)} | {len(batch)} samples | {done_samples / dt:.1f} samples/s | "
-            f"{done_tokens / dt:.0f} tok/s | {entry.bytes / 2**20:.1f} MiB | {entry.location}")
-    capture.remove()
-    if dist_info.world_size > 1:
+
+def already_done(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> bool:
+    """A shard of an earlier run: whole and indexed (synced now if asked), or whole but not yet
+    indexed (a crash after its rename: adopted)."""
+    name, path = shard_name(k), rt.out / shard_name(k)
+    entry = job.mine.get(name)
+    if entry is not None and (entry.location == "synced" or _whole(path, entry)):
+        if entry.location == "local" and job.cfg.sync_cmd:
+            entry.location = sync_shard(job.cfg, path, entry)
+            write_index(rt.out, rt.dist.rank, job.mine)
+        job.skipped += 1
+        return True
+    if entry is None and path.exists() and _adoptable(path, batch):
+        job.mine[name] = ShardEntry(batch, [int(job.lengths[i]) for i in batch], path.stat().st_size,
+                                    sha256_file(path))
+        write_index(rt.out, rt.dist.rank, job.mine)
+        rt.print(f"# adopted {name}: whole but not yet indexed (crash after its rename)")
+        job.skipped += 1
+        return True
+    return False
+
+
+def write_one(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> None:
+    """Plan batch k through the target, its shard written, indexed, and synced if asked."""
+    name, path = shard_name(k), rt.out / shard_name(k)
+    ids, lens = pad_batch([job.samples[i] for i in batch])
+    hidden, final = target_forward(job.base, job.capture, ids.to(rt.device))
+    store = DTYPES[job.cfg.dtype]
+    tensors = {
+        idx: {"input_ids": ids[r, :n].to(torch.int32),
+              "hidden": hidden[r, :n].to(store).cpu(), "final": final[r, :n].to(store).cpu()}
+        for r, (idx, n) in enumerate(zip(batch, lens, strict=True))
+    }
+    size, digest = write_shard(path, tensors, metadata={"samples": ",".join(map(str, batch))})
+    entry = ShardEntry(batch, lens, size, digest)
+    job.mine[name] = entry
+    write_index(rt.out, rt.dist.rank, job.mine)
+    if job.cfg.sync_cmd:
+        entry.location = sync_shard(job.cfg, path, entry)
+        write_index(rt.out, rt.dist.rank, job.mine)
+    job.written += 1
+    job.done_samples += len(batch)
+    job.done_tokens += sum(lens)
+    rt.step = k + 1
+    dt = time.perf_counter() - job.t0
+    rt.log.log_step({"step": k + 1, "shards": len(job.plan), "samples": len(batch),
+                     "samples_per_s": job.done_samples / dt, "tok_s": job.done_tokens / dt,
+                     "mib": entry.bytes / 2**20, "location": entry.location})
+
+
+def finish(job: Extraction, rt: Runtime) -> None:
+    job.capture.remove()
+    written, skipped, done_samples = job.written, job.skipped, job.done_samples
+    if rt.dist.world_size > 1:
         counts = torch.tensor([written, skipped, done_samples], dtype=torch.long)
         torch.distributed.all_reduce(counts)  # also the barrier before the completeness check
         written, skipped, done_samples = counts.tolist()
-    complete = len(read_index(out)) == len(plan)
-    if dist_info.is_main:
-        summary = {"shards": len(plan), "written": written, "skipped": skipped, "complete": complete,
-                   "samples_per_s": done_samples / max(1e-9, time.perf_counter() - t0), "out": str(out.resolve())}
-        if complete:
-            atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-        say(f"# done: {json.dumps(summary)}")
-    shutdown_distributed(dist_info)
-    return 0
+    complete = len(read_index(rt.out)) == len(job.plan)
+    summary = {"shards": len(job.plan), "written": written, "skipped": skipped, "complete": complete,
+               "samples_per_s": done_samples / max(1e-9, time.perf_counter() - job.t0), "out": str(rt.out.resolve())}
+    if complete:
+        rt.finish(summary)
+    else:
+        rt.print(f"# done: {json.dumps(summary)}")
 
 
 def _whole(path: Path, entry: ShardEntry) -> bool:
