@@ -137,6 +137,8 @@ def input_files(image: ImageDef) -> list[Path]:
     files = [image.directory / "image.yml", ansible / "playbooks" / "image.yml", ansible / "ansible.cfg", *BUILDER_FILES]
     if image.lock_file:
         files.append(image.lock_file)
+    if installs_project(image):
+        files.append(ansible / "tools" / "project_wheel.py")  # builds the project's wheel the image keeps
     for role in image.roles:
         files += sorted(p for p in (ansible / "roles" / role).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     return files
