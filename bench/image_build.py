@@ -42,7 +42,8 @@ def boot(template: Path, work: Path, flavour: str) -> float:
         "lxc.include = /usr/share/lxc/config/common.conf\nlxc.arch = x86_64\n"
         f"lxc.uts.name = {name}\nlxc.rootfs.path = dir:{rootfs}\nlxc.net.0.type = empty\n")
     imports = "torch, transformers, launch, train" if flavour != "test" else "launch, train"
-    script = (f"timeout 120 systemctl is-system-running --wait; /opt/launch/venv/bin/python -c 'import {imports}' && "
+    script = ("for i in $(seq 120); do s=$(systemctl is-system-running --wait 2>/dev/null); [ -n \"$s\" ] && break;"
+              f" sleep 1; done; echo $s; /opt/launch/venv/bin/python -c 'import {imports}' && "
               ". /etc/profile.d/launch-caches.sh && /opt/launch/venv/bin/launch doctor --no-gdn >/dev/null; echo doctor=$?")
     start = time.monotonic()
     try:

@@ -416,10 +416,14 @@ def test_second_run_is_a_fast_no_op_and_inputs_change_the_hash(built: dict, tmp_
     assert same == built["manifest"]["inputs_hash"]
 
 
+# systemctl cannot reach PID 1 until systemd has made its socket: ask again until it answers.
+WAIT_FOR_SYSTEMD = ("for i in $(seq 90); do s=$(systemctl is-system-running --wait 2>/dev/null);"
+                    " [ -n \"$s\" ] && break; sleep 1; done; echo \"${s:-no-answer}\"")
+
+
 def _wait_for_systemd(lxc_path: Path, name: str) -> list[str]:
     """PID 1's binary and `systemctl is-system-running --wait` inside the container."""
-    probe = lxc_attach(lxc_path, name, "readlink /proc/1/exe; timeout 90 systemctl is-system-running --wait; "
-                                       "hostname; cat /etc/machine-id", check=False)
+    probe = lxc_attach(lxc_path, name, f"readlink /proc/1/exe; {WAIT_FOR_SYSTEMD}; hostname; cat /etc/machine-id", check=False)
     return probe.stdout.split()
 
 
@@ -562,7 +566,7 @@ def cpu_container(tmp_path_factory: pytest.TempPathFactory):
 
 def _doctor_inside(ct: dict) -> tuple[int, dict[str, dict]]:
     """`launch doctor --no-gdn --json` in a login environment (the node_caches profile script)."""
-    proc = lxc_attach(ct["lxc_path"], ct["name"], ". /etc/profile.d/launch-caches.sh; mkdir -p $TRITON_CACHE_DIR $HF_HOME;"
+    proc = lxc_attach(ct["lxc_path"], ct["name"], ". /etc/profile.d/launch-caches.sh;"
                       " /opt/launch/venv/bin/launch doctor --no-gdn --json", check=False)
     report = json.loads(proc.stdout)
     return proc.returncode, {c["check"]: c for c in report["checks"]}
