@@ -11,7 +11,7 @@ hosts it can take the GPUs out of service.
     python bench/multigpu.py stage1 --gpus 1,2 --steps 16 --skip 4 --jsonl out.jsonl
     python bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --steps 40 --skip 10
 
-stage1: for each GPU count, the trainer on --preset (qwen35-2b) with DeepSpeed ZeRO-2
+stage1: for each GPU count, the trainer on job preset --preset (qwen35-2b) with DeepSpeed ZeRO-2
 (`--deepspeed on`, also on one GPU, so every row runs the same code) and uniform 8192-token rows,
 no checkpoints. Over the steps after --skip: median tok/s of all ranks, tok/s per GPU, MFU (the
 trainer's: torchtitan 6*N_matmul + full-attention term, 989 TFLOP/s), scaling efficiency against
@@ -129,10 +129,12 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in [int(x) for x in a.gpus.split(",")]:
         out = Path(a.work) / f"stage1-{a.preset}-{n}gpu"
-        # the job preset's args first (the GPU shape's row length, lr, --vision off), then this run's
+        # the job preset's args first (the model shape, its row length, lr, --vision off), then this
+        # run's. 500 synthetic records of the shape's real asset format (5,824 codes for qwen35-2b):
+        # how many distinct ones there are does not change a step's cost, and they are quick to make.
         argv = find_spec("stage1").resolve(a.preset).argv()
-        argv += ["--preset", a.preset, "--steps", str(a.steps), "--deepspeed", a.deepspeed, "--out", str(out),
-                 "--ckpt-every", "0", "--log-every", "1"]
+        argv += ["--steps", str(a.steps), "--deepspeed", a.deepspeed, "--out", str(out),
+                 "--ckpt-every", "0", "--log-every", "1", "--synthetic-samples", "500"]
         if a.batch_rows:
             argv += ["--batch-rows", str(a.batch_rows)]
         if a.row_len:
@@ -147,7 +149,8 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
         spreads = [r["fwd_spread"] for r in steps if "fwd_spread" in r]
         tok_s = statistics.median(r["tok_s"] for r in steps)
         row = {
-            "bench": "stage1", "preset": a.preset, "gpus": n, "deepspeed": "deepspeed=True" in header,
+            "bench": "stage1", "preset": a.preset, "gpus": n,
+            "vocab": int(m.group(1)) if (m := re.search(r"\bvocab=(\d+)", header)) else None, "deepspeed": "deepspeed=True" in header,
             "steps_timed": len(steps), "tok_s": tok_s, "tok_s_per_gpu": tok_s / n,
             "mfu": statistics.median(r["mfu"] for r in steps),
             "step_ms": statistics.median(r["data_ms"] + r["compute_ms"] for r in steps),
@@ -161,7 +164,8 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
             "header": header.strip(),
         }
         rows.append(row)
-        print(f"   {n} GPU: {tok_s:,.0f} tok/s, {row['mfu']:.1%} MFU, wall {row['wall_s']:.0f} s", flush=True)
+        print(f"   {n} GPU: {tok_s:,.0f} tok/s, {row['mfu']:.1%} MFU, peak {row['peak_mem_gb']:.1f} GiB, "
+              f"vocab {row['vocab']}, wall {row['wall_s']:.0f} s", flush=True)
     base = rows[0]["tok_s_per_gpu"] if rows else 1.0
     for row in rows:
         row["scaling_efficiency"] = row["tok_s_per_gpu"] / base
@@ -253,7 +257,7 @@ def main() -> int:
     sub = p.add_subparsers(dest="bench", required=True)
     s1 = sub.add_parser("stage1")
     s1.add_argument("--gpus", default="1,2", help="GPU counts, comma-separated; the first is the scaling base")
-    s1.add_argument("--preset", default="qwen35-2b")
+    s1.add_argument("--preset", default="qwen35-2b", help="stage1 job preset (launch/jobs/stage1.yaml)")
     s1.add_argument("--steps", type=int, default=16)
     s1.add_argument("--batch-rows", type=int, default=None)
     s1.add_argument("--row-len", type=int, default=None)

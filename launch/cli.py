@@ -2,16 +2,19 @@
 
 Verbs follow submitit/SkyPilot habits: submit, status, logs -f, cancel, list, doctor,
 cluster up|down|status, keepalive, report. Every user error is one line on stderr and a
-non-zero exit; tracebacks are for bugs only (set LAUNCH_DEBUG=1 to see them for errors too).
+non-zero exit (2 for a bad command line or input); tracebacks are for bugs only (set
+LAUNCH_DEBUG=1 to see them for errors too). A new verb is one VERBS entry naming its module.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from launch.errors import LaunchError
 
@@ -29,12 +32,28 @@ VERBS: dict[str, tuple[str, str]] = {
     "keepalive": ("launch.keepalive.cli", "GPU keepalive holder and its Slurm hooks"),
     "report": ("launch.report", "plot a job's loss, tok/s and MFU to PNG"),
     "buckets": ("launch.buckets", "bucket edges and padding efficiency for a lengths file"),
+    "export": ("launch.export", "write a job's checkpoint as a transformers checkpoint (from_pretrained loads it)"),
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (`launch submit: error: ...`), not usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("gpu-train-toolkit")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
-    parser = argparse.ArgumentParser(prog="launch", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    parser = OneLineParser(prog="launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"launch (gpu-train-toolkit) {version()}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=OneLineParser)
     runners: dict[str, Callable[[argparse.Namespace], int]] = {}
     for verb, (module_name, help_text) in VERBS.items():
         try:

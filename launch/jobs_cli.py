@@ -1,27 +1,49 @@
-"""`launch status | logs | cancel | list`: follow-up verbs on submitted jobs."""
+"""`launch status | logs | cancel | list`: follow-up verbs on submitted jobs.
+
+A job has one log pair per Slurm task (submitit's `<id>_<task>_log.out|err`). `logs` shows the
+job's main task by default (the spec's `main_task`; DFlash: the drafter), `--task N` another,
+`--all` every task with `[task k]` prefixes. How a job ended comes from its outcome.json (see
+launch.runner): "cancelled at step N", or the one-line error; never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import pickle
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import TextIO
 
-from launch import registry
+from launch import registry, values
 from launch.errors import LaunchError
 from launch.registry import JobRecord
-from launch.slurmenv import TERMINAL_STATES, job_state, run_slurm
+from launch.runner import last_step, read_task_outcome
+from launch.runs import requeue_line
+from launch.slurmenv import TERMINAL_STATES, job_state, job_states, pending_words, require_cluster, run_slurm
+from toolkit.outcome import describe, read_outcome
+
+HEARTBEAT_S = 30.0
+UNREACHABLE_GIVE_UP_S = 120.0
 
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("job_id", nargs="?", help="job id (default: the 10 most recent jobs)")
+    p.add_argument("--json", action="store_true", help="print the state as JSON")
 
 
 def add_logs_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("job_id")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--task", type=values.nonneg_int, metavar="N", help="this task's log (default: the job's main task)")
+    which.add_argument("--all", action="store_true", help="every task's log, lines prefixed [task k]")
+    p.add_argument("--tail", type=values.positive_int, metavar="N", help="only the last N lines (of each log)")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing until the job ends, from the end (with --tail N: its last N lines first)")
+    p.add_argument("--from-start", action="store_true", help="with -f: replay the log from its first line")
     p.add_argument("--stderr", action="store_true", help="only stderr")
 
 
@@ -30,129 +52,287 @@ def add_cancel_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_list_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=int, default=20, help="how many recent jobs")
+    p.add_argument("-n", type=values.positive_int, default=20, help="how many recent jobs")
+    p.add_argument("--json", action="store_true", help="print the jobs as one JSON list")
 
 
-def job_error(rec: JobRecord) -> str | None:
-    """The failure text of a finished job: submitit's pickled exception, else stderr's last line."""
-    result = Path(rec.folder) / f"{rec.job_id}_0_result.pkl"
-    if result.exists():
-        try:
-            with open(result, "rb") as f:
-                outcome, payload = pickle.load(f)
-        except Exception:  # a torn or foreign pickle: fall back to stderr
-            outcome, payload = None, None
-        if outcome == "error":
-            lines = [ln for ln in str(payload).strip().splitlines() if ln.strip()]
-            return lines[-1].strip() if lines else "failed"
-    if rec.stderr.exists():
-        lines = [ln for ln in rec.stderr.read_text(errors="replace").splitlines()
-                 if ln.strip() and not ln.startswith("submitit")]
+# ------------------------------------------------------------------ outcomes
+def task_outcomes(rec: JobRecord) -> dict[int, dict]:
+    found = {}
+    for task in range(rec.tasks):
+        outcome = read_task_outcome(Path(rec.folder), task)
+        if outcome is not None:
+            found[task] = outcome
+    return found
+
+
+def job_outcome(rec: JobRecord, slurm_state: str | None = None) -> dict | None:
+    """The job's outcome.json (toolkit.outcome). Without one: a job Slurm ended was killed
+    (SIGKILL, out of memory, a node failure, or a launcher from before outcomes): Slurm's state
+    at the last step of its metrics, with submitit's pickled error when there is one."""
+    outcome = read_outcome(rec.folder)
+    if outcome is not None:
+        failed = [o for o in task_outcomes(rec).values() if o.get("state") == "failed"]
+        if outcome.get("state") == "cancelled" and failed and slurm_state != "CANCELLED":
+            # A task failed first and the main task was stopped with it: the failure is the news.
+            return {**failed[0], "step": outcome.get("step", failed[0].get("step"))}
+        return outcome
+    if slurm_state not in TERMINAL_STATES and slurm_state is not None:
+        return None
+    error = _pickled_error(rec)
+    if error is None and slurm_state is None:
+        return None
+    state = "failed" if error or slurm_state is None else slurm_state.lower()
+    return {"state": state, "step": last_step(Path(rec.folder) / "metrics.jsonl"), "error": error}
+
+
+def _pickled_error(rec: JobRecord) -> str | None:
+    result = Path(rec.folder) / f"{rec.job_id}_{rec.main_task}_result.pkl"
+    try:
+        with open(result, "rb") as f:
+            kind, payload = pickle.load(f)
+    except Exception:  # absent, torn or foreign: nothing to say
+        return None
+    if kind != "error":
+        return None
+    lines = [ln.strip() for ln in str(payload).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "failed"
+
+
+def job_error(rec: JobRecord, slurm_state: str | None = None) -> str | None:
+    """How a finished job ended, in one line ('cancelled at step 3', 'failed at step 5: ...')."""
+    outcome = job_outcome(rec, slurm_state)
+    if outcome is not None and outcome.get("state") not in ("completed", "running"):
+        return describe(outcome)
+    if rec.stderr.exists():  # no outcome (a launcher from before them): the entrypoint's own last error
+        noise = ("submitit", " ", "Traceback", "srun:", "slurmstepd")  # srun's "exit code 2" says nothing
+        lines = [ln for ln in rec.stderr.read_text(errors="replace").splitlines() if ln.strip() and not ln.startswith(noise)]
         errors = [ln for ln in lines if "Error" in ln or "error" in ln]
         if errors:
             return errors[-1].strip()
     return None
 
 
-def _status_line(rec: JobRecord) -> tuple[str, dict[str, str]]:
-    st = job_state(rec.job_id, rec.slurm_env())
-    line = f"{rec.job_id:<8} {rec.name:<10} {rec.preset or '-':<12} {st['state']:<11} {st['elapsed']:<10}"
-    return line, st
+# ------------------------------------------------------------------ status and list
+def _row(rec: JobRecord, st: dict[str, str]) -> dict:
+    row = {"job_id": rec.job_id, "name": rec.name, "kind": rec.kind, "preset": rec.preset, "state": st["state"],
+           "elapsed": st["elapsed"], "nodes": st["nodes"], "submitted_at": rec.submitted_at, "folder": rec.folder,
+           "tasks": rec.tasks, "main_task": rec.main_task}
+    if st["state"] == "PENDING":
+        row["pending"] = pending_words(st["reason"], rec.job_id)
+    return row
+
+
+def _line(row: dict) -> str:
+    return f"{row['job_id']:<8} {row['name']:<10} {row['preset'] or '-':<12} {row['state']:<11} {row['elapsed'] or '-':<10}"
+
+
+HEADER = f"{'JOBID':<8} {'NAME':<10} {'PRESET':<12} {'STATE':<11} {'ELAPSED':<10}"
 
 
 def run_status(args: argparse.Namespace) -> int:
     if args.job_id is None:
-        return run_list(argparse.Namespace(n=10))
+        return run_list(argparse.Namespace(n=10, json=args.json))
     rec = registry.find(args.job_id)
-    line, st = _status_line(rec)
-    print(f"{'JOBID':<8} {'NAME':<10} {'PRESET':<12} {'STATE':<11} {'ELAPSED':<10}")
-    print(line)
-    if st["reason"] and st["state"] == "PENDING":
-        print(f"  pending: {st['reason']}")
+    st = job_state(rec.job_id, rec.slurm_env())
+    row = _row(rec, st)
+    outcome = job_outcome(rec, st["state"])
+    tasks = task_outcomes(rec)
+    row["outcome"] = outcome
+    row["task_states"] = {str(k): describe(v) for k, v in tasks.items()}
+    requeued = requeue_line(rec.job_id, rec.folder, {**os.environ, **rec.slurm_env()})
+    if requeued:
+        row["requeued"] = requeued
+    failed = st["state"] in TERMINAL_STATES - {"COMPLETED"}
+    if failed:
+        row["error"] = job_error(rec, st["state"])
+    if args.json:
+        print(json.dumps(row))
+        return 1 if failed else 0
+    print(HEADER)
+    print(_line(row))
+    if "pending" in row:
+        print(f"  pending: {row['pending']}")
+    if requeued:
+        print(f"  {requeued}")
     print(f"  folder: {rec.folder}")
-    if st["state"] in TERMINAL_STATES - {"COMPLETED"}:
-        err = job_error(rec)
-        if err:
-            print(f"  error: {err}")
-        print(f"  see: launch logs {rec.job_id}")
+    if rec.tasks > 1:
+        states = ", ".join(f"{k} {row['task_states'].get(str(k), 'not started')}" for k in range(rec.tasks))
+        print(f"  tasks (main {rec.main_task}): {states}")
+    if failed:
+        if row["error"]:
+            print(f"  {'outcome' if outcome else 'error'}: {row['error']}")
+        print(f"  see: launch logs {rec.job_id}" + (" --all" if rec.tasks > 1 else ""))
         return 1
+    if outcome and st["state"] == "COMPLETED" and outcome.get("step") is not None:
+        print(f"  outcome: {describe(outcome)}")
     return 0
 
 
 def run_list(args: argparse.Namespace) -> int:
     jobs = registry.all_jobs()[-args.n:]
     if not jobs:
-        print("no jobs submitted from here yet (`launch submit stage1 --preset tiny`)")
+        if args.json:
+            print("[]")
+        else:
+            print("no jobs submitted from here yet (`launch submit stage1 --preset tiny`)")
         return 0
-    print(f"{'JOBID':<8} {'NAME':<10} {'PRESET':<12} {'STATE':<11} {'ELAPSED':<10} SUBMITTED")
+    by_conf: dict[str | None, list[JobRecord]] = {}
     for rec in jobs:
-        line, _ = _status_line(rec)
-        print(f"{line} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(rec.submitted_at))}")
+        by_conf.setdefault(rec.slurm_conf, []).append(rec)
+    states: dict[tuple[str | None, str], dict[str, str]] = {}
+    for conf, recs in by_conf.items():  # one squeue + one sacct per cluster, not per job
+        for jid, st in job_states([r.job_id for r in recs], recs[0].slurm_env()).items():
+            states[(conf, jid)] = st
+    rows = [_row(rec, states[(rec.slurm_conf, rec.job_id)]) for rec in jobs]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{HEADER} SUBMITTED")
+    for row in rows:
+        print(f"{_line(row)} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(row['submitted_at']))}")
     return 0
 
 
 def run_cancel(args: argparse.Namespace) -> int:
     rec = registry.find(args.job_id)
-    proc = run_slurm(["scancel", rec.job_id], rec.slurm_env())
+    env = require_cluster(rec.slurm_env())
+    proc = run_slurm(["scancel", rec.job_id], env)
     if proc.returncode != 0:
         raise LaunchError(f"scancel {rec.job_id}: {proc.stderr.strip()}")
     print(f"cancel requested for job {rec.job_id}")
     return 0
 
 
-def _print_new(path: Path, offset: int, out: TextIO) -> int:
-    if not path.exists():
-        return offset
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read()
-    if data:
-        out.write(data.decode(errors="replace"))
-        out.flush()
-    return offset + len(data)
+# ------------------------------------------------------------------ logs
+class LogTail:
+    """New complete lines of one log file since the last read (a partial last line waits)."""
+
+    def __init__(self, path: Path, prefix: str, start_at_end: bool, back_lines: int = 0) -> None:
+        """start_at_end: skip what is there, except its last `back_lines` lines."""
+        self.path, self.prefix = path, prefix
+        self.offset, self.pending = 0, b""
+        if start_at_end and path.exists():
+            # From the start of the unfinished last line, or of the last back_lines lines.
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                start = max(0, size - (1 << 20))
+                f.seek(start)
+                chunk = f.read(size - start)
+            body, newline, partial = chunk.rpartition(b"\n")
+            keep = body.split(b"\n")[-back_lines:] if newline and back_lines else []
+            self.offset = size - len(partial) - (len(b"\n".join(keep)) + 1 if keep else 0)
+
+    def read(self, final: bool = False) -> list[str]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        data = self.pending + data
+        *lines, self.pending = data.split(b"\n")
+        if final and self.pending:
+            lines, self.pending = [*lines, self.pending], b""
+        return [self.prefix + ln.decode(errors="replace") for ln in lines]
 
 
-def follow(rec: JobRecord, out: TextIO, poll_s: float = 1.0) -> int:
-    """Stream stdout and stderr until the job reaches a terminal state; exit 0 only on COMPLETED."""
-    offsets = {rec.stdout: 0, rec.stderr: 0}
-    last_state = ""
+def _log_paths(rec: JobRecord, task: int | None, all_tasks: bool, stderr_only: bool) -> list[tuple[Path, str]]:
+    if task is not None and task >= rec.tasks:
+        raise LaunchError(f"job {rec.job_id} has {rec.tasks} task(s) (0..{rec.tasks - 1}); there is no task {task}")
+    tasks = list(range(rec.tasks)) if all_tasks else [rec.main_task if task is None else task]
+    streams = ("err",) if stderr_only else ("out", "err")
+    return [(rec.log(t, s), f"[task {t}] " if all_tasks else "") for t in tasks for s in streams]
+
+
+def _tracebacks_folded(lines: list[str], state: dict) -> list[str]:
+    """While following: a traceback becomes one line (its last); the log keeps all of it."""
+    out = []
+    for line in lines:
+        body = line.split("] ", 1)[1] if line.startswith("[task ") else line
+        if body.startswith("Traceback (most recent call last)"):
+            state["in_tb"] = True
+            continue
+        if state.get("in_tb"):
+            if body.startswith((" ", "\t")) or not body.strip() or body.startswith("During handling") \
+                    or body.startswith("The above exception"):
+                continue
+            state["in_tb"] = False
+            out.append(f"{line}  (traceback in the log)")
+            continue
+        out.append(line)
+    return out
+
+
+def follow(rec: JobRecord, out: TextIO, poll_s: float = 1.0, from_start: bool = False, task: int | None = None,
+           all_tasks: bool = False, stderr_only: bool = False, heartbeat_s: float = HEARTBEAT_S,
+           tail: int = 0) -> int:
+    """Stream the logs until the job reaches a terminal state; exit 0 only on COMPLETED.
+
+    stdout and stderr are read on every poll and printed as their lines arrive; the state is
+    said when it changes and, while the job waits or runs quietly, at least every heartbeat_s."""
+    env = require_cluster(rec.slurm_env())
+    tails = [LogTail(path, prefix, not from_start, tail)
+             for path, prefix in _log_paths(rec, task, all_tasks, stderr_only)]
+    said, said_at, unknown_since, tb = "", 0.0, None, {}
     while True:
-        st = job_state(rec.job_id, rec.slurm_env())
-        if st["state"] != last_state:
-            out.write(f"[launch] job {rec.job_id}: {st['state']}\n")
-            out.flush()
-            last_state = st["state"]
-        for path in offsets:
-            offsets[path] = _print_new(path, offsets[path], out)
-        if st["state"] in TERMINAL_STATES:
+        st = job_state(rec.job_id, env)
+        now = time.monotonic()
+        if st["state"] == "UNKNOWN":
+            unknown_since = unknown_since or now
+            if now - unknown_since > UNREACHABLE_GIVE_UP_S:
+                raise LaunchError(f"job {rec.job_id}: Slurm has not known its state for {UNREACHABLE_GIVE_UP_S:.0f} s "
+                                  f"({st['reason'] or 'no answer'}); is slurmctld up? `launch status {rec.job_id}`")
+        else:
+            unknown_since = None
+        say = st["state"] + (f": {pending_words(st['reason'], rec.job_id)}" if st["state"] == "PENDING" else "")
+        terminal = st["state"] in TERMINAL_STATES
+        if terminal:
             time.sleep(poll_s)  # the last lines may land just after the state flips
-            for path in offsets:
-                offsets[path] = _print_new(path, offsets[path], out)
+        lines = [ln for t in tails for ln in t.read(final=terminal)]
+        for line in _tracebacks_folded(lines, tb):
+            out.write(line + "\n")
+        if terminal:
             if st["state"] == "COMPLETED":
+                out.write(f"[launch] job {rec.job_id}: COMPLETED\n")
+                out.flush()
                 return 0
-            err = job_error(rec)
+            err = job_error(rec, st["state"])
             out.write(f"[launch] job {rec.job_id} ended {st['state']}" + (f": {err}" if err else "") + "\n")
+            out.flush()
             return 1
+        if say != said or (now - said_at >= heartbeat_s and not lines):
+            waited = f"{time.time() - rec.submitted_at:.0f} s since submit" if st["state"] == "PENDING" else st["elapsed"]
+            since = f" ({waited})" if say == said and waited else ""
+            out.write(f"[launch] job {rec.job_id}: {say}{since}\n")
+            said, said_at = say, now
+        out.flush()
         time.sleep(poll_s)
 
 
 def run_logs(args: argparse.Namespace) -> int:
     rec = registry.find(args.job_id)
+    if args.from_start and not args.follow:
+        raise LaunchError("--from-start goes with -f/--follow (without -f the whole log is shown)")
     if args.follow:
-        return follow(rec, sys.stdout)
-    paths = [rec.stderr] if args.stderr else [rec.stdout, rec.stderr]
+        return follow(rec, sys.stdout, from_start=args.from_start, task=args.task, all_tasks=args.all,
+                      stderr_only=args.stderr, tail=args.tail or 0)
     found = False
-    for path in paths:
-        if path.exists():
-            found = True
-            print(f"==> {path} <==")
-            sys.stdout.write(path.read_text(errors="replace"))
+    for path, prefix in _log_paths(rec, args.task, args.all, args.stderr):
+        if not path.exists():
+            continue
+        found = True
+        print(f"==> {path} <==")
+        with open(path, "rb") as f:
+            lines = (ln.decode(errors="replace").rstrip("\n") for ln in f)
+            for line in (deque(lines, maxlen=args.tail) if args.tail else lines):
+                print(prefix + line)
     if not found:
         st = job_state(rec.job_id, rec.slurm_env())
         print(f"no log yet for job {rec.job_id} (state {st['state']}); expected at {rec.stdout}")
     err = job_error(rec)
     if err:
-        print(f"==> error <==\n{err}")
+        print(f"==> outcome <==\n{err}")
     return 0
 
 

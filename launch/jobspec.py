@@ -16,7 +16,9 @@ from typing import Any
 
 import yaml
 
+from launch import values
 from launch.errors import LaunchError
+from launch.values import parse_slurm_time
 
 JOBS_DIR = Path(__file__).with_name("jobs")
 
@@ -46,8 +48,9 @@ SPEC_SCHEMA: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "default_preset": (str, False),
     "presets": (dict, False),
     "lock": (dict, False),
+    "main_task": (int, False),
 }
-_TIME_RE = re.compile(r"^(?:(?P<d>\d+)-)?(?P<h>\d+):(?P<m>\d{1,2})(?::(?P<s>\d{1,2}))?$")
+MAX_SPEC_BYTES = 1 << 20
 # Node-local scratch for compile and model caches. Per job by default; point
 # LAUNCH_NODE_SCRATCH at the node's NVMe (the node_caches role does) to keep caches warm.
 DEFAULT_SCRATCH = "${LAUNCH_NODE_SCRATCH:-/tmp}/launch-${USER:-root}/${SLURM_JOB_ID}"
@@ -66,6 +69,10 @@ class Resources:
     def tasks_per_node(self) -> int:
         # One process per GPU (torchrun-style), or a single process on CPU.
         return max(1, self.gpus_per_node)
+
+    @property
+    def total_tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
 
     @property
     def time_minutes(self) -> int:
@@ -94,6 +101,9 @@ class JobSpec:
     default_preset: str | None = None
     presets: dict[str, Preset] = field(default_factory=dict)
     lock: dict[str, str] = field(default_factory=dict)
+    # The task whose log `launch logs` shows by default; negative counts from the last
+    # (DFlash online: the drafter is the last rank).
+    main_task: int = 0
 
     def resolve(self, preset: str | None) -> ResolvedJob:
         """Apply a preset (or the default one) and return what will be submitted."""
@@ -121,6 +131,12 @@ class ResolvedJob:
     args: dict[str, Any]
     env: dict[str, str]
 
+    @property
+    def main_task(self) -> int:
+        """The main task's index in this job (spec's main_task; negative counts from the last)."""
+        n = self.resources.total_tasks
+        return min(max(self.spec.main_task if self.spec.main_task >= 0 else n + self.spec.main_task, 0), n - 1)
+
     def argv(self, extra: list[str] | None = None) -> list[str]:
         """The entrypoint's command line: --key value for each arg, in spec order."""
         out: list[str] = []
@@ -136,21 +152,12 @@ class ResolvedJob:
 
 
 def parse_time_minutes(value: str | int) -> int:
-    """Slurm time ('D-HH:MM:SS', 'HH:MM:SS', 'HH:MM' or minutes) to whole minutes (rounded up)."""
+    """A Slurm time (see launch.values.parse_slurm_time) in whole minutes; an int is minutes."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
-            raise ValueError("time must be positive")
-        return value
-    text = str(value).strip()
-    if text.isdigit():
-        return parse_time_minutes(int(text))
-    m = _TIME_RE.match(text)
-    if not m:
-        raise ValueError(f"time '{value}' is not D-HH:MM:SS, HH:MM:SS, HH:MM or minutes")
-    seconds = (int(m["d"] or 0) * 86400 + int(m["h"]) * 3600 + int(m["m"]) * 60 + int(m["s"] or 0))
-    if seconds <= 0:
-        raise ValueError("time must be positive")
-    return -(-seconds // 60)
+            raise ValueError(f"time {value} must be positive")
+        return parse_slurm_time(str(value))
+    return parse_slurm_time(value)
 
 
 def _type_name(t: type | tuple[type, ...]) -> str:
@@ -182,63 +189,143 @@ def _check_mapping(data: Any, schema: dict[str, tuple[type | tuple[type, ...], b
 
 def _check_resources(data: dict[str, Any], where: str, source: Path) -> dict[str, Any]:
     _check_mapping(data, RESOURCES_SCHEMA, where, source)
-    for key in ("nodes", "cpus_per_task"):
-        if key in data and data[key] < 1:
-            raise LaunchError(f"{source}: key '{where}.{key}': must be >= 1, got {data[key]}")
-    if "gpus_per_node" in data and data["gpus_per_node"] < 0:
-        raise LaunchError(f"{source}: key '{where}.gpus_per_node': must be >= 0, got {data['gpus_per_node']}")
-    if "time" in data:
-        try:
-            parse_time_minutes(data["time"])
-        except ValueError as exc:
-            raise LaunchError(f"{source}: key '{where}.time': {exc}") from exc
+    checks = {
+        "nodes": lambda v: values.check_bounded_int(v, 1, values.MAX_NODES, "nodes"),
+        "gpus_per_node": lambda v: values.check_bounded_int(v, 0, values.MAX_GPUS_PER_NODE, "gpus_per_node"),
+        "cpus_per_task": lambda v: values.check_bounded_int(v, 1, values.MAX_CPUS_PER_TASK, "cpus_per_task"),
+        "mem_gb": lambda v: v if v is None else values.check_mem_gb(v),
+        "time": parse_time_minutes,
+        "partition": lambda v: v if v is None else values.check_slurm_value(v, "partition"),
+    }
+    for key, check in checks.items():
+        if key in data:
+            try:
+                check(data[key])
+            except ValueError as exc:
+                raise LaunchError(f"{source}: key '{where}.{key}': {exc}") from exc
     return data
 
 
-def _check_str_map(data: dict[str, Any], where: str, source: Path) -> dict[str, str]:
+def _check_str_map(data: dict[str, Any], where: str, source: Path, *, shell_keys: bool = False) -> dict[str, str]:
     for key, value in data.items():
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise LaunchError(f"{source}: key '{where}.{key}': expected a string, got {type(value).__name__}")
+        if shell_keys:
+            try:
+                values.check_env_key(key)
+                values.check_env_value(str(key), str(value))
+            except ValueError as exc:
+                raise LaunchError(f"{source}: key '{where}.{key}': {exc}") from exc
     return {str(k): str(v) for k, v in data.items()}
+
+
+def _check_args(data: dict[str, Any], where: str, source: Path) -> dict[str, Any]:
+    """Entrypoint arguments: identifiers mapping to scalars (they become --key value)."""
+    for key, value in data.items():
+        if not isinstance(key, str) or not values.SHELL_NAME_RE.fullmatch(key.replace("-", "_")):
+            raise LaunchError(f"{source}: key '{where}.{key}': an argument name is letters, digits, '_' or '-'")
+        if value is not None and not isinstance(value, (str, int, float, bool)):
+            raise LaunchError(f"{source}: key '{where}.{key}': expected a scalar (string, number, true/false "
+                              f"or null), got {type(value).__name__}")
+    return dict(data)
+
+
+class _SpecYAMLError(Exception):
+    """A YAML construct job specs do not allow; carries the line it is on."""
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """safe_load that refuses duplicate keys (naming both lines) and aliases (an alias bomb
+    expands exponentially; specs have no use for them)."""
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _SpecYAMLError(f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
+                                 "allowed in job specs; write the value out")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key; SafeLoader reports it below
+                continue
+            if first is not None:
+                raise _SpecYAMLError(f"duplicate key '{key}' at lines {first} and {line}")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(raw: bytes, source: Path) -> Any:
+    """Spec bytes to data: UTF-8 only, no duplicate keys, no aliases; errors are one line."""
+    if len(raw) > MAX_SPEC_BYTES:
+        raise LaunchError(f"{source}: a job spec is at most {MAX_SPEC_BYTES >> 10} KiB, this one is "
+                          f"{len(raw) >> 10} KiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise LaunchError(f"{source}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line})") from None
+    try:
+        return yaml.load(text, Loader=_SpecLoader)  # noqa: S506 - a SafeLoader subclass
+    except _SpecYAMLError as exc:
+        raise LaunchError(f"{source}: {exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise LaunchError(f"{source}: invalid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise LaunchError(f"{source}: YAML nested too deeply") from None
 
 
 def load_spec(path: str | os.PathLike[str]) -> JobSpec:
     """Parse and validate one spec file."""
     source = Path(path)
     try:
-        text = source.read_text()
+        raw = source.read_bytes()
     except OSError as exc:
         raise LaunchError(f"{source}: cannot read job spec ({exc.strerror})") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise LaunchError(f"{source}: invalid YAML{where}: {problem}") from exc
+    data = parse_yaml(raw, source)
     _check_mapping(data, SPEC_SCHEMA, "", source)
     resources = Resources(**_check_resources(data.get("resources", {}), "resources", source))
     presets: dict[str, Preset] = {}
     for name, body in (data.get("presets") or {}).items():
         where = f"presets.{name}"
+        if not isinstance(name, str) or not values.NAME_RE.fullmatch(name.replace(".", "_")):
+            raise LaunchError(f"{source}: key '{where}': a preset name is a letter, then letters, digits, "
+                              "'.', '_' or '-'")
         _check_mapping(body or {}, PRESET_SCHEMA, where, source)
         body = body or {}
-        presets[str(name)] = Preset(
-            name=str(name), description=body.get("description", ""), args=dict(body.get("args", {})),
+        presets[name] = Preset(
+            name=name, description=body.get("description", ""),
+            args=_check_args(body.get("args", {}), f"{where}.args", source),
             resources=_check_resources(body.get("resources", {}), f"{where}.resources", source),
-            env=_check_str_map(body.get("env", {}), f"{where}.env", source))
+            env=_check_str_map(body.get("env", {}), f"{where}.env", source, shell_keys=True))
     spec = JobSpec(
         name=data["name"], entrypoint=data["entrypoint"], source=source,
         description=data.get("description", ""), resources=resources,
-        env=_check_str_map(data.get("env", {}), "env", source),
-        scratch=data.get("scratch", DEFAULT_SCRATCH), args=dict(data.get("args", {})),
+        env=_check_str_map(data.get("env", {}), "env", source, shell_keys=True),
+        scratch=data.get("scratch", DEFAULT_SCRATCH), args=_check_args(data.get("args", {}), "args", source),
         default_preset=data.get("default_preset"), presets=presets,
-        lock=_check_str_map(data.get("lock", {}), "lock", source))
+        lock=_check_str_map(data.get("lock", {}), "lock", source), main_task=data.get("main_task", 0))
+    try:
+        values.check_name(spec.name)
+        values.scratch_shell(spec.scratch)
+    except ValueError as exc:
+        key = "name" if str(exc).startswith("name") else "scratch"
+        raise LaunchError(f"{source}: key '{key}': {exc}") from exc
     if spec.default_preset is not None and spec.default_preset not in presets:
         raise LaunchError(f"{source}: key 'default_preset': '{spec.default_preset}' is not one of the presets "
                           f"({', '.join(sorted(presets)) or 'none'})")
-    if not re.fullmatch(r"[A-Za-z_][\w.]*", spec.entrypoint):
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", spec.entrypoint):
         raise LaunchError(f"{source}: key 'entrypoint': '{spec.entrypoint}' is not a Python module name")
+    if abs(spec.main_task) > values.MAX_GPUS_PER_NODE * values.MAX_NODES:
+        raise LaunchError(f"{source}: key 'main_task': {spec.main_task} is not a task index")
     return spec
 
 

@@ -1,53 +1,215 @@
-"""What runs inside the Slurm allocation: prepare node-local caches, preflight, then the entrypoint.
+"""What runs inside the Slurm allocation: prepare node-local caches, preflight, then the entrypoint,
+and record how it ended.
 
 submitit pickles an `EntrypointRun` and calls it in every task. It is Checkpointable, so on a
 timeout or preemption submitit requeues the same command line; the trainers resume from their
 own latest checkpoint in $LAUNCH_JOB_DIR.
+
+Outcomes. The job's outcome.json (toolkit.outcome: state completed, failed or cancelled, the
+step, a one-line error) is the trainer's word when the trainer wrote one in this attempt (the
+shared runtime does, with its own step count); otherwise the main task (the spec's
+`main_task`) writes it here, with the last step of the run's metrics.jsonl: an entrypoint that
+raised or returned non-zero, a preflight that failed, or a cancel (scancel's SIGTERM, or a
+preemption) that reads "cancelled at step N". Each task also records its own state in
+`outcome.task<K>.json` (running, completed, failed, cancelled, requeued) for `launch status`.
+The full traceback of a failure stays in the task's log.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
+from types import ModuleType
 
 import submitit
 
-CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "HF_HOME": "hf", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+from launch.doctor.checks import fast_subset
+from launch.errors import LaunchError
+from launch.executor import CACHE_VARS
+from toolkit.fsutil import atomic_write_text
+from toolkit.metrics import step_records
+from toolkit.outcome import OUTCOME, STATES, describe, read_outcome, write_outcome
 
 
 class EntrypointFailed(RuntimeError):
     """The entrypoint returned a non-zero exit code."""
 
 
+def entry_module(module: str, run_main_module: bool = True) -> ModuleType:
+    """The module holding `main`: `module` itself, or for a package entrypoint (`train.stage1`)
+    its `train` module, or (in the job only: importing it runs it) its `__main__`."""
+    entry = importlib.import_module(module)
+    if hasattr(entry, "main"):
+        return entry
+    for sub in ("train", "__main__") if run_main_module else ("train",):
+        try:
+            candidate = importlib.import_module(f"{module}.{sub}")
+        except ModuleNotFoundError:
+            continue
+        if hasattr(candidate, "main"):
+            return candidate
+    return entry
+
+
+def entry_parser(module: str):  # -> Callable[[list[str]], object] | None
+    """The entrypoint's `parse_args(argv)`: next to its `main` (where main is defined), or None."""
+    entry = entry_module(module, run_main_module=False)
+    main = getattr(entry, "main", None)
+    home = sys.modules.get(getattr(main, "__module__", "") or "", entry)
+    return getattr(home, "parse_args", None) or getattr(entry, "parse_args", None)
+
+
+def task_outcome_path(job_dir: Path, task: int) -> Path:
+    return job_dir / f"outcome.task{task}.json"
+
+
+def read_task_outcome(job_dir: Path, task: int) -> dict | None:
+    try:
+        data = json.loads(task_outcome_path(job_dir, task).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "state" in data else None
+
+
+def last_step(metrics: Path) -> int | None:
+    try:
+        steps = step_records(metrics)
+    except OSError:
+        return None
+    return int(steps[-1]["step"]) if steps else None
+
+
+def one_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+class OutcomeRecorder:
+    """This task's state, and (from the main task) the job's outcome.json, written atomically."""
+
+    def __init__(self, job_dir: Path, task: int, main_task: int, metrics: Path) -> None:
+        self.job_dir, self.task, self.main_task, self.metrics = job_dir, task, main_task, metrics
+        self.started = time.time()
+        self.final: str | None = None
+
+    def start(self) -> None:
+        if self.task == self.main_task:  # a requeued attempt starts without the last attempt's outcome
+            (self.job_dir / OUTCOME).unlink(missing_ok=True)
+        self.write("running")
+
+    def trainer_outcome(self) -> dict | None:
+        """The outcome.json the trainer wrote in this attempt (next to its metrics), if any."""
+        theirs = read_outcome(self.metrics.parent)
+        return theirs if theirs and float(theirs.get("time") or 0) >= self.started else None
+
+    def write(self, state: str, error: str | None = None) -> None:
+        theirs = self.trainer_outcome() if state in STATES else None
+        if theirs:  # the trainer knows its step and why it stopped better than we do
+            state, step = theirs["state"], theirs.get("step")
+            error = theirs.get("error") if state == "failed" else None
+        else:
+            step = last_step(self.metrics)
+        record = {"state": state, "step": step, "error": error, "task": self.task, "time": time.time()}
+        try:
+            atomic_write_text(task_outcome_path(self.job_dir, self.task), json.dumps(record) + "\n")
+            ours = not theirs or self.metrics.parent.resolve() != self.job_dir.resolve()
+            if self.task == self.main_task and state in STATES and ours:
+                write_outcome(self.job_dir, state, step, error)
+        except OSError as exc:  # an outcome must never turn a result into a crash
+            print(f"[launch] could not record the outcome in {self.job_dir}: {exc}", file=sys.stderr, flush=True)
+        if state != "running":
+            self.final = state
+
+    def line(self) -> str:
+        return describe(read_task_outcome(self.job_dir, self.task) or {"state": self.final or "running"})
+
+
 class EntrypointRun(submitit.helpers.Checkpointable):
-    def __init__(self, module: str, argv: list[str], job_name: str, preflight: bool = True) -> None:
+    def __init__(self, module: str, argv: list[str], job_name: str, preflight: bool = True,
+                 main_task: int = 0) -> None:
         self.module = module
         self.argv = list(argv)
         self.job_name = job_name
         self.preflight = preflight
+        self.main_task = main_task
+
+    def _recorder(self) -> OutcomeRecorder:
+        job_dir = Path(os.environ.get("LAUNCH_JOB_DIR") or ".")
+        out = self.argv[self.argv.index("--out") + 1] if "--out" in self.argv[:-1] else None
+        metrics = Path(out) / "metrics.jsonl" if out else job_dir / "metrics.jsonl"
+        return OutcomeRecorder(job_dir, int(os.environ.get("SLURM_PROCID", "0")), self.main_task, metrics)
 
     def __call__(self) -> int:
-        prepare_node_local_dirs()
-        if self.preflight:
-            run_preflight(self.job_name)
-        entry = importlib.import_module(self.module)
-        if not hasattr(entry, "main"):
-            # A package entrypoint (`train.stage1`) keeps main() in its __main__ or train module.
-            for sub in ("train", "__main__"):
+        recorder = self._recorder()
+        recorder.start()
+
+        owner = os.getpid()
+
+        def on_sigterm(signum: int, _frame: object) -> None:
+            if os.getpid() != owner:  # a forked worker (DataLoader) inherited this handler
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            # scancel and preemption send SIGTERM (then SIGKILL after KillWait): record first.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            recorder.write("cancelled")
+            print(f"[launch] task {recorder.task}: {recorder.line()} ({signal.Signals(signum).name})",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            prepare_node_local_dirs()
+            if self.preflight:
                 try:
-                    entry = importlib.import_module(f"{self.module}.{sub}")
-                except ModuleNotFoundError:
-                    continue
-                if hasattr(entry, "main"):
-                    break
-        print(f"[launch] running {self.module} {' '.join(self.argv)}", flush=True)
-        code = entry.main(self.argv)
-        sys.stdout.flush()
+                    fast_subset(self.job_name)
+                except LaunchError as exc:
+                    recorder.write("failed", f"preflight: {one_line(exc).removeprefix('LaunchError: ')}")
+                    raise
+            entry = entry_module(self.module)
+            print(f"[launch] running {self.module} {' '.join(self.argv)}", flush=True)
+            code = entry.main(self.argv)
+            sys.stdout.flush()
+        except SystemExit as exc:
+            if recorder.final is None:  # the entrypoint called sys.exit itself
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                recorder.write("completed" if code == 0 else "failed",
+                               None if code == 0 else last_error_line() or f"exited with code {code}")
+            raise
+        except BaseException as exc:
+            if recorder.final is None:  # not a cancel that got here first
+                recorder.write("failed", one_line(exc))
+            raise
         if code:
-            raise EntrypointFailed(f"{self.module} exited with code {code}")
+            error = last_error_line() or f"{self.module} exited with code {code}"
+            recorder.write("failed", error)
+            if recorder.final == "cancelled":  # the trainer caught the SIGTERM and said so
+                print(f"[launch] task {recorder.task}: {recorder.line()}", file=sys.stderr, flush=True)
+                raise SystemExit(code)
+            raise EntrypointFailed(f"{self.module} exited with code {code}: {error}")
+        recorder.write("completed")
         return 0
+
+    def checkpoint(self, *args: object, **kwargs: object) -> submitit.helpers.DelayedSubmission:
+        # submitit calls this on SIGUSR2 (time limit near, or preemption) before it requeues.
+        self._recorder().write("requeued")
+        return super().checkpoint(*args, **kwargs)
+
+
+def last_error_line() -> str | None:
+    """The entrypoint's own one-line error ('name: error: ...') from this task's stderr log."""
+    try:
+        path = submitit.JobEnvironment().paths.stderr
+        lines = path.read_text(errors="replace").splitlines()[-200:]
+    except Exception:  # outside submitit, or no log: the exit code alone will do
+        return None
+    errors = [ln.strip() for ln in lines if ": error: " in ln]
+    return errors[-1] if errors else None
 
 
 def prepare_node_local_dirs() -> None:
@@ -56,14 +218,3 @@ def prepare_node_local_dirs() -> None:
         value = os.environ.get(var)
         if value:
             Path(value).mkdir(parents=True, exist_ok=True)
-
-
-def run_preflight(job_name: str) -> None:
-    """The doctor's fast subset, when the doctor is installed; a FAIL stops the job early."""
-    try:
-        doctor = importlib.import_module("launch.doctor")
-    except ModuleNotFoundError:
-        return
-    fast_subset = getattr(doctor, "fast_subset", None)
-    if fast_subset is not None:
-        fast_subset(job_name)

@@ -1,8 +1,11 @@
 """Which Slurm the launcher talks to, and small wrappers around its client commands.
 
 Order: an explicit SLURM_CONF in the environment; else the embedded cluster under
-$LAUNCH_HOME when it is up; else the system's default configuration (a real cluster's
-login node).
+$LAUNCH_HOME when one was started there (a partly-down one is an error, never a silent fall
+back to another Slurm); else the system's default configuration (a real cluster's login node).
+Before anything is submitted or followed, `require_cluster` asks the controller (`scontrol
+ping`); a Slurm that does not answer is one line saying which Slurm was tried, what is down and
+how to bring it up.
 """
 
 from __future__ import annotations
@@ -10,9 +13,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
-from launch.cluster.embedded import EmbeddedCluster
+from launch.cluster.embedded import DAEMONS, EmbeddedCluster
 from launch.errors import LaunchError
+
+SYSTEM_CONFS = (Path("/etc/slurm/slurm.conf"), Path("/etc/slurm-llnl/slurm.conf"))
+UP_HINT = "start the embedded cluster with `launch cluster up`, or set SLURM_CONF to your cluster's slurm.conf"
 
 
 def slurm_env() -> dict[str, str]:
@@ -20,16 +27,60 @@ def slurm_env() -> dict[str, str]:
     if os.environ.get("SLURM_CONF"):
         return {"SLURM_CONF": os.environ["SLURM_CONF"]}
     embedded = EmbeddedCluster()
-    if embedded.is_up():
+    state = embedded.read_state()
+    if state is not None:
+        if not embedded.is_up():
+            running = set(embedded.running_daemons())
+            expected = list(state.get("pids") or {}) or list(DAEMONS)  # what `up` started
+            down = ", ".join(d for d in expected if d not in running) or "some daemons"
+            raise LaunchError(f"the embedded cluster in {embedded.state_dir} is partly down (not running: {down}); "
+                              "bring it back with `launch cluster up` (or `launch cluster down` to use the system Slurm)")
         return embedded.env()
     return {}
 
 
+def describe_slurm(env_extra: dict[str, str]) -> str:
+    conf = env_extra.get("SLURM_CONF")
+    if conf:
+        embedded = EmbeddedCluster()
+        if Path(conf) == embedded.slurm_conf:
+            return f"the embedded cluster ({conf})"
+        return f"SLURM_CONF={conf}"
+    found = next((c for c in SYSTEM_CONFS if c.is_file()), None)
+    return f"the system Slurm ({found})" if found else "the system Slurm (no slurm.conf in /etc/slurm)"
+
+
 def require_slurm_clients() -> None:
-    for tool in ("sbatch", "srun", "squeue", "sacct", "scancel"):
+    for tool in ("sbatch", "srun", "squeue", "sacct", "scancel", "scontrol", "sinfo"):
         if shutil.which(tool) is None:
             raise LaunchError(f"'{tool}' not found: no Slurm client on this machine; install slurm-client, "
                               "or start the embedded cluster with `make deps && launch cluster up`")
+
+
+def require_cluster(env_extra: dict[str, str] | None = None, timeout: float = 20) -> dict[str, str]:
+    """The Slurm environment, after checking its clients exist and its controller answers."""
+    env_extra = slurm_env() if env_extra is None else env_extra
+    require_slurm_clients()
+    tried = describe_slurm(env_extra)
+    conf = env_extra.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():
+        raise LaunchError(f"no Slurm reachable: tried {tried}, and that file does not exist; {UP_HINT}")
+    if not conf and not any(c.is_file() for c in SYSTEM_CONFS):
+        raise LaunchError(f"no Slurm reachable: no SLURM_CONF, no embedded cluster under {EmbeddedCluster().state_dir}, "
+                          f"no /etc/slurm/slurm.conf; {UP_HINT}")
+    try:
+        ping = run_slurm(["scontrol", "ping"], env_extra, timeout=timeout)
+    except LaunchError:
+        ping = None
+    if ping is None or ping.returncode != 0 or "DOWN" in ping.stdout:
+        detail = "no answer" if ping is None else _first_meaningful(ping.stdout + "\n" + ping.stderr)
+        raise LaunchError(f"no Slurm reachable: tried {tried}; slurmctld does not answer ({detail}); {UP_HINT}")
+    return env_extra
+
+
+def _first_meaningful(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "dns_srv" not in ln.lower()]
+    return (lines[0] if lines else "no output")[:160]
 
 
 def run_slurm(argv: list[str], env_extra: dict[str, str] | None = None,
@@ -46,18 +97,73 @@ def run_slurm(argv: list[str], env_extra: dict[str, str] | None = None,
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 
+# Slurm's pending reasons (squeue %r), in words a user can act on.
+PENDING_REASONS = {
+    "Resources": "waiting for resources: the GPUs/CPUs it asked for are in use by other jobs",
+    "Priority": "waiting behind higher-priority jobs",
+    "Dependency": "waiting for the jobs it depends on",
+    "DependencyNeverSatisfied": "its dependency can never be satisfied (cancel it)",
+    "JobHeldUser": "held by its user (`scontrol release JOBID`)",
+    "JobHeldAdmin": "held by an administrator or root (`scontrol release JOBID`)",
+    "BeginTime": "waiting for its start time",
+    "PartitionConfig": "the request exceeds what the partition allows (GPUs, CPUs, nodes or time)",
+    "PartitionTimeLimit": "the time limit is over the partition's limit",
+    "PartitionNodeLimit": "more nodes than the partition allows",
+    "PartitionDown": "the partition is down",
+    "PartitionInactive": "the partition is inactive",
+    "ReqNodeNotAvail": "a required node is down, drained or reserved",
+    "NodeDown": "a node it needs is down",
+    "BadConstraints": "no node satisfies its constraints",
+    "QOSMaxJobsPerUserLimit": "the QOS's per-user job limit is reached",
+    "AssocGrpGRES": "the account's GPU limit is reached",
+    "Reservation": "waiting for its reservation",
+    "Licenses": "waiting for licenses",
+    "InvalidAccount": "the account is invalid",
+    "InvalidQOS": "the QOS is invalid",
+    "None": "just submitted; the scheduler has not looked at it yet",
+}
+
+
+def pending_words(reason: str, job_id: str = "") -> str:
+    key = reason.strip().strip("()")
+    words = PENDING_REASONS.get(key)
+    if words is None:
+        return key or "no reason given yet"
+    return f"{words.replace('JOBID', job_id or 'JOBID')} [{key}]"
+
+
+def _blank(state: str, reason: str = "") -> dict[str, str]:
+    return {"state": state, "elapsed": "", "nodes": "", "reason": reason, "exit_code": ""}
+
+
+def job_states(job_ids: list[str], env_extra: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """States of many jobs with one squeue and one sacct call: squeue while the controller
+    knows a job, sacct afterwards. Jobs neither knows read UNKNOWN."""
+    if not job_ids:
+        return {}
+    ids = ",".join(job_ids)
+    out: dict[str, dict[str, str]] = {}
+    q = run_slurm(["squeue", "-h", "-j", ids, "-o", "%i|%T|%M|%N|%r"], env_extra)
+    if q.returncode == 0:
+        for line in q.stdout.splitlines():
+            jid, state, elapsed, nodes, reason = (line.split("|") + [""] * 5)[:5]
+            out.setdefault(jid.strip(), {"state": state, "elapsed": elapsed, "nodes": nodes, "reason": reason,
+                                         "exit_code": ""})
+    missing = [j for j in job_ids if j not in out]
+    err = q.stderr.strip()
+    if missing:
+        a = run_slurm(["sacct", "-j", ",".join(missing), "-X", "-n", "-P", "-o",
+                       "JobID,State,Elapsed,NodeList,ExitCode"], env_extra)
+        if a.returncode == 0:
+            for line in a.stdout.splitlines():
+                jid, state, elapsed, nodes, exit_code = (line.split("|") + [""] * 5)[:5]
+                # "CANCELLED by 0" -> "CANCELLED"; a requeued job has several records, the last wins
+                out[jid.strip()] = {"state": (state.split() or ["UNKNOWN"])[0], "elapsed": elapsed, "nodes": nodes,
+                                    "reason": "", "exit_code": exit_code}
+        err = err or a.stderr.strip()
+    return {j: out.get(j) or _blank("UNKNOWN", _first_meaningful(err) if err else "") for j in job_ids}
+
 
 def job_state(job_id: str, env_extra: dict[str, str] | None = None) -> dict[str, str]:
-    """State of one job: squeue while it is known to the controller, sacct afterwards."""
-    q = run_slurm(["squeue", "-h", "-j", job_id, "-o", "%T|%M|%N|%r"], env_extra)
-    if q.returncode == 0 and q.stdout.strip():
-        state, elapsed, nodes, reason = (q.stdout.strip().splitlines()[0].split("|") + [""] * 4)[:4]
-        return {"state": state, "elapsed": elapsed, "nodes": nodes, "reason": reason, "exit_code": ""}
-    a = run_slurm(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,Elapsed,NodeList,ExitCode"], env_extra)
-    if a.returncode == 0 and a.stdout.strip():
-        state, elapsed, nodes, exit_code = (a.stdout.strip().splitlines()[0].split("|") + [""] * 4)[:4]
-        # "CANCELLED by 0" -> "CANCELLED"
-        return {"state": state.split()[0], "elapsed": elapsed, "nodes": nodes, "reason": "",
-                "exit_code": exit_code}
-    return {"state": "UNKNOWN", "elapsed": "", "nodes": "", "reason": (a.stderr or q.stderr).strip(),
-            "exit_code": ""}
+    """State of one job (see job_states)."""
+    return job_states([job_id], env_extra)[job_id]

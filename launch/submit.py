@@ -1,137 +1,208 @@
-"""`launch submit JOB`: a bundled job through submitit into whichever Slurm the environment names."""
+"""`launch submit JOB`: a bundled job through submitit into whichever Slurm the environment names.
+
+Before anything is queued: the spec and every value are checked, the entrypoint's own parser
+reads the command line (so `--arg bogus=1` is a one-line error here, not in the job's log), and
+the request is compared with the cluster's nodes (a request no node can ever satisfy is refused
+rather than left PENDING forever). `--dry-run` does the same checks and prints the script.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
 import os
 import shlex
 import sys
 from pathlib import Path
 
-from launch import registry
+from launch import feasibility, registry, values
 from launch.errors import LaunchError
+from launch.executor import SlurmOptions, make_executor, sbatch_failure, sbatch_script
 from launch.fsutil import launch_home
-from launch.jobspec import ResolvedJob, find_spec, parse_time_minutes
-from launch.runner import CACHE_VARS, EntrypointRun
-from launch.slurmenv import require_slurm_clients, slurm_env
+from launch.jobs_cli import follow
+from launch.jobspec import JobSpec, ResolvedJob, find_spec, known_jobs
+from launch.runner import EntrypointRun, entry_parser
+from launch.slurmenv import describe_slurm, require_cluster, slurm_env
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (f"jobs: {', '.join(known_jobs())}; `launch submit JOB --list-presets` lists a job's presets "
+                "with their descriptions and resources")
     p.add_argument("job", help="job name (stage1, dflash, extract) or path to a job spec .yaml")
-    p.add_argument("--preset", help="preset from the job spec (e.g. tiny, qwen35-2b)")
-    p.add_argument("--nodes", type=int)
-    p.add_argument("--gpus-per-node", type=int)
-    p.add_argument("--cpus-per-task", type=int)
-    p.add_argument("--time", help="wall-clock limit: D-HH:MM:SS, HH:MM:SS, HH:MM or minutes")
-    p.add_argument("--partition")
-    p.add_argument("--scratch", help="node-local scratch for caches (default: per job under "
-                   "$LAUNCH_NODE_SCRATCH, else /tmp)")
+    p.add_argument("--preset", help="preset from the job spec (see --list-presets)")
+    p.add_argument("--list-presets", action="store_true", help="list the job's presets with their resources; submit nothing")
+    r = p.add_argument_group("resources (override the preset's)")
+    r.add_argument("--nodes", type=values.int_range(1, values.MAX_NODES))
+    r.add_argument("--gpus-per-node", type=values.int_range(0, values.MAX_GPUS_PER_NODE))
+    r.add_argument("--cpus-per-task", type=values.int_range(1, values.MAX_CPUS_PER_TASK))
+    r.add_argument("--mem-gb", type=float, help="memory per node in GB")
+    r.add_argument("--time", type=values.slurm_time,
+                   help="wall-clock limit in Slurm's grammar: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS")
+    r.add_argument("--partition", type=values.slurm_value("--partition"))
+    s = p.add_argument_group("Slurm options (passed to sbatch)")
+    s.add_argument("--name", type=values.job_name, help="Slurm job name (default: the spec's name)")
+    s.add_argument("--account", type=values.slurm_value("--account"))
+    s.add_argument("--qos", type=values.slurm_value("--qos"))
+    s.add_argument("--constraint", type=values.slurm_value("--constraint"))
+    s.add_argument("--exclude", type=values.slurm_value("--exclude"), metavar="NODES")
+    s.add_argument("--dependency", type=values.dependency, metavar="TYPE:JOBID",
+                   help="e.g. afterok:1234 (start after job 1234 completed)")
+    s.add_argument("--env", type=values.env_pair, action="append", default=[], metavar="KEY=VALUE",
+                   help="set an environment variable in the job (repeatable)")
+    p.add_argument("--scratch", type=values.scratch_value,
+                   help="node-local scratch for caches; may expand $SLURM_JOB_ID, $LAUNCH_NODE_SCRATCH, $USER "
+                   "(default: per job under $LAUNCH_NODE_SCRATCH, else /tmp)")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="override an entrypoint argument (repeatable)")
+                   help="override an entrypoint argument (repeatable); checked with the entrypoint's parser")
     p.add_argument("--runs-dir", help="where job folders go (default $LAUNCH_HOME/runs)")
     p.add_argument("--no-preflight", action="store_true", help="skip the doctor's fast checks in the job")
-    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and job environment; submit nothing")
-    p.add_argument("--follow", "-f", action="store_true", help="stream the log until the job ends")
+    p.add_argument("--dry-run", action="store_true", help="check everything, print the sbatch script; submit nothing")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--follow", "-f", action="store_true", help="stream the main task's log until the job ends")
+    out.add_argument("--json", action="store_true", help="print the submitted job as JSON")
+    out.add_argument("--parsable", action="store_true", help="print only the job id")
     # Arguments after a bare `--` reach the entrypoint verbatim (split off in launch.cli).
     p.set_defaults(extra=[])
 
 
 def _apply_overrides(job: ResolvedJob, args: argparse.Namespace) -> None:
     r = job.resources
-    for attr in ("nodes", "gpus_per_node", "cpus_per_task", "partition"):
+    for attr in ("nodes", "gpus_per_node", "cpus_per_task", "partition", "time"):
         value = getattr(args, attr)
         if value is not None:
             setattr(r, attr, value)
-    if args.time is not None:
+    if args.mem_gb is not None:
         try:
-            parse_time_minutes(args.time)
+            r.mem_gb = values.check_mem_gb(args.mem_gb)
         except ValueError as exc:
-            raise LaunchError(f"--time: {exc}") from exc
-        r.time = args.time
-    if r.nodes < 1 or r.cpus_per_task < 1 or r.gpus_per_node < 0:
-        raise LaunchError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node >= 0")
+            raise LaunchError(f"--mem-gb: {exc}") from None
     for item in args.arg:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise LaunchError(f"--arg '{item}': expected KEY=VALUE")
+        if not sep or not values.SHELL_NAME_RE.fullmatch(key.replace("-", "_")):
+            raise LaunchError(f"--arg '{item}': expected KEY=VALUE with KEY an argument name (e.g. --arg steps=10)")
         job.args[key.replace("-", "_")] = value
 
 
-def job_environment(job: ResolvedJob, folder: Path, scratch: str) -> list[str]:
-    """Shell lines for the sbatch script: where the job writes, its node-local caches, its env."""
-    lines = [
-        f"export LAUNCH_JOB_NAME={shlex.quote(job.spec.name)}",
-        f"export LAUNCH_JOB_DIR={shlex.quote(str(folder))}/${{SLURM_JOB_ID}}",
-        # Not quoted: the default expands SLURM_JOB_ID and LAUNCH_NODE_SCRATCH on the node.
-        f"export LAUNCH_SCRATCH={scratch}",
-    ]
-    lines += [f"export {var}=$LAUNCH_SCRATCH/{sub}" for var, sub in CACHE_VARS.items()]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in job.env.items()]
-    lines.append('mkdir -p "$LAUNCH_JOB_DIR" "$LAUNCH_SCRATCH"')
-    return lines
+def check_entrypoint_args(spec: JobSpec, argv: list[str]) -> None:
+    """Parse the job's command line with the entrypoint's own `parse_args(argv)`, here and now:
+    no model is built, nothing is queued. An entrypoint without one, or one that cannot be
+    imported here (a login node without the `train` extra's torch), is checked in the job."""
+    try:
+        parse = entry_parser(spec.entrypoint)
+    except ImportError as exc:
+        print(f"launch submit: note: arguments not checked here ({spec.entrypoint} does not import: {exc}); "
+              "the job checks them", file=sys.stderr)
+        return
+    if parse is None:
+        return
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            parse(list(argv))
+    except SystemExit as exc:  # an argparse parser: its message went to stderr
+        if exc.code in (0, None):  # --help in the passthrough: nothing to submit
+            raise LaunchError(f"the arguments for {spec.name} ask for help (`python -m {spec.entrypoint} --help`)") from None
+        lines = [ln.strip() for ln in err.getvalue().splitlines() if ln.strip()]
+        said = next((ln.split(": error: ", 1)[1] for ln in reversed(lines) if ": error: " in ln), lines[-1] if lines else "")
+    except (ValueError, TypeError, OSError) as exc:  # a config check (ConfigError is a ValueError)
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    else:
+        return
+    raise LaunchError(f"{spec.name} does not accept these arguments: {said} "
+                      f"(see `python -m {spec.entrypoint} --help`); nothing submitted")
 
 
-def make_executor(job: ResolvedJob, folder: Path, scratch: str):  # -> submitit.SlurmExecutor
-    import submitit
-
-    r = job.resources
-    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=3)
-    params: dict = dict(
-        job_name=job.spec.name, time=r.time_minutes, nodes=r.nodes, ntasks_per_node=r.tasks_per_node,
-        cpus_per_task=r.cpus_per_task, setup=job_environment(job, folder, scratch),
-        # Checkpointable jobs get SIGUSR2 this long before the limit, to save and requeue.
-        signal_delay_s=120, stderr_to_stdout=False,
-    )
-    if r.gpus_per_node:
-        params["gres"] = f"gpu:{r.gpus_per_node}"
-    if r.partition:
-        params["partition"] = r.partition
-    if r.mem_gb:
-        params["mem"] = f"{int(r.mem_gb)}G"
-    executor.update_parameters(**params)
-    return executor
-
-
-def sbatch_script(executor) -> str:
-    return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")
+def list_presets(spec: JobSpec, as_json: bool) -> int:
+    rows = []
+    for name in spec.presets:
+        r = spec.resolve(name).resources
+        rows.append({"preset": name, "default": name == spec.default_preset, "description": spec.presets[name].description,
+                     "nodes": r.nodes, "gpus_per_node": r.gpus_per_node, "cpus_per_task": r.cpus_per_task,
+                     "time": str(r.time)})
+    if as_json:
+        print(json.dumps({"job": spec.name, "presets": rows}, indent=2))
+        return 0
+    print(f"presets of {spec.name} ({spec.source}):")
+    for row in rows:
+        mark = "*" if row["default"] else " "
+        print(f" {mark}{row['preset']:<14} {row['nodes']}x{row['gpus_per_node']} GPU, {row['cpus_per_task']} CPU/task, "
+              f"{row['time']:<9} {row['description']}")
+    print("(* the default)")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     spec = find_spec(args.job)
+    if args.list_presets:
+        return list_presets(spec, args.json)
     job = spec.resolve(args.preset)
     _apply_overrides(job, args)
     argv = job.argv(args.extra)
+    check_entrypoint_args(spec, argv)
     folder = Path(args.runs_dir or launch_home() / "runs").resolve() / spec.name
     scratch = args.scratch or spec.scratch
-    env_extra = slurm_env()
-    if not args.dry_run:
-        require_slurm_clients()
-    os.environ.update(env_extra)  # submitit calls sbatch with our environment
-    executor = make_executor(job, folder, scratch)
-    runner = EntrypointRun(spec.entrypoint, argv, spec.name, preflight=not args.no_preflight)
+    options = SlurmOptions(name=args.name, account=args.account, qos=args.qos, constraint=args.constraint,
+                           exclude=args.exclude, dependency=args.dependency, env=dict(args.env))
+    executor = make_executor(job, folder, scratch, options)
+    what = f"{spec.name} (preset {job.preset})" if job.preset else spec.name
     if args.dry_run:
-        print("# --- sbatch script (dry run: nothing submitted) ---")
-        print(sbatch_script(executor).replace("%j", "<jobid>"))
-        print("# --- job ---")
-        print(f"# entrypoint: python -m {spec.entrypoint} {shlex.join(argv)}")
-        print(f"# preset:     {job.preset}")
-        print(f"# slurm:      {env_extra.get('SLURM_CONF', 'system default configuration')}")
-        return 0
+        return dry_run(executor, spec, job, argv, what)
+    env_extra = require_cluster()
+    problem = feasibility.check(job.resources, feasibility.query_cluster(env_extra), what)
+    if problem:
+        raise LaunchError(problem)
+    os.environ.update(env_extra)  # submitit calls sbatch with our environment
+    # The in-job preflight finds the spec (its lock) by name when it is a known job, else by path.
+    spec_ref = spec.name if known_jobs().get(spec.name) == spec.source else str(spec.source.resolve())
+    runner = EntrypointRun(spec.entrypoint, argv, spec_ref, preflight=not args.no_preflight, main_task=job.main_task)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         submitted = executor.submit(runner)
     except Exception as exc:  # submitit wraps sbatch failures in several exception types
-        msg = str(exc).strip().splitlines()
-        detail = next((ln for ln in msg if "error" in ln.lower()), msg[-1] if msg else type(exc).__name__)
-        raise LaunchError(f"sbatch refused the job: {detail.strip()}") from exc
+        raise LaunchError(f"sbatch refused the job: {sbatch_failure(exc)}") from None
     job_id = str(submitted.job_id)
     rec = registry.JobRecord(job_id=job_id, name=spec.name, preset=job.preset, folder=str(folder / job_id),
-                             submitted_at=registry.now(), slurm_conf=env_extra.get("SLURM_CONF"), argv=argv)
+                             submitted_at=registry.now(), slurm_conf=env_extra.get("SLURM_CONF"), argv=argv,
+                             tasks=job.resources.total_tasks, main_task=job.main_task)
     registry.record(rec)
-    print(f"submitted {spec.name} (preset {job.preset}) as job {job_id}")
+    if args.parsable:
+        print(job_id)
+        return 0
+    if args.json:
+        print(json.dumps({"job_id": job_id, "name": spec.name, "preset": job.preset, "folder": rec.folder,
+                          "log": str(rec.stdout), "tasks": rec.tasks, "main_task": rec.main_task,
+                          "slurm_conf": rec.slurm_conf, "argv": argv}))
+        return 0
+    print(f"submitted {what} as job {job_id}")
     print(f"  logs: {rec.stdout}")
     if args.follow:
-        from launch.jobs_cli import follow
+        try:
+            return follow(rec, sys.stdout, from_start=True)
+        except KeyboardInterrupt:
+            print(f"launch submit: stopped following; job {job_id} keeps running (`launch logs -f {job_id}`, "
+                  f"`launch cancel {job_id}`)", file=sys.stderr)
+            return 130
+    return 0
 
-        return follow(rec, sys.stdout)
+
+def dry_run(executor, spec: JobSpec, job: ResolvedJob, argv: list[str], what: str) -> int:  # noqa: ANN001
+    print("# --- sbatch script (dry run: nothing submitted) ---")
+    print(sbatch_script(executor).replace("%j", "<jobid>"))
+    print("# --- job ---")
+    print(f"# entrypoint: python -m {spec.entrypoint} {shlex.join(argv)}")
+    print(f"# preset:     {job.preset}")
+    print(f"# tasks:      {job.resources.total_tasks} (logs show task {job.main_task} by default)")
+    try:
+        env_extra = slurm_env()
+        cluster = feasibility.query_cluster(require_cluster(env_extra))
+    except LaunchError as exc:
+        print(f"# slurm:      feasibility not checked: {exc}")
+        return 0
+    print(f"# slurm:      {describe_slurm(env_extra)}")
+    problem = feasibility.check(job.resources, cluster, what)
+    if problem:
+        raise LaunchError(problem)
+    print("# feasible:   yes, some nodes can run it")
     return 0

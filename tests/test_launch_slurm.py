@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import run_launch, slurm_available, wait_for_state
+from conftest import REPO, run_launch, slurm_available, wait_for_state
 
-from launch.cluster.embedded import MARKER_VAR, EmbeddedCluster
+from launch.cluster.embedded import MARKER_VAR, EmbeddedCluster, node_daemon
 
 pytestmark = pytest.mark.slurm
 
@@ -23,8 +26,10 @@ def _submit(env: dict[str, str], *args: str) -> str:
     return first.split()[-1]
 
 
-def test_submit_runs_to_completed_with_accounting(launch_env):
-    job = _submit(launch_env, "--preset", "slow", "--arg", "sleep=4")
+def test_submit_runs_to_completed_with_accounting(launch_env, tmp_path):
+    # A value that would run a command if it reached the script unquoted.
+    probe = f"$(touch {tmp_path}/pwned); `touch {tmp_path}/pwned2`"
+    job = _submit(launch_env, "--preset", "slow", "--arg", "sleep=4", "--env", f"PROBE={probe}")
     assert wait_for_state(job, launch_env, {"RUNNING"}) == "RUNNING"
     assert wait_for_state(job, launch_env, {"COMPLETED", "FAILED"}) == "COMPLETED"
     # sacct (slurmdbd + MariaDB) knows the job after it left the controller's queue.
@@ -33,6 +38,7 @@ def test_submit_runs_to_completed_with_accounting(launch_env):
     assert sacct.stdout.strip() == "COMPLETED"
     logs = run_launch(["logs", job], launch_env)
     assert "fixture done" in logs.stdout
+    assert f"PROBE={probe}\n" in logs.stdout and not list(tmp_path.glob("pwned*"))
     # The job environment puts compile caches on node-local scratch, per job.
     assert f"TRITON_CACHE_DIR=/tmp/launch-{os.environ.get('USER', 'root')}/{job}/triton" in logs.stdout
     listing = run_launch(["list"], launch_env)
@@ -46,12 +52,35 @@ def test_follow_streams_log_and_exit_code(launch_env):
     assert "COMPLETED" in out.stdout
 
 
-def test_cancel(launch_env):
-    job = _submit(launch_env, "--preset", "slow")
-    wait_for_state(job, launch_env, {"RUNNING"})
+def _metrics_steps(job_dir: Path) -> list[int]:
+    path = job_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(ln)["step"] for ln in path.read_text().splitlines() if ln.strip()]
+
+
+@pytest.mark.parametrize("preset", ["counting", "counting-own"])
+def test_cancel_reads_cancelled_at_step_without_traceback(launch_env, preset):
+    """counting: the wrapper records the cancel; counting-own: the entrypoint catches SIGTERM and
+    writes outcome.json itself (as the trainers' runtime does), and its record is kept."""
+    out = run_launch(["submit", "fixture", "--preset", preset, "--no-preflight", "--json"], launch_env)
+    assert out.returncode == 0, out.stderr
+    submitted = json.loads(out.stdout)
+    job, job_dir = submitted["job_id"], Path(submitted["folder"])
+    deadline = time.monotonic() + 60
+    while len(_metrics_steps(job_dir)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert len(_metrics_steps(job_dir)) >= 3
     out = run_launch(["cancel", job], launch_env)
     assert out.returncode == 0, out.stderr
     assert wait_for_state(job, launch_env, {"CANCELLED", "COMPLETED"}) == "CANCELLED"
+    outcome = json.loads((job_dir / "outcome.json").read_text())
+    assert outcome["state"] == "cancelled" and outcome["step"] == _metrics_steps(job_dir)[-1] >= 3
+    assert outcome["trainer"] == ("fixture" if preset == "counting-own" else None)
+    status = run_launch(["status", job], launch_env)
+    assert f"outcome: cancelled at step {outcome['step']}" in status.stdout, status.stdout
+    assert "Traceback" not in status.stdout + status.stderr
+    assert "DataLoader" not in status.stdout and "RuntimeError" not in status.stdout
 
 
 def test_failed_job_error_reaches_logs_and_status(launch_env):
@@ -59,9 +88,30 @@ def test_failed_job_error_reaches_logs_and_status(launch_env):
     assert wait_for_state(job, launch_env, {"FAILED", "COMPLETED"}) == "FAILED"
     status = run_launch(["status", job], launch_env)
     assert status.returncode == 1
-    assert "fixture failure: shard 7 is corrupt" in status.stdout
+    assert "outcome: failed: ValueError: fixture failure: shard 7 is corrupt" in status.stdout
+    assert "Traceback" not in status.stdout
+    # The job wrote its outcome (one line), and the full traceback stayed in the log.
+    job_dir = Path(launch_env["LAUNCH_HOME"]) / "runs" / "fixture" / job
+    outcome = json.loads((job_dir / "outcome.json").read_text())
+    assert outcome == {**outcome, "state": "failed", "step": None,
+                       "error": "ValueError: fixture failure: shard 7 is corrupt"}
+    task0 = json.loads((job_dir / "outcome.task0.json").read_text())
+    assert (task0["state"], task0["task"], task0["error"]) == ("failed", 0, outcome["error"])
+    assert "Traceback (most recent call last)" in (job_dir / f"{job}_0_log.err").read_text()
     logs = run_launch(["logs", job], launch_env)
     assert "fixture failure: shard 7 is corrupt" in logs.stdout
+
+
+def test_failed_preflight_is_the_outcome_for_a_spec_given_by_path(launch_env, tmp_path):
+    spec = tmp_path / "locked.yaml"
+    spec.write_text('name: locked\nentrypoint: fixture_entry\nresources: {time: "00:05:00"}\nlock: {torch: ">=99"}\n')
+    out = run_launch(["submit", str(spec), "--parsable"], launch_env)
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.strip()
+    assert wait_for_state(job, launch_env, {"COMPLETED", "FAILED"}) == "FAILED"
+    status = run_launch(["status", job], launch_env).stdout
+    assert "outcome: failed: preflight: doctor found 1 failing check(s): versions.lock: locked lock: torch" in status
+    assert "fixture done" not in run_launch(["logs", job], launch_env).stdout  # the entrypoint never ran
 
 
 def test_nonzero_exit_code_fails_the_job(launch_env):
@@ -80,12 +130,106 @@ def test_gres_stand_ins_set_cuda_visible_devices_and_reach_prolog(launch_env, sl
     assert f"{job} gpus=0,1" in prolog_log
 
 
+def test_infeasible_request_is_refused_in_one_line(launch_env):
+    for extra in ([], ["--dry-run"]):
+        out = run_launch(["submit", "fixture", "--gpus-per-node", "64", *extra], launch_env)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+        # Names what was asked and what the largest node has (the session cluster: 4 GPUs, 4 CPUs).
+        assert "asks for 1 node with 64 GPUs, 64 CPUs" in out.stderr, out.stderr
+        assert "has 4 GPUs, 4 CPUs" in out.stderr, out.stderr
+    assert run_launch(["list"], launch_env).stdout.startswith("no jobs")
+
+
+def test_follow_heartbeat_names_the_pending_reason_of_a_held_job(launch_env):
+    blocker = _submit(launch_env, "--preset", "slow", "--no-preflight")
+    held = run_launch(["submit", "fixture", "--no-preflight", "--parsable", "--dependency", f"afterany:{blocker}"],
+                      launch_env)
+    assert held.returncode == 0, held.stderr
+    job = held.stdout.strip()
+    subprocess.run(["scontrol", "hold", job], env=launch_env, check=True, capture_output=True)
+    follower = subprocess.Popen([sys.executable, "-m", "launch", "logs", "-f", job], env=launch_env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        first = follower.stdout.readline()
+        assert first.startswith(f"[launch] job {job}: PENDING: held by ") and f"`scontrol release {job}`" in first, first
+        subprocess.run(["scontrol", "release", job], env=launch_env, check=True, capture_output=True)
+        run_launch(["cancel", blocker], launch_env)
+        rest, _ = follower.communicate(timeout=90)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, first + rest
+    # The reason changed (held -> the dependency, or straight to running): each change is said.
+    assert f"[launch] job {job}: RUNNING" in rest and f"[launch] job {job}: COMPLETED" in rest, rest
+    assert "fixture done" not in rest or rest.index("RUNNING") < rest.index("fixture done")
+
+
+def test_logs_of_task_1_of_a_two_task_job(launch_env):
+    job = _submit(launch_env, "--preset", "gpu2", "--no-preflight")
+    assert wait_for_state(job, launch_env, {"COMPLETED", "FAILED"}) == "COMPLETED"
+    one = run_launch(["logs", job, "--task", "1"], launch_env)
+    assert one.returncode == 0, one.stderr
+    assert "fixture task 1 of 2" in one.stdout and "fixture task 0 of 2" not in one.stdout
+    every = run_launch(["logs", job, "--all", "--tail", "2"], launch_env).stdout
+    sections = [part.splitlines()[1:] for part in every.split("==> ")[1:]]
+    assert len(sections) == 4  # out and err of each task
+    assert all(len(lines) <= 2 for lines in sections), every  # --tail 2: each log's last lines
+    assert "[task 0] " in every and "[task 1] " in every
+    assert "[task 1] fixture task 1 of 2" in run_launch(["logs", job, "--all"], launch_env).stdout
+    assert "tasks (main 0): 0 completed, 1 completed" in run_launch(["status", job], launch_env).stdout
+
+
+def test_bogus_arg_is_refused_before_submit(launch_env):
+    out = run_launch(["submit", "fixture", "--arg", "bogus=1"], launch_env)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "launch submit: error: fixture does not accept these arguments: unrecognized arguments: --bogus 1 "
+        "(see `python -m fixture_entry --help`); nothing submitted"]
+    assert run_launch(["list"], launch_env).stdout.startswith("no jobs")
+
+
+def test_json_output_of_submit_status_and_list(launch_env):
+    out = run_launch(["submit", "fixture", "--no-preflight", "--json", "--name", "jsonprobe"], launch_env)
+    assert out.returncode == 0, out.stderr
+    submitted = json.loads(out.stdout)
+    job = submitted["job_id"]
+    assert submitted["name"] == "fixture" and submitted["tasks"] == 1 and submitted["log"].endswith(f"{job}_0_log.out")
+    wait_for_state(job, launch_env, {"COMPLETED", "FAILED"})
+    status = json.loads(run_launch(["status", job, "--json"], launch_env).stdout)
+    assert status["state"] == "COMPLETED" and status["outcome"]["state"] == "completed"
+    listing = json.loads(run_launch(["list", "--json"], launch_env).stdout)
+    assert [row["job_id"] for row in listing] == [job]
+    # --name reached sbatch.
+    sacct = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "JobName"], env=launch_env,
+                           capture_output=True, text=True)
+    assert sacct.stdout.strip() == "jsonprobe"
+
+
+def test_doctor_job_is_recorded_and_cancelled_on_sigterm(launch_env):
+    doctor = subprocess.Popen([sys.executable, "-m", "launch", "doctor", "--on-cluster"], env=launch_env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        line = doctor.stderr.readline()
+        assert line.startswith("doctor submitted as Slurm job "), line
+        job = line.split()[5].rstrip(";")
+        doctor.send_signal(signal.SIGTERM)
+        _, err = doctor.communicate(timeout=60)
+    finally:
+        doctor.kill()
+    assert doctor.returncode == 143 and f"doctor job {job} cancelled (SIGTERM)" in err, err
+    assert wait_for_state(job, launch_env, {"CANCELLED", "COMPLETED"}) == "CANCELLED"
+    listing = run_launch(["list"], launch_env).stdout
+    assert any(row.split()[:2] == [job, "doctor"] for row in listing.splitlines()), listing
+
+
 def test_dry_run_prints_script_and_submits_nothing(launch_env):
     out = run_launch(["submit", "stage1", "--preset", "tiny", "--dry-run"], launch_env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("#SBATCH") >= 5
-    assert "export TRITON_CACHE_DIR=$LAUNCH_SCRATCH/triton" in out.stdout
-    assert "python -m train.stage1 --preset tiny" in out.stdout
+    assert 'export TRITON_CACHE_DIR="$LAUNCH_SCRATCH"/triton' in out.stdout
+    # The scratch default expands only its documented variables, each quoted.
+    assert 'export LAUNCH_SCRATCH="${LAUNCH_NODE_SCRATCH:-/tmp}"/launch-"${USER:-root}"/"${SLURM_JOB_ID}"' in out.stdout
+    assert "python -m train.stage1 --shape tiny" in out.stdout
     assert run_launch(["list"], launch_env).stdout.startswith("no jobs")
 
 
@@ -131,8 +275,9 @@ def test_cluster_down_leaves_nothing_behind(tmp_path):
             break
         time.sleep(0.3)
     assert _live_processes_of(cluster.state_dir), "the cluster should be running before down"
+    node = cluster.nodes()[0]["name"]
     stopped = cluster.down()
-    assert stopped == ["slurmd", "slurmctld", "slurmdbd", "munged", "mariadb"]
+    assert stopped == [node_daemon(node), "slurmctld", "slurmdbd", "munged", "mariadb"]
     assert _live_processes_of(cluster.state_dir) == []
     assert not cluster.is_up()
     assert cluster.down() == []  # a second down is a no-op

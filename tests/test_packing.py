@@ -127,3 +127,19 @@ def test_collate_flattens_segments_over_the_batch():
     assert int(batch["max_seqlen"]) == 4 and int(batch["n_real_tokens"]) == 6
     kwargs = model_kwargs(batch)
     assert kwargs["cu_seq_lens_q"] is batch["cu_seqlens"] and kwargs["max_length_q"] == 4
+
+
+def test_filling_a_later_open_row_with_image_documents():
+    """A row that fills up is removed from the open rows by identity: comparing rows compares
+    their documents, and two equal documents compare their images' tensors (a crash seen in a
+    2-rank stage-1 run)."""
+    from train.common.packing import Document, ImageInput
+
+    def doc(n: int) -> Document:
+        img = ImageInput(torch.zeros(4, 3), (1, 2, 2), 2, start=0)  # 1 placeholder token, own tensor
+        return Document(list(range(1, n + 1)), 0, [img])
+
+    # rows of 10: A+X leave row 1 one token short; a second A opens row 2; Z fits only row 2 and
+    # fills it, so row 2 is removed while row 1 (two documents, the first equal to row 2's) is open
+    rows = list(Packer(row_len=10, open_rows=4).pack([doc(4), doc(5), doc(4), doc(6)]))
+    assert sorted(r.n_real_tokens for r in rows) == [9, 10]

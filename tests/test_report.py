@@ -126,3 +126,21 @@ def test_report_title_names_job_preset_and_id_from_the_registry(tmp_path: Path, 
                                        submitted_at=0.0, slurm_conf=None, argv=[]))
     metrics = tmp_path / "home" / "runs" / "stage1" / "4242" / "metrics.jsonl"
     assert run_title(metrics, {"trainer": "stage1", "preset": "tiny"}) == "stage1 tiny 4242"
+
+
+def test_step_line_columns_are_fixed() -> None:
+    """Every step line of a trainer has the same columns in the same place: `-` for an absent
+    task, `n/a` for MFU without a known peak."""
+    from toolkit.metrics import SCHEMAS, step_line
+
+    tasks = ("gen_img", "gen_txt", "und")
+    a = step_line(SCHEMAS["stage1"], {"step": 3, "loss": 2.0, "task_loss": {"und": 2.0}, "tok_s": 10.0, "mfu": None,
+                                      "data_ms": 1.0, "compute_ms": 2.0, "peak_mem_mb": 5.0, "recompiles": 0}, tasks)
+    b = step_line(SCHEMAS["stage1"], {"step": 40, "loss": 1.5, "task_loss": {"gen_img": 1.0, "gen_txt": 2.0},
+                                      "tok_s": 12.0, "mfu": 0.25, "data_ms": 1.0, "compute_ms": 2.0,
+                                      "peak_mem_mb": 5.0, "recompiles": 1}, tasks)
+    assert "gen_img - gen_txt - und 2.00" in a and "| MFU n/a |" in a
+    assert "gen_img 1.00 gen_txt 2.00 und -" in b and "| MFU 25% |" in b
+    assert [p.split()[0] for p in a.split(" | ")] == [p.split()[0] for p in b.split(" | ")]
+    assert step_line(SCHEMAS["dflash"], {"step": 1, "loss": 3.0}) == \
+        "step     1 | loss 3.0000 | acc - | tok/s - | data - | compute -"

@@ -95,10 +95,10 @@ SCHEMAS: dict[str, Schema] = {
             Column("loss", "loss", ".4f"),
             Column("tok_s", "tok/s", ".0f"),
             Column("mfu", "MFU", ".3g", "%", 100.0, missing="n/a"),
-            Column("data_ms", "data", ".1f", " ms"),
-            Column("compute_ms", "compute", ".1f", " ms"),
+            Column("data_ms", "data", ".0f", " ms"),
+            Column("compute_ms", "compute", ".0f", " ms"),
             Column("peak_mem_mb", "mem", ".0f", " MB"),
-            Column("recompiles", "recompiles", "d"),
+            Column("recompiles", "recomp", "d"),
         ),
         plots=(
             Plot("loss", ("loss",), "loss"),
@@ -172,5 +172,5 @@ def step_line(schema: Schema, record: dict[str, Any], tasks: tuple[str, ...] = (
         parts.append(f"{col.label} {value}{unit}")
         if schema.per_task and col.key == "loss" and tasks:
             losses = record.get("task_loss") or {}
-            parts.append(" ".join(f"{t} {_value(losses.get(t), '.3f', 1.0, '-')}" for t in tasks))
+            parts.append(" ".join(f"{t} {_value(losses.get(t), '.2f', 1.0, '-')}" for t in tasks))
     return " | ".join(parts)

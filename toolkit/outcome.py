@@ -40,5 +40,6 @@ def read_outcome(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def describe(outcome: dict[str, Any]) -> str:
     """One line for the user: `completed at step 60`, `cancelled at step 12`, `failed at step 3: ...`."""
-    line = f"{outcome['state']} at step {outcome.get('step', '?')}"
+    step = outcome.get("step")
+    line = outcome["state"] if step is None else f"{outcome['state']} at step {step}"  # None: before step 1
     return f"{line}: {outcome['error']}" if outcome.get("error") and outcome["state"] == "failed" else line

@@ -78,7 +78,8 @@ def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentPar
         if meta.get("choices"):
             kwargs["choices"] = meta["choices"]
         if kwargs["help"] and default not in (None, "", False):
-            kwargs["help"] += f" (default: {default})"
+            shown = ("on" if default else "off") if isinstance(default, bool) else default
+            kwargs["help"] += f" (default: {shown})"
         parser.add_argument(flag_name(f.name), **kwargs)
     return parser
 

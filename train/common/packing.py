@@ -152,7 +152,7 @@ class PackedRow:
     images: list[ImageInput] = field(default_factory=list)  # in token order, starts relative to the row
 
 
-@dataclass
+@dataclass(eq=False)  # identity: rows are removed by `is`, never by comparing their tensors
 class _OpenRow:
     docs: list[Document] = field(default_factory=list)
     used: int = 0

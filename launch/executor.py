@@ -1,0 +1,92 @@
+"""The submitit executor for a resolved job: the sbatch parameters and the job's setup lines.
+
+`launch submit` and `launch doctor --on-cluster` both build their executor here, so a doctor
+job sees the same GRES, CPUs, partition, caches and environment as the job it checks.
+
+Everything that reaches the sbatch script is checked (launch.values) and quoted: the job name
+is a plain identifier, environment keys are shell names and values are single-quoted, and the
+scratch path expands only $SLURM_JOB_ID, $LAUNCH_NODE_SCRATCH and $USER.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launch import values
+from launch.errors import LaunchError
+from launch.jobspec import ResolvedJob
+
+CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "HF_HOME": "hf", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+# Checkpointable jobs get SIGUSR2 this long before the limit, to save and requeue.
+SIGNAL_DELAY_S = 120
+
+
+@dataclass
+class SlurmOptions:
+    """The sbatch options a user passes through `launch submit` (each checked in launch.values)."""
+
+    name: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclude: str | None = None
+    dependency: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def sbatch_params(self) -> dict[str, str]:
+        return {k: v for k, v in (("account", self.account), ("qos", self.qos), ("constraint", self.constraint),
+                                  ("exclude", self.exclude), ("dependency", self.dependency)) if v}
+
+
+def job_environment(job: ResolvedJob, folder: Path, scratch: str, extra_env: dict[str, str] | None = None) -> list[str]:
+    """Shell lines for the sbatch script: where the job writes, its node-local caches, its env."""
+    try:
+        scratch_word = values.scratch_shell(scratch)
+    except ValueError as exc:
+        raise LaunchError(f"--scratch: {exc}") from None
+    lines = [
+        f"export LAUNCH_JOB_NAME={shlex.quote(job.spec.name)}",
+        f'export LAUNCH_JOB_DIR={shlex.quote(str(folder))}/"${{SLURM_JOB_ID}}"',
+        f"export LAUNCH_SCRATCH={scratch_word}",
+    ]
+    lines += [f'export {var}="$LAUNCH_SCRATCH"/{sub}' for var, sub in CACHE_VARS.items()]
+    for key, value in {**job.env, **(extra_env or {})}.items():
+        values.check_env_key(key)  # the spec loader and --env checked it; this is the last line of defence
+        lines.append(f"export {key}={shlex.quote(value)}")
+    lines.append('mkdir -p "$LAUNCH_JOB_DIR" "$LAUNCH_SCRATCH"')
+    return lines
+
+
+def make_executor(job: ResolvedJob, folder: Path, scratch: str, options: SlurmOptions | None = None):  # -> SlurmExecutor
+    import submitit
+
+    options = options or SlurmOptions()
+    r = job.resources
+    name = values.check_name(options.name or job.spec.name, "job name")
+    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=3)
+    params: dict = dict(
+        job_name=name, time=r.time_minutes, nodes=r.nodes, ntasks_per_node=r.tasks_per_node,
+        cpus_per_task=r.cpus_per_task, setup=job_environment(job, folder, scratch, options.env),
+        signal_delay_s=SIGNAL_DELAY_S, stderr_to_stdout=False, **options.sbatch_params(),
+    )
+    if r.gpus_per_node:
+        params["gres"] = f"gpu:{r.gpus_per_node}"
+    if r.partition:
+        params["partition"] = values.check_slurm_value(r.partition, "partition")
+    if r.mem_gb:
+        params["mem"] = f"{max(1, round(r.mem_gb * 1024))}M"
+    executor.update_parameters(**params)
+    return executor
+
+
+def sbatch_script(executor) -> str:  # noqa: ANN001 - submitit.SlurmExecutor
+    return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")
+
+
+def sbatch_failure(exc: Exception) -> str:
+    """The one line that matters from submitit's wrapped sbatch failure."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() and "resolve_ctls_from_dns_srv" not in ln]
+    return (errors[-1] if errors else lines[-1] if lines else type(exc).__name__).removeprefix("sbatch: error: ")
