@@ -73,7 +73,7 @@ def main() -> int:
     stages: dict[str, float] = {}
     image_args = ["--out", str(out)]
     if args.flavour != "test":
-        wheelhouse = [sys.executable, "-m", "images.wheelhouse", "--flavour", args.flavour, "--out", str(house)]
+        wheelhouse = [sys.executable, "-m", "images.make_wheelhouse", "--flavour", args.flavour, "--out", str(house)]
         stages["wheelhouse cold"] = timed(wheelhouse)
         stages["wheelhouse no-op"] = timed(wheelhouse)
         image_args += ["--wheelhouse", str(house)]

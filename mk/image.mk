@@ -12,7 +12,7 @@ image: venv
 	  --out $(IMAGE_OUT) $(if $(force),--force) $(if $(lxc_xz),--lxc-xz)
 
 wheelhouse: venv
-	$(PY) -m images.wheelhouse --name $(or $(name),trainer) --flavour $(or $(flavour),cpu) $(if $(wheels),--add $(wheels))
+	$(PY) -m images.make_wheelhouse --name $(or $(name),trainer) --flavour $(or $(flavour),cpu) $(if $(wheels),--add $(wheels))
 
 test-image: venv
 	$(PY) -m pytest -q tests/test_image.py

@@ -525,7 +525,7 @@ def _flavour_container(tmp_path_factory: pytest.TempPathFactory, flavour: str):
     tmp = tmp_path_factory.mktemp(f"image-{flavour}")
     house = Path(os.environ.get("LAUNCH_TEST_WHEELHOUSE_DIR", "") or tmp / "wheelhouse") / flavour
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "images.wheelhouse", "--flavour", flavour, "--out", str(house)],
+    proc = subprocess.run([sys.executable, "-m", "images.make_wheelhouse", "--flavour", flavour, "--out", str(house)],
                           capture_output=True, text=True, cwd=REPO, env=ENV, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     wheelhouse_s = time.monotonic() - start
