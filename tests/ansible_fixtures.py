@@ -22,8 +22,9 @@ from images.rootfs import BaseSpec, cached_base_rootfs, debian_mirror  # noqa: F
 from images.rootfs import cache_dir as rootfs_cache_dir
 
 SUITE = "bookworm"
-# The packages the roles install in the tests (toolchain's and python_env's small test set).
-TEST_APT_PACKAGES = ("gcc", "libc6-dev", "python3-dev", "python3-venv")
+# The packages the roles install in the tests (toolchain's and python_env's small test set; systemd-sysv
+# for the image test flavour, which boots systemd).
+TEST_APT_PACKAGES = ("gcc", "libc6-dev", "python3-dev", "python3-venv", "systemd-sysv")
 
 
 def cache_dir() -> Path:
@@ -136,9 +137,11 @@ def lxc_inventory(tmp: Path, *, name: str, lxc_path: Path, dev: Path, proc_devic
                 "slurm_install_packages": False,
                 "slurm_manage_services": False,
                 "slurm_munge_user": "root",
+                "slurm_user": "root",  # no slurm user in the test rootfs (no Slurm packages)
                 "slurm_munge_key_b64": munge_key_b64,
             },
             "hosts": {name: {
+                "ct_unprivileged": False,  # the lxc backend makes privileged containers only
                 "ct_template": str(template),
                 "ct_cores": 2,
                 "ct_memory_mb": 2048,
@@ -161,64 +164,56 @@ def lxc_attach(lxc_path: Path, name: str, script: str, check: bool = True) -> su
     )
 
 
+# TEST STAND-IN for nvidia-smi inside the container (no GPU here): it lists as GPUs the
+# /dev/nvidiaN nodes the container may open (the stand-in nodes answer ENXIO, "no driver", when
+# the device cgroup lets them through, EPERM when it does not) and reports the userspace driver
+# version written in /etc/nvidia-standin-version.
+NVIDIA_SMI_STANDIN = """#!/usr/bin/python3
+import errno, glob, os, sys
+version = open("/etc/nvidia-standin-version").read().strip()
+gpus = []
+for node in sorted(glob.glob("/dev/nvidia[0-9]*"), key=lambda p: int(p[len("/dev/nvidia"):])):
+    try:
+        os.close(os.open(node, os.O_RDWR))
+    except OSError as err:
+        if err.errno != errno.ENXIO:
+            continue
+    gpus.append(int(node[len("/dev/nvidia"):]))
+if "-L" in sys.argv:
+    for i, gpu in enumerate(gpus):
+        print(f"GPU {i}: NVIDIA H200 (UUID: GPU-standin-{gpu:04d})")
+elif "--query-gpu=driver_version" in sys.argv:
+    print("\\n".join([version] * len(gpus)))
+else:
+    sys.exit("nvidia-smi stand-in: only -L and --query-gpu=driver_version")
+"""
+
+
+def install_nvidia_smi_standin(rootfs: Path, version: str) -> None:
+    (rootfs / "usr" / "local" / "bin" / "nvidia-smi").write_text(NVIDIA_SMI_STANDIN)
+    (rootfs / "usr" / "local" / "bin" / "nvidia-smi").chmod(0o755)
+    (rootfs / "etc" / "nvidia-standin-version").write_text(version + "\n")
+
+
 def destroy_container(lxc_path: Path, name: str) -> None:
     subprocess.run(["lxc-stop", "-P", str(lxc_path), "-n", name, "-k"], capture_output=True, check=False)
     subprocess.run(["lxc-destroy", "-P", str(lxc_path), "-n", name], capture_output=True, check=False)
 
 
-# A stand-in for Proxmox's `pct` (no Proxmox host here). It appends its argv to $PCT_LOG and
-# keeps just enough state to answer like pct: `create` writes <conf dir>/<vmid>.conf with the
-# keys pct would write, `set` updates them, `status`/`start`/`reboot` track running/stopped,
-# `exec` succeeds. The role's GPU block is then written into that conf by the role itself.
-PCT_STANDIN = r'''#!/usr/bin/env python3
-import os, sys
-from pathlib import Path
-args = sys.argv[1:]
-with open(os.environ["PCT_LOG"], "a") as log:
-    log.write("pct " + " ".join(args) + "\n")
-conf_dir = Path(os.environ["PCT_CONF_DIR"])
-verb, vmid = args[0], args[1]
-conf, state = conf_dir / f"{vmid}.conf", conf_dir / f"{vmid}.state"
-def options(rest):
-    return {rest[i][2:]: rest[i + 1] for i in range(0, len(rest) - 1, 2) if rest[i].startswith("--")}
-if verb == "create":
-    opts = options(args[3:])
-    keys = ["arch: amd64"] + [f"{k}: {opts[k]}" for k in ("cores", "features", "hostname", "memory", "net0", "onboot", "rootfs") if k in opts]
-    keys += ["ostype: ubuntu", "unprivileged: 0" if opts.get("unprivileged") == "0" else "unprivileged: 1"]
-    conf.write_text("\n".join(keys) + "\n")
-    state.write_text("stopped")
-elif verb == "set":
-    lines = dict(line.split(": ", 1) for line in conf.read_text().splitlines() if ": " in line and not line.startswith("lxc."))
-    lxc_lines = [line for line in conf.read_text().splitlines() if line.startswith(("lxc.", "#"))]
-    lines.update(options(args[2:]))
-    conf.write_text("".join(f"{k}: {v}\n" for k, v in sorted(lines.items())) + "".join(l + "\n" for l in lxc_lines))
-elif verb == "status":
-    print("status: " + (state.read_text() if state.exists() else "unknown"))
-elif verb in ("start", "reboot"):
-    state.write_text("running")
-elif verb == "exec":
-    pass
-else:
-    sys.exit(f"pct stand-in: unsupported verb {verb}")
-'''
-
-
-def install_pct_standin(bin_dir: Path) -> Path:
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    pct = bin_dir / "pct"
-    pct.write_text(PCT_STANDIN)
-    pct.chmod(0o755)
-    return pct
-
-
-# The stand-in `pct` that maps pct verbs onto real LXC (see its docstring): no Proxmox here.
+# The stand-in `pct` and `pveversion` (tests/pct_lxc_standin.py; see its docstring): no Proxmox
+# here. Without $PCT_LXC_PATH it keeps state only (command and config tests); with it, it runs
+# real LXC containers.
 PCT_LXC_STANDIN = Path(__file__).with_name("pct_lxc_standin.py")
 
 
-def install_pct_lxc_standin(bin_dir: Path) -> Path:
-    """Put `pct` (tests/pct_lxc_standin.py, run by this interpreter) in bin_dir."""
+def install_pct_standin(bin_dir: Path) -> Path:
+    """Put `pct` and `pveversion` (tests/pct_lxc_standin.py, run by this interpreter) in bin_dir."""
     bin_dir.mkdir(parents=True, exist_ok=True)
-    pct = bin_dir / "pct"
-    pct.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{PCT_LXC_STANDIN}" "$@"\n')
-    pct.chmod(0o755)
-    return pct
+    for name, extra in (("pct", ""), ("pveversion", " --pveversion")):
+        tool = bin_dir / name
+        tool.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{PCT_LXC_STANDIN}"{extra} "$@"\n')
+        tool.chmod(0o755)
+    return bin_dir / "pct"
+
+
+install_pct_lxc_standin = install_pct_standin

@@ -31,6 +31,7 @@ from tests.ansible_fixtures import (
     ansible_bin,
     cached_rootfs_tarball,
     destroy_container,
+    install_nvidia_smi_standin,
     install_pct_lxc_standin,
     install_pct_standin,
     lxc_attach,
@@ -88,6 +89,10 @@ def _kpro6_with(tmp_path: Path, **container_vars: object) -> Path:
         ({"node_caches_root": "/mnt/lustre/cache"}, "node_caches_root=/mnt/lustre/cache is not under ct_scratch_mount"),
         ({"node_caches_fstype_hint": "nfs"}, "node_caches_root is on nfs"),
         ({"ct_cores": "many"}, "ct_cores='many' is not an integer"),
+        ({"lxc_container_nvidia_majors": ["*"]}, "lxc_container_nvidia_majors is read from the host's /proc/devices"),
+        ({"lxc_container_nvidia_majors": [1]}, "lxc_container_nvidia_majors is read from the host's /proc/devices"),
+        ({"lxc_container_nvidia_majors": "a *:* rwm"}, "lxc_container_nvidia_majors is read from the host's /proc/devices"),
+        ({"ct_unprivileged": "maybe"}, "ct_unprivileged='maybe' is not a boolean"),
     ],
 )
 def test_bad_inventory_fails_early_with_one_line(tmp_path: Path, change: dict, names: str) -> None:
@@ -117,48 +122,156 @@ def test_playbook_refuses_a_bad_inventory_before_touching_hosts(tmp_path: Path) 
 
 # --- proxmox backend (pct stand-in) -----------------------------------------------------------
 
+class PveHost:
+    """kpro6.yml run against the state-only `pct` stand-in (tests/pct_lxc_standin.py) on this
+    machine: stand-in GPU nodes (major 195), /proc/devices, storage.cfg and PVE version."""
+
+    def __init__(self, tmp_path: Path, gpus: int = 8, pve_version: str = "8.2.4", **container_vars: object) -> None:
+        import yaml
+
+        self.tmp = tmp_path
+        self.dev, proc_devices = make_standin_gpus(tmp_path, gpus=gpus)
+        self.conf_dir, self.log = tmp_path / "pve-lxc", tmp_path / "pct.log"
+        self.conf_dir.mkdir()
+        self.conf = self.conf_dir / "200.conf"
+        storage_cfg = tmp_path / "storage.cfg"
+        storage_cfg.write_text("dir: local\n\tpath /var/lib/vz\n\tcontent vztmpl,iso\n\n"
+                               "lvmthin: local-lvm\n\tthinpool data\n\tvgname pve\n\tcontent rootdir,images\n")
+        install_pct_standin(tmp_path / "bin")
+        data = yaml.safe_load((ANSIBLE_DIR / "inventory" / "kpro6.yml").read_text())
+        data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"].update({
+            "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+            "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(self.dev),
+            "gpu_host_scratch_path": str(tmp_path), "gpu_host_scratch_must_be_mountpoint": False,
+            "lxc_container_pve_conf_dir": str(self.conf_dir), "lxc_container_pve_storage_cfg": str(storage_cfg),
+        })
+        ct = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
+        ct.update(container_vars)
+        self.data = data
+        self.inventory = write_inventory(tmp_path / "kpro6.yml", data)
+        self.env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(self.log),
+                    "PCT_CONF_DIR": str(self.conf_dir), "PCT_DEV_ROOT": str(self.dev), "PCT_PVE_VERSION": pve_version}
+
+    def container(self, **changes: object) -> None:
+        ct = self.data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
+        ct.update(changes)
+        write_inventory(self.inventory, self.data)
+
+    def run(self, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+        self.log.write_text("")
+        return run_playbook(self.inventory, "--limit", "kpro6", *args, env=self.env, timeout=300)
+
+    def commands(self) -> list[str]:
+        """The pct calls that change something (not status/config/exec)."""
+        return [line for line in self.log.read_text().splitlines()
+                if not line.startswith(("pct status", "pct exec", "pct config"))]
+
+
+def _ok(run: tuple[subprocess.CompletedProcess[str], dict], host: str = "kpro6") -> dict:
+    proc, recap = run
+    assert proc.returncode == 0 and recap[host]["failed"] == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return recap[host]
+
+
+def _golden(name: str, dev: Path) -> str:
+    return (GOLDEN / name).read_text().replace("<DEV>", str(dev))
+
+
 @needs_root
-def test_proxmox_backend_pct_commands_and_conf_block(tmp_path: Path) -> None:
-    """The lxc_container role's `proxmox` backend against the logging `pct` stand-in.
+def test_proxmox_backend_devn_entries_survive_proxmox_rewrites(tmp_path: Path) -> None:
+    """PVE 8.2: passthrough through devN entries. Golden files tests/golden/pct-commands.txt and
+    tests/golden/pve-200.conf. Then the CT config goes through Proxmox's own rewrite (what a
+    GUI edit, snapshot or backup lock does): the next run changes nothing and reboots nothing."""
+    from tests.pct_lxc_standin import proxmox_rewrite
 
-    Golden files: tests/golden/pct-commands.txt and tests/golden/pve-200.conf, with the temp
-    stand-in device dir written as <DEV>.
-    """
-    import yaml
+    pve = PveHost(tmp_path)
+    _ok(pve.run())
+    assert pve.commands() == _golden("pct-commands.txt", pve.dev).splitlines()
+    conf = pve.conf.read_text()
+    assert conf == _golden("pve-200.conf", pve.dev)
+    assert "lxc." not in conf, "devN entries need no raw lines"
 
-    dev, proc_devices = make_standin_gpus(tmp_path, gpus=8)
-    conf_dir, log = tmp_path / "pve-lxc", tmp_path / "pct.log"
-    conf_dir.mkdir()
-    install_pct_standin(tmp_path / "bin")
-    data = yaml.safe_load((ANSIBLE_DIR / "inventory" / "kpro6.yml").read_text())
-    data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"].update({
-        "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-        "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(dev),
-        "gpu_host_scratch_path": str(tmp_path), "gpu_host_scratch_must_be_mountpoint": False,
-        "lxc_container_pve_conf_dir": str(conf_dir),
-    })
-    inventory = write_inventory(tmp_path / "kpro6.yml", data)
-    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(log), "PCT_CONF_DIR": str(conf_dir)}
+    pve.conf.write_text("# CT 200: trainer\n" + conf)  # a note added in the GUI
+    proxmox_rewrite(pve.conf)
+    subprocess.run(["pct", "set", "200", "--lock", "backup"], env={**os.environ, **pve.env}, check=True)
+    subprocess.run(["pct", "unlock", "200"], env={**os.environ, **pve.env}, check=True)
+    rewritten = pve.conf.read_text()
+    assert rewritten.startswith("# CT 200%3A trainer\n")
+    assert _ok(pve.run())["changed"] == 0
+    assert pve.commands() == [], "no set, no reboot"
+    assert pve.conf.read_text() == rewritten
 
-    first, recap = run_playbook(inventory, "--limit", "kpro6", env=env, timeout=300)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr
-    assert recap["kpro6"]["failed"] == 0
+    # --check --diff after an inventory change shows exactly the device diff, and changes nothing.
+    pve.container(ct_gpus=[0, 1, 2, 3, 4, 5])
+    proc, recap = pve.run("--check", "--diff")
+    assert _ok((proc, recap))["changed"] == 1 and pve.commands() == []
+    assert pve.conf.read_text() == rewritten
+    shown = re.findall(r"^\s+- '([+-] [a-z0-9]+: .*)'$", proc.stdout, re.M)
+    opts = "gid=0,mode=0666,uid=0"
+    assert shown == [f"- dev6: /dev/nvidia6,{opts}", f"- dev7: /dev/nvidia7,{opts}"], proc.stdout[-3000:]
+    _ok(pve.run())
+    assert pve.commands() == ["pct set 200 --delete dev6,dev7", "pct reboot 200"]
 
-    def golden(name: str) -> str:
-        return (GOLDEN / name).read_text().replace("<DEV>", str(dev))
 
-    commands = [line for line in log.read_text().splitlines() if not line.startswith(("pct status", "pct exec"))]
-    assert commands == golden("pct-commands.txt").splitlines()
-    conf = (conf_dir / "200.conf").read_text()
-    assert conf == golden("pve-200.conf")
-    allow = re.findall(r"^lxc\.cgroup2?\.devices\.allow = (.*)$", conf, re.M)
-    assert allow == [f"c {STANDIN_MAJOR}:* rwm"], "only the NVIDIA major from /proc/devices"
+@needs_root
+def test_proxmox_backend_raw_lines_below_pve_8_1_are_managed_by_key_and_value(tmp_path: Path) -> None:
+    """PVE 7.4 has no devN: raw lxc.* lines with exact major:minor, no `optional` mount. Lines an
+    older version wrote between comment markers are replaced; after Proxmox's rewrite (markers
+    in the description, `lxc.key: value` at the end) the next run changes nothing."""
+    from tests.pct_lxc_standin import proxmox_rewrite
 
-    log.write_text("")
-    second, recap = run_playbook(inventory, "--limit", "kpro6", env=env, timeout=300)
-    assert second.returncode == 0 and recap["kpro6"]["changed"] == 0, second.stdout[-3000:]
-    assert all(line.startswith(("pct status", "pct exec")) for line in log.read_text().splitlines())
-    assert (conf_dir / "200.conf").read_text() == conf
+    pve = PveHost(tmp_path, pve_version="7.4-3", ct_gpus=[0, 1])
+    subprocess.run(["pct", "create", "200", "local:vztmpl/x.tar.zst", "--cores", "64", "--memory", "502784",
+                    "--unprivileged", "1"], env={**os.environ, **pve.env}, check=True)
+    with pve.conf.open("a") as conf:  # what this role wrote before: markers, a wildcard major, optional mounts
+        conf.write("# BEGIN launch managed: gpu passthrough\nlxc.cgroup2.devices.allow = c 195:* rwm\n"
+                   f"lxc.mount.entry = {pve.dev}/nvidia5 dev/nvidia5 none bind,optional,create=file\n"
+                   "# END launch managed: gpu passthrough\nlxc.apparmor.profile = unconfined\n")
+    proxmox_rewrite(pve.conf)
+    _ok(pve.run())
+    conf = pve.conf.read_text()
+    raw = re.findall(r"^(lxc\.[a-z0-9.]+): (.*)$", conf, re.M)
+    nodes = {"nvidia0": 0, "nvidia1": 1, "nvidia-caps/nvidia-cap1": 1, "nvidia-uvm": 254, "nvidiactl": 255}
+    assert raw == [("lxc.apparmor.profile", "unconfined")] + [
+        pair for name, minor in nodes.items()
+        for pair in (("lxc.cgroup2.devices.allow", f"c {STANDIN_MAJOR}:{minor} rwm"),
+                     ("lxc.mount.entry", f"{pve.dev}/{name} dev/{name} none bind,create=file 0 0"))]
+    assert "launch managed" not in conf and "optional" not in conf and "*" not in conf
+    assert not any(re.match(r"dev\d+:", line) for line in conf.splitlines())
+
+    proxmox_rewrite(pve.conf)
+    rewritten = pve.conf.read_text()
+    assert _ok(pve.run())["changed"] == 0 and pve.commands() == []
+    assert pve.conf.read_text() == rewritten
+
+
+@needs_root
+def test_proxmox_backend_refuses_missing_gpus_and_foreign_majors(tmp_path: Path) -> None:
+    pve = PveHost(tmp_path, gpus=6, gpu_host_expected_gpus=0)
+    pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"]["gpu_host_expected_gpus"] = 0
+    write_inventory(pve.inventory, pve.data)
+    proc, _ = pve.run()
+    assert proc.returncode != 0
+    assert "kpro6-ct200: ct_gpus=[0, 1, 2, 3, 4, 5, 6, 7] but the host has no /dev/nvidia6, /dev/nvidia7" in proc.stderr
+    assert not any(c.startswith("pct start") for c in pve.commands())
+    # An override past the inventory check (-e): the role still takes only /proc/devices' majors.
+    proc, _ = pve.run("-e", '{"lxc_container_nvidia_majors": [1, 195]}')
+    assert proc.returncode != 0 and "only those may pass through" in proc.stdout, proc.stdout[-2000:]
+
+
+@needs_root
+def test_scratch_on_the_rootfs_storage_or_a_network_fs_is_refused(tmp_path: Path) -> None:
+    pve = PveHost(tmp_path, ct_scratch_host_path=str(tmp_path / "scratch"))
+    (tmp_path / "storage.cfg").write_text(f"dir: local-lvm\n\tpath {tmp_path / 'images'}\n\tcontent rootdir\n")
+    proc, _ = pve.run()
+    assert proc.returncode != 0 and f"ct_scratch_host_path={tmp_path / 'scratch'} is on " in proc.stdout
+    assert "the storage of the container rootfs" in proc.stdout and pve.commands() == []
+    pve.container(ct_scratch_allow_rootfs_storage=True)
+    fstype = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", str(tmp_path)], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    proc, _ = pve.run("-e", f'{{"lxc_container_network_fstypes": ["{fstype}"]}}')
+    assert proc.returncode != 0 and "a network file system (set ct_scratch_allow_network_fs: true" in proc.stdout
+    assert pve.commands() == []
 
 
 @pytest.mark.lxc
@@ -177,10 +290,13 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         path.mkdir()
     template = cached_rootfs_tarball()
     install_pct_lxc_standin(tmp_path / "bin")
+    storage_cfg = tmp_path / "storage.cfg"
+    storage_cfg.write_text(f"dir: local\n\tpath {lxc_path}\n\tcontent rootdir,vztmpl\n")
     inventory = write_inventory(tmp_path / "pve.yml", {"all": {"children": {
         "container_hosts": {"children": {"pve_hosts": {"hosts": {"localhost": {
             "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
             "lxc_container_backend": "proxmox", "lxc_container_pve_conf_dir": str(conf_dir),
+            "lxc_container_pve_storage_cfg": str(storage_cfg),
             "gpu_host_require_gpu": False, "gpu_host_expected_gpus": 3,
             "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(dev),
             "gpu_host_scratch_path": str(scratch), "gpu_host_scratch_must_be_mountpoint": False,
@@ -189,12 +305,13 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
             "vars": {"container_host": "localhost"},
             "hosts": {"pve-ct": {"ct_vmid": int(vmid), "ct_hostname": "trainer-standin",
                                  "ct_template": f"local:vztmpl/{template.name}", "ct_rootfs_storage": "local",
+                                 "ct_unprivileged": False,  # the stand-in runs real LXC privileged only
                                  "ct_cores": 2, "ct_memory_mb": 2048, "ct_gpus": [0, 1],
                                  "ct_scratch_host_path": str(scratch), "ct_scratch_mount": "/scratch"}},
         }}},
     }}})
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(log), "PCT_CONF_DIR": str(conf_dir),
-           "PCT_LXC_PATH": str(lxc_path), "PCT_TEMPLATE_DIR": str(template.parent),
+           "PCT_LXC_PATH": str(lxc_path), "PCT_TEMPLATE_DIR": str(template.parent), "PCT_DEV_ROOT": str(dev),
            "PCT_INIT_CMD": "/bin/sleep infinity"}  # the minimal test rootfs has no systemd
 
     def pct(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -207,14 +324,16 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         assert recap["localhost"]["failed"] == 0 and recap["localhost"]["changed"] > 0
         calls = log.read_text().splitlines()
         assert calls[0].startswith(f"pct create {vmid} local:vztmpl/{template.name} --hostname trainer-standin")
-        assert f"pct set {vmid} --mp0 {scratch},mp=/scratch" in calls and f"pct start {vmid}" in calls
+        assert any(c.startswith(f"pct set {vmid} --mp0 {scratch},mp=/scratch --dev0 /dev/nvidia0,") for c in calls), calls
+        assert f"pct start {vmid}" in calls
 
         assert pct("status", vmid).stdout.strip() == "status: running"
         assert subprocess.run(["lxc-info", "-P", str(lxc_path), "-n", vmid, "-s", "-H"], capture_output=True,
                               text=True, check=True).stdout.strip() == "RUNNING"
         lxc_config = (lxc_path / vmid / "config").read_text()
         assert f"lxc.rootfs.path = dir:{lxc_path / vmid / 'rootfs'}" in lxc_config.splitlines()
-        assert f"lxc.mount.entry = {dev}/nvidia0 dev/nvidia0 none bind,optional,create=file" in lxc_config
+        assert f"lxc.mount.entry = {dev}/nvidia0 dev/nvidia0 none bind,create=file 0 0" in lxc_config
+        assert "optional" not in lxc_config and "195:*" not in lxc_config
         (lxc_path / vmid / "rootfs" / "etc" / "launch-rootfs-marker").write_text(vmid)
         assert pct("exec", vmid, "--", "cat", "/etc/launch-rootfs-marker").stdout == vmid  # its own rootfs
         assert pct("exec", vmid, "--", "hostname").stdout.strip() == "trainer-standin"
@@ -227,6 +346,10 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         # The raw cgroup2 allow line reached LXC: opening gets to the (absent) driver, ENXIO, not EPERM.
         probe = pct("exec", vmid, "--", "python3", "-c", "open('/dev/nvidia0', 'rb')", check=False)
         assert "No such device or address" in probe.stderr, probe.stderr
+        # Least privilege: a node made for another GPU's minor cannot be opened (the cgroup denies it).
+        other = pct("exec", vmid, "--", "sh", "-c", f"mknod /tmp/gpu2 c {STANDIN_MAJOR} 2 && python3 -c "
+                    "\"open('/tmp/gpu2', 'rb')\"", check=False)
+        assert other.returncode != 0 and "Operation not permitted" in other.stderr, other.stderr
         pct("exec", vmid, "--", "sh", "-c", "echo hi > /scratch/probe")
         assert (scratch / "probe").read_text() == "hi\n"
 
@@ -237,6 +360,49 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
     finally:
         pct("destroy", vmid, check=False)
         destroy_container(lxc_path, vmid)
+
+
+# --- role argument specs -----------------------------------------------------------------------
+
+BAD_ROLE_ARGS = {  # role: (variable, bad value, what the error names)
+    "gpu_host": ("gpu_host_expected_gpus", "eight", "int"),
+    "lxc_container": ("lxc_container_backend", "docker", "proxmox, lxc"),
+    "toolchain": ("toolchain_verify", "sometimes", "bool"),
+    "nvidia_userspace": ("nvidia_userspace_expected_gpus", "all", "int"),
+    "node_caches": ("node_caches_vars", "TRITON_CACHE_DIR", "dict"),
+    "python_env": ("python_env_flavour", "tpu", "cpu, gpu"),
+    "slurm": ("slurm_slurmctld_port", "sixty", "int"),
+    "keepalive": ("keepalive_manage_service", "perhaps", "bool"),
+}
+
+
+def test_every_role_rejects_a_bad_argument_before_any_task(tmp_path: Path) -> None:
+    import yaml
+
+    for role in BAD_ROLE_ARGS:
+        assert (ANSIBLE_DIR / "roles" / role / "meta" / "argument_specs.yml").is_file(), role
+    assert sorted(BAD_ROLE_ARGS) == sorted(p.name for p in (ANSIBLE_DIR / "roles").iterdir()), "every role"
+    # block/rescue: the failed validation ends the role (no later task of it runs, nothing touches
+    # this machine), and the play goes on to the next role.
+    tasks = [{"name": f"bad {role}", "block": [{"ansible.builtin.include_role": {"name": role}, "vars": {var: value}}],
+              "rescue": [{"ansible.builtin.debug": {"msg": f"rescued {role}"}}]}
+             for role, (var, value, _) in BAD_ROLE_ARGS.items()]
+    play = tmp_path / "bad-args.yml"
+    play.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}], sort_keys=False))
+    inventory = write_inventory(tmp_path / "inv.yml", {"all": {"hosts": {"localhost": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}})
+    proc, recap = run_playbook(inventory, playbook=play, env={"ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles")})
+    assert recap["localhost"]["failed"] == 0 and recap["localhost"]["changed"] == 0, proc.stdout[-3000:]
+    parts = re.split(r"msg: rescued (\w+)", proc.stdout)  # [before 1st, role 1, between 1st and 2nd, role 2, ...]
+    sections = {parts[i]: parts[i - 1] for i in range(1, len(parts), 2)}
+    assert sorted(sections) == sorted(BAD_ROLE_ARGS), proc.stdout[-3000:]
+    for role, (var, _value, expected) in BAD_ROLE_ARGS.items():
+        section = sections[role]
+        role_tasks = re.findall(rf"^TASK \[{role} : (.*?)\] \*", section, re.M)
+        assert len(role_tasks) == 1 and role_tasks[0].startswith("Validating arguments against arg spec 'main'"), \
+            (role, role_tasks)
+        assert "Validation of arguments failed" in section and var in section and expected in section, section[-1500:]
+        assert f"name: {role}" in section, section[-1500:]  # validate_args_context names the role
 
 
 # --- the project wheel python_env installs ----------------------------------------------------
@@ -305,6 +471,8 @@ def provisioned(tmp_path_factory: pytest.TempPathFactory):
     ct = Provisioned(tmp_path_factory.mktemp("lxc-provision"))
     ct.lxc_path.mkdir()
     ct.scratch.mkdir()
+    # Scratch on storage of its own (a tmpfs), not on the file system of the container's rootfs.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "launch-test-scratch", str(ct.scratch)], check=True)
     dev, proc_devices = make_standin_gpus(ct.root, gpus=3)
     ct.dev = dev
     ct.inventory = write_inventory(ct.root / "inventory.yml", lxc_inventory(
@@ -317,6 +485,7 @@ def provisioned(tmp_path_factory: pytest.TempPathFactory):
         yield ct
     finally:
         destroy_container(ct.lxc_path, ct.name)
+        subprocess.run(["umount", str(ct.scratch)], check=False)
 
 
 def _assert_ok(run: tuple[subprocess.CompletedProcess[str], dict, float]) -> dict:
@@ -349,18 +518,16 @@ def test_container_runs_on_its_own_rootfs_not_the_hosts(provisioned: Provisioned
 def test_gpu_block_has_only_nvidia_majors_and_the_chosen_nodes(provisioned: Provisioned) -> None:
     config = (provisioned.lxc_path / provisioned.name / "config").read_text()
     block = config.split("# BEGIN launch managed: gpu passthrough\n")[1].split("# END launch managed: gpu passthrough")[0]
-    allow = re.findall(r"^(lxc\.cgroup2?\.devices\.allow) = (.*)$", block, re.M)
-    assert allow == [("lxc.cgroup.devices.allow", f"c {STANDIN_MAJOR}:* rwm"),
-                     ("lxc.cgroup2.devices.allow", f"c {STANDIN_MAJOR}:* rwm")]
-    assert "*:* rwm" not in config
+    allow = re.findall(r"^lxc\.cgroup2?\.devices\.allow = (.*)$", block, re.M)
+    # Each of the container's own nodes by major:minor (ct_gpus [0, 1]: not nvidia2), for the
+    # cgroup v1 and v2 keys of this hybrid host; never a whole major.
+    minors = [0, 1, 1, 254, 255]  # nvidia0, nvidia1, nvidia-caps/nvidia-cap1, nvidia-uvm, nvidiactl
+    assert allow == [f"c {STANDIN_MAJOR}:{m} rwm" for m in minors for _ in range(2)]
+    assert ":* rwm" not in block and "optional" not in block
     dev = provisioned.dev
-    assert set(re.findall(r"^lxc\.mount\.entry = (.*)$", block, re.M)) == {
-        f"{dev}/nvidia0 dev/nvidia0 none bind,optional,create=file",
-        f"{dev}/nvidia1 dev/nvidia1 none bind,optional,create=file",  # ct_gpus [0, 1]: not nvidia2
-        f"{dev}/nvidiactl dev/nvidiactl none bind,optional,create=file",
-        f"{dev}/nvidia-uvm dev/nvidia-uvm none bind,optional,create=file",
-        f"{dev}/nvidia-caps dev/nvidia-caps none bind,optional,create=dir",
-    }
+    assert re.findall(r"^lxc\.mount\.entry = (.*)$", block, re.M) == [
+        f"{dev}/{name} dev/{name} none bind,create=file 0 0"
+        for name in ("nvidia0", "nvidia1", "nvidia-caps/nvidia-cap1", "nvidia-uvm", "nvidiactl")]
     assert config.count("# BEGIN launch managed: gpu passthrough") == 1
 
 
@@ -373,6 +540,34 @@ def test_gpu_nodes_inside_have_major_195_and_the_cgroup_lets_them_open(provision
     # The device cgroup allows major 195: opening reaches the (absent) driver, ENXIO, not EPERM.
     probe = provisioned.attach("python3 -c 'open(\"/dev/nvidia0\", \"rb\")'", check=False)
     assert "No such device or address" in probe.stderr, probe.stderr
+    # Least privilege: a node made for another GPU's minor (nvidia2, not in ct_gpus) cannot be opened.
+    other = provisioned.attach(f"mknod /tmp/gpu2 c {STANDIN_MAJOR} 2 && python3 -c 'open(\"/tmp/gpu2\", \"rb\")'",
+                               check=False)
+    assert other.returncode != 0 and "Operation not permitted" in other.stderr, other.stderr
+
+
+@pytest.mark.lxc
+@pytest.mark.slow
+def test_nvidia_smi_and_driver_version_checks_inside(provisioned: Provisioned, tmp_path: Path) -> None:
+    """nvidia_userspace's checks against a stand-in nvidia-smi (tests/ansible_fixtures.py): the
+    container's GPUs are listed, and a userspace version unlike the host module's fails naming both."""
+    rootfs = provisioned.lxc_path / provisioned.name / "rootfs"
+    install_nvidia_smi_standin(rootfs, "550.54.15")
+    assert provisioned.attach("nvidia-smi -L").stdout.count("GPU-standin-") == 2  # nvidia0, nvidia1
+    play = tmp_path / "userspace.yml"
+    play.write_text(f"- hosts: {provisioned.name}\n  gather_facts: false\n  roles: [nvidia_userspace]\n")
+    host_version = '{"nvidia_userspace_driver_version": "550.54.15", "nvidia_userspace_expected_gpus": 2}'
+    proc, recap = run_playbook(provisioned.inventory, "-e", host_version, playbook=play)
+    assert proc.returncode == 0 and recap[provisioned.name]["changed"] == 0, proc.stdout[-3000:]
+    assert "TASK [nvidia_userspace : Run the installer" not in proc.stdout  # versions equal: nothing installed
+    proc, _ = run_playbook(provisioned.inventory, "-e", host_version.replace(": 2}", ": 3}"), playbook=play)
+    assert proc.returncode != 0 and "nvidia-smi -L lists 2 GPUs, expected 3" in proc.stdout + proc.stderr
+    (rootfs / "etc" / "nvidia-standin-version").write_text("550.90.07\n")
+    check_only = host_version.replace("}", ', "nvidia_userspace_install": false}')  # no installer offline
+    proc, _ = run_playbook(provisioned.inventory, "-e", check_only, playbook=play)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0
+    assert "the userspace driver is 550.90.07 but the host's kernel module is 550.54.15" in out, out[-2000:]
 
 
 @pytest.mark.lxc
@@ -487,3 +682,45 @@ def test_make_provision_limits_to_the_host_and_its_containers() -> None:
     assert "--limit 'kpro6:kpro6_containers' --check --diff" in checked
     assert "--check" not in dry_run("host=kpro6")
     assert "-i 'ansible/inventory/local.yml'" in dry_run("host=localhost")
+
+
+@pytest.mark.lxc
+@pytest.mark.slow
+def test_zz_munge_key_never_in_output_or_the_process_table(provisioned: Provisioned, tmp_path: Path) -> None:
+    """The slurm role at -vvv installs a new munge key: the key appears neither in the output
+    nor in any process's command line or environment while the run lasts (sampled from /proc)."""
+    import threading
+
+    key = base64.b64encode(os.urandom(1024)).decode()
+    secrets = tmp_path / "secret.yml"
+    secrets.write_text(f"slurm_munge_key_b64: {key}\n")
+    secrets.chmod(0o600)
+    play = tmp_path / "slurm.yml"
+    play.write_text(f"- hosts: {provisioned.name}\n  gather_facts: false\n  roles: [slurm]\n")
+    seen: list[str] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        needle = key[:40].encode()
+        while not done.is_set():
+            for proc_dir in Path("/proc").glob("[0-9]*"):
+                for name in ("cmdline", "environ"):
+                    try:
+                        if needle in (proc_dir / name).read_bytes():
+                            seen.append(f"{proc_dir.name}/{name}")
+                    except OSError:
+                        pass
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        proc, recap = run_playbook(provisioned.inventory, "-vvv", "-e", f"@{secrets}", playbook=play)
+    finally:
+        done.set()
+        sampler.join()
+    assert proc.returncode == 0 and recap[provisioned.name]["changed"] > 0, proc.stdout[-3000:]
+    assert "Install the munge key (0400)" in proc.stdout and "EXEC" in proc.stdout + proc.stderr  # it ran, at -vvv
+    assert key[:40] not in proc.stdout + proc.stderr
+    assert seen == [], f"the munge key was visible in /proc: {seen}"
+    assert provisioned.attach("base64 -w0 /etc/munge/munge.key").stdout == key

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_launch, slurm_available, wait_for_state
 
-from launch.cluster.embedded import MARKER_VAR, EmbeddedCluster
+from launch.cluster.embedded import MARKER_VAR, EmbeddedCluster, node_daemon
 
 pytestmark = pytest.mark.slurm
 
@@ -275,8 +275,9 @@ def test_cluster_down_leaves_nothing_behind(tmp_path):
             break
         time.sleep(0.3)
     assert _live_processes_of(cluster.state_dir), "the cluster should be running before down"
+    node = cluster.nodes()[0]["name"]
     stopped = cluster.down()
-    assert stopped == ["slurmd", "slurmctld", "slurmdbd", "munged", "mariadb"]
+    assert stopped == [node_daemon(node), "slurmctld", "slurmdbd", "munged", "mariadb"]
     assert _live_processes_of(cluster.state_dir) == []
     assert not cluster.is_up()
     assert cluster.down() == []  # a second down is a no-op

@@ -88,7 +88,26 @@ def _abs_path(host: str, name: str, value: object) -> PurePosixPath:
     return PurePosixPath(value)
 
 
+# Variables the roles derive on the host itself; an inventory value could only widen access.
+DERIVED = {
+    "lxc_container_nvidia_majors": "is read from the host's /proc/devices (only its nvidia* majors pass through)",
+    "lxc_container_nvidia_nodes": "is read from the host's /dev (only the container's own GPUs pass through)",
+}
+
+
+def _no_derived(host: str, hv: dict) -> None:
+    for name, why in DERIVED.items():
+        if name in hv:
+            raise InventoryError(f"{host}: {name} {why}; remove it from the inventory")
+
+
+def _bool(host: str, name: str, value: object) -> None:
+    if not isinstance(value, bool) and str(value).lower() not in {"true", "false", "yes", "no", "0", "1"}:
+        raise InventoryError(f"{host}: {name}={value!r} is not a boolean")
+
+
 def check_container_host(host: str, hv: dict) -> None:
+    _no_derived(host, hv)
     backend = hv.get("lxc_container_backend")
     if backend not in BACKENDS:
         raise InventoryError(f"{host}: lxc_container_backend={backend!r}; set it to one of {', '.join(BACKENDS)}")
@@ -114,6 +133,10 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
                 raise InventoryError(f"{host}: {name} is missing; see ansible/inventory/kpro6.yml")
     elif not hv.get("ct_template"):
         raise InventoryError(f"{host}: ct_template is missing; set the rootfs .tar.zst the container is created from")
+    _no_derived(host, hv)
+    for name in ("ct_unprivileged", "ct_scratch_allow_rootfs_storage", "ct_scratch_allow_network_fs"):
+        if name in hv:
+            _bool(host, name, hv[name])
     _int(host, "ct_cores", hv.get("ct_cores", 0), 0)
     _int(host, "ct_memory_mb", hv.get("ct_memory_mb", 0), 0)
     gpus = hv.get("ct_gpus", [])
