@@ -81,9 +81,10 @@ class ShardDataset:
         """The target's config as extraction recorded it (older directories: from the stage-1 preset)."""
         if "target_config" in self.meta:
             return TargetShape(**self.meta["target_config"])
-        from train.stage1.model import get_preset, text_config
+        from train.common.shapes import get_shape
+        from train.stage1.model import text_config
 
-        cfg = text_config(get_preset(self.meta["preset"]), vocab_size=head_vocab)
+        cfg = text_config(get_shape(self.meta["preset"]), vocab_size=head_vocab)
         return TargetShape.from_config(cfg)
 
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
