@@ -310,8 +310,6 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     tok = build_tokenizer(get_shape(cfg.shape), cfg.init_from, bool(cfg.vision), codebooks)
     model, spec = stage1_model.build_model(cfg.shape, device=rt.device, dtype=dtype, init_from=cfg.init_from,
                                            vision=bool(cfg.vision), codebooks=codebooks, vision_ids=tok.vision_ids)
-    if rt.dist.is_main:
-        write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
     fastpath.install_kernels(model, kernels)
     lever_lines = apply_levers(model, rt.device, Levers(cfg.compile, cfg.attention, cfg.act_ckpt))
     packing = resolve_layout(cfg.packing, rt.device.type)
@@ -322,6 +320,8 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     if latest is not None:
         rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist)
         rt.print(f"# resumed from {latest} at step {rt.step}, next batch {data_state['next_batch']}")
+    if rt.dist.is_main:  # after the resume: a run refused over others' checkpoints leaves their files alone
+        write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
     data = Stage1Data(
         DataConfig(str(data_dir), row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
                    weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers,
