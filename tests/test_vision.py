@@ -267,15 +267,18 @@ def test_oracle_can_fail_without_the_text_position_row(models, image_batch):
 
 def test_trainer_vision_defaults():
     from launch.jobspec import find_spec
-    from train.stage1.train import parse_args
+    from train.stage1.train import parse_args, vision_on
 
-    assert parse_args(["--shape", "tiny"]).vision is True
-    assert parse_args(["--shape", "tiny", "--vision", "off"]).vision is False
+    def vision(argv):
+        return vision_on(parse_args(argv))
+
+    assert vision(["--shape", "tiny"]) is True
+    assert vision(["--shape", "tiny", "--vision", "off"]) is False
     # the GPU shapes' job presets (launch/jobs/stage1.yaml) keep the benchmark text-only
     spec = find_spec("stage1")
-    assert parse_args(spec.resolve("qwen35-2b").argv()).vision is False
-    assert parse_args(spec.resolve("qwen35-2b").argv(["--vision", "on"])).vision is True
-    assert parse_args(spec.resolve("tiny").argv()).vision is True
+    assert vision(spec.resolve("qwen35-2b").argv()) is False
+    assert vision(spec.resolve("qwen35-2b").argv(["--vision", "on"])) is True
+    assert vision(spec.resolve("tiny").argv()) is True
 
 
 def test_loader_batches_carry_images_and_report_broken_pngs(tmp_path: Path):

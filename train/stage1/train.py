@@ -114,10 +114,15 @@ class Stage1Config:
 
 def parse_args(argv: list[str] | None) -> Stage1Config:
     cfg = parse_config(Stage1Config, argv, "python -m train.stage1", "stage-1 AR pretraining")
-    if cfg.vision is None:  # the checkpoint decides; a random-init shape trains its vision tower
-        cfg.vision = has_vision_tower(cfg.init_from) if cfg.init_from else True
     validate(cfg)
     return cfg
+
+
+def vision_on(cfg: Stage1Config) -> bool:
+    """--vision, or unset: what --init-from has (a vision_config or not); a random-init shape: on."""
+    if cfg.vision is not None:
+        return cfg.vision
+    return has_vision_tower(cfg.init_from) if cfg.init_from else True
 
 
 def validate(cfg: Stage1Config) -> None:
@@ -296,6 +301,7 @@ def train(cfg: Stage1Config) -> int:
 def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     """Data (synthetic on first use), kernels, model, stepper, resume, header."""
     torch.manual_seed(cfg.seed)
+    cfg.vision = vision_on(cfg)  # resolved once: the checkpoints record it, resume compares it
     codebooks = codebook_config(cfg)
     data_dir = Path(cfg.data_dir) if cfg.data_dir else rt.out / "data"
     if not cfg.data_dir and rt.dist.is_main and not (data_dir / "gen_img.jsonl").exists():
