@@ -293,6 +293,8 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
     install_pct_lxc_standin(tmp_path / "bin")
     storage_cfg = tmp_path / "storage.cfg"
     storage_cfg.write_text(f"dir: local\n\tpath {lxc_path}\n\tcontent rootdir,vztmpl\n")
+    # Scratch on storage of its own (a tmpfs), not on the rootfs storage `local`.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "launch-test-scratch", str(scratch)], check=True)
     inventory = write_inventory(tmp_path / "pve.yml", {"all": {"children": {
         "container_hosts": {"children": {"pve_hosts": {"hosts": {"localhost": {
             "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
@@ -361,6 +363,7 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
     finally:
         pct("destroy", vmid, check=False)
         destroy_container(lxc_path, vmid)
+        subprocess.run(["umount", str(scratch)], check=False)
 
 
 # --- role argument specs -----------------------------------------------------------------------
