@@ -359,7 +359,7 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         log.write_text("")
         second, recap = run_playbook(inventory, "--limit", "localhost", env=env, timeout=600)
         assert second.returncode == 0 and recap["localhost"]["changed"] == 0, second.stdout[-3000:]
-        assert all(line.startswith(("pct status", "pct exec")) for line in log.read_text().splitlines())
+        assert all(line.startswith(("pct status", "pct exec", "pct config")) for line in log.read_text().splitlines())
     finally:
         pct("destroy", vmid, check=False)
         destroy_container(lxc_path, vmid)
