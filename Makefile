@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 # Debian packages the toolkit drives for real: Slurm (+ accounting), munge, LXC.
 DEB_PACKAGES := slurm-wlm slurmdbd slurm-client munge mariadb-server mariadb-client \
-                lxc debootstrap zstd rsync gcc python3-dev iproute2 procps
+                lxc debootstrap zstd xz-utils rsync gcc python3-dev iproute2 procps
 
 .PHONY: help demo test lint deps deps-system venv cluster-up cluster-down sample-data bench-submit clean
 

@@ -10,8 +10,9 @@ hosts it can take the GPUs out of service.
 
     python bench/multigpu.py stage1 --gpus 1,2 --steps 16 --skip 4 --jsonl out.jsonl
     python bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --steps 40 --skip 10
+    python bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --drafter target --anchors 4,512
 
-stage1: for each GPU count, the trainer on --preset (qwen35-2b) with DeepSpeed ZeRO-2
+stage1: for each GPU count, the trainer on job preset --preset (qwen35-2b) with DeepSpeed ZeRO-2
 (`--deepspeed on`, also on one GPU, so every row runs the same code) and uniform 8192-token rows,
 no checkpoints. Over the steps after --skip: median tok/s of all ranks, tok/s per GPU, MFU (the
 trainer's: torchtitan 6*N_matmul + full-attention term, 989 TFLOP/s), scaling efficiency against
@@ -27,7 +28,8 @@ k* = ceil(a target's median seconds to produce a batch / the drafter's median co
 a projection, where the machine has fewer GPUs than the topologies to measure. A target's time
 includes waiting for sends the drafter has not taken yet, so it is the target's own time only
 when the drafter waits (wait fraction well above 0); when the drafter never waits it is already
-saturated and k* = 1.
+saturated and k* = 1. `--anchors 4,512` runs each topology once per anchor count (anchors per
+sequence, clamped by the trainer to each row's response positions), side by side in one table.
 
 Each run appends one JSON line to --jsonl; the table is printed at the end.
 """
@@ -129,10 +131,12 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in [int(x) for x in a.gpus.split(",")]:
         out = Path(a.work) / f"stage1-{a.preset}-{n}gpu"
-        # the job preset's args first (the GPU shape's row length, lr, --vision off), then this run's
+        # the job preset's args first (the model shape, its row length, lr, --vision off), then this
+        # run's. 500 synthetic records of the shape's real asset format (5,824 codes for qwen35-2b):
+        # how many distinct ones there are does not change a step's cost, and they are quick to make.
         argv = find_spec("stage1").resolve(a.preset).argv()
-        argv += ["--preset", a.preset, "--steps", str(a.steps), "--deepspeed", a.deepspeed, "--out", str(out),
-                 "--ckpt-every", "0", "--log-every", "1"]
+        argv += ["--steps", str(a.steps), "--deepspeed", a.deepspeed, "--out", str(out),
+                 "--ckpt-every", "0", "--log-every", "1", "--synthetic-samples", "500"]
         if a.batch_rows:
             argv += ["--batch-rows", str(a.batch_rows)]
         if a.row_len:
@@ -147,7 +151,8 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
         spreads = [r["fwd_spread"] for r in steps if "fwd_spread" in r]
         tok_s = statistics.median(r["tok_s"] for r in steps)
         row = {
-            "bench": "stage1", "preset": a.preset, "gpus": n, "deepspeed": "deepspeed=True" in header,
+            "bench": "stage1", "preset": a.preset, "gpus": n,
+            "vocab": int(m.group(1)) if (m := re.search(r"\bvocab=(\d+)", header)) else None, "deepspeed": "deepspeed=True" in header,
             "steps_timed": len(steps), "tok_s": tok_s, "tok_s_per_gpu": tok_s / n,
             "mfu": statistics.median(r["mfu"] for r in steps),
             "step_ms": statistics.median(r["data_ms"] + r["compute_ms"] for r in steps),
@@ -161,7 +166,8 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
             "header": header.strip(),
         }
         rows.append(row)
-        print(f"   {n} GPU: {tok_s:,.0f} tok/s, {row['mfu']:.1%} MFU, wall {row['wall_s']:.0f} s", flush=True)
+        print(f"   {n} GPU: {tok_s:,.0f} tok/s, {row['mfu']:.1%} MFU, peak {row['peak_mem_gb']:.1f} GiB, "
+              f"vocab {row['vocab']}, wall {row['wall_s']:.0f} s", flush=True)
     base = rows[0]["tok_s_per_gpu"] if rows else 1.0
     for row in rows:
         row["scaling_efficiency"] = row["tok_s_per_gpu"] / base
@@ -189,15 +195,15 @@ TARGET_LINE = re.compile(r"target rank (\d+): sent (\d+) batches in ([\d.]+)s, q
 
 def bench_dflash(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    for topo in a.topologies.split(","):
+    for topo, anchors in [(t, n) for t in a.topologies.split(",") for n in a.anchors.split(",")]:
         k = int(topo.split("-")[0])
-        out = Path(a.work) / f"dflash-{topo}"
+        out = Path(a.work) / f"dflash-{topo}-a{anchors}"
         argv = ["--mode", "online", "--topology", topo, "--preset", a.target, "--drafter", a.drafter,
                 "--steps", str(a.steps), "--token-budget", str(a.token_budget), "--max-len", str(a.max_len),
                 "--synthetic-samples", str(a.samples), "--out", str(out), "--ckpt-every", str(10**9),
-                "--queue-depth", str(a.queue_depth), *a.extra]
+                "--queue-depth", str(a.queue_depth), "--anchors", anchors, *a.extra]
         shutil.rmtree(out, ignore_errors=True)
-        print(f"== dflash {topo}: python -m train.dflash {' '.join(argv)}", flush=True)
+        print(f"== dflash {topo}, {anchors} anchors: python -m train.dflash {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         outputs = run_ranks("dflash", argv, k + 1, out / "logs", a.timeout)
         steps = timed_steps(out / "metrics.jsonl", a.skip)
@@ -210,6 +216,8 @@ def bench_dflash(a: argparse.Namespace) -> list[dict[str, Any]]:
         produce_s = statistics.median(float(t[4]) for t in targets)
         row = {
             "bench": "dflash", "topology": topo, "target": a.target, "drafter": a.drafter, "steps_timed": len(steps),
+            "anchors": int(anchors), "blocks_per_step": statistics.median(r.get("anchors", 0) for r in steps),
+            "tau": statistics.median(r["tau"] for r in steps) if "tau" in steps[0] else None,
             "drafter_tok_s": statistics.median(r["tok_s"] for r in steps),
             "drafter_step_ms": statistics.median(r["data_ms"] + r["compute_ms"] for r in steps),
             "drafter_compute_ms": drafter_compute_s * 1000, "drafter_wait_fraction": wait / max(wait + compute, 1e-9),
@@ -221,17 +229,19 @@ def bench_dflash(a: argparse.Namespace) -> list[dict[str, Any]]:
             "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]], "wall_s": time.monotonic() - t0,
         }
         rows.append(row)
-        print(f"   {topo}: drafter {row['drafter_tok_s']:,.0f} tok/s, waiting {row['drafter_wait_fraction']:.0%}",
-              flush=True)
+        print(f"   {topo}, {anchors} anchors: drafter {row['drafter_tok_s']:,.0f} tok/s, "
+              f"waiting {row['drafter_wait_fraction']:.0%}", flush=True)
     return rows
 
 
 def print_dflash(rows: list[dict[str, Any]]) -> None:
-    print("\n| topology | drafter tok/s | drafter step ms | drafter compute ms | drafter waiting | queue full "
-          "| target s/batch | projected saturation k |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = {r["topology"]: r["drafter_tok_s"] for r in reversed(rows)}  # each topology's first anchor count
+    print("\n| topology | anchors/seq | blocks/step | drafter tok/s | vs first | drafter step ms | drafter compute ms "
+          "| drafter waiting | queue full | target s/batch | projected saturation k |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['topology']} | {r['drafter_tok_s']:,.0f} | {r['drafter_step_ms']:.0f} | "
+        print(f"| {r['topology']} | {r.get('anchors', '-')} | {r.get('blocks_per_step', 0):,.0f} | "
+              f"{r['drafter_tok_s']:,.0f} | {r['drafter_tok_s'] / base[r['topology']]:.2f} | {r['drafter_step_ms']:.0f} | "
               f"{r['drafter_compute_ms']:.0f} | {r['drafter_wait_fraction']:.0%} | {r['target_queue_full']} | {r['target_produce_s']:.3f} | "
               f"{r['k_saturation_projected']} |")
 
@@ -253,7 +263,7 @@ def main() -> int:
     sub = p.add_subparsers(dest="bench", required=True)
     s1 = sub.add_parser("stage1")
     s1.add_argument("--gpus", default="1,2", help="GPU counts, comma-separated; the first is the scaling base")
-    s1.add_argument("--preset", default="qwen35-2b")
+    s1.add_argument("--preset", default="qwen35-2b", help="stage1 job preset (launch/jobs/stage1.yaml)")
     s1.add_argument("--steps", type=int, default=16)
     s1.add_argument("--batch-rows", type=int, default=None)
     s1.add_argument("--row-len", type=int, default=None)
@@ -262,6 +272,7 @@ def main() -> int:
     df.add_argument("--topologies", default="1-1", help="k-1 topologies, comma-separated")
     df.add_argument("--target", default="qwen35-0.8b")
     df.add_argument("--drafter", default="tiny")
+    df.add_argument("--anchors", default="4", help="anchors per sequence, comma-separated: one run each")
     df.add_argument("--steps", type=int, default=40)
     df.add_argument("--token-budget", type=int, default=16384)
     df.add_argument("--max-len", type=int, default=4096)

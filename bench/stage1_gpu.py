@@ -1,7 +1,7 @@
 """Stage-1 full-step speed (fwd + bwd + optimizer) of the real trainer step, in variants.
 
 Times `train.stage1.train.train_step` itself, with the trainer's own model build, kernel policy,
-loss module and optimizer, on the `qwen35-2b` shape (or any preset):
+loss module and optimizer, on the `qwen35-2b` shape (or any model shape):
 
   naive         torch fallback (the project's reference GDN/conv kernels, as --allow-slow-path
                 gives), padded batches of variable length, full logits, foreach AdamW
@@ -106,14 +106,14 @@ def padded_batches(docs, row_len: int, rows: int) -> list[dict]:
 
 
 def run_variant(v: Variant, args: argparse.Namespace, device: torch.device) -> dict:
-    cfg = Stage1Config(preset=args.preset, row_len=args.row_len, batch_rows=args.rows, lr=1e-4, warmup=1,
+    cfg = Stage1Config(shape=args.shape, row_len=args.row_len, batch_rows=args.rows, lr=1e-4, warmup=1,
                        steps=10**6, loss_impl=v.loss_impl)
     torch.manual_seed(0)
     if v.fast_kernels:
         kernels = fastpath.select_kernels(device)
     else:  # the reference kernels, what --allow-slow-path falls back to (pure torch, fp32 inside)
         kernels = fastpath.select_kernels(torch.device("cpu"))
-    model, spec = build_model(args.preset, device=device, dtype=torch.bfloat16)
+    model, spec = build_model(args.shape, device=device, dtype=torch.bfloat16)
     fastpath.install_kernels(model, kernels)
     loss_impl = select_loss_impl(device, v.loss_impl)
     objective = CausalLMObjective(model, loss_impl)
@@ -187,7 +187,7 @@ def profile_steps(stepper, batches, device, top: int = 15) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="qwen35-2b")
+    p.add_argument("--shape", default="qwen35-2b", help="model shape (train/common/shapes.py)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--row-len", type=int, default=8192)
     p.add_argument("--rows", type=int, default=1, help="packed rows per step")
@@ -195,7 +195,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--jsonl", default=None)
-    p.add_argument("--cpu-smoke", action="store_true", help="run on CPU (tiny preset) to check the script itself")
+    p.add_argument("--cpu-smoke", action="store_true", help="run on CPU (tiny shape) to check the script itself")
     args = p.parse_args()
     if args.cpu_smoke:
         device = torch.device("cpu")
@@ -205,7 +205,7 @@ def main() -> int:
         print("bench/stage1_gpu.py needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# {name}  torch {torch.__version__}  preset {args.preset}  "
+    print(f"# {name}  torch {torch.__version__}  shape {args.shape}  "
           f"row_len {args.row_len} x {args.rows}  TRITON_CACHE_DIR={os.environ.get('TRITON_CACHE_DIR', '~/.triton')}")
     print(f"{'variant':<11} {'loss':<6} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8} {'1st step s':>10} "
           f"{'median s':>8} {'slow/steps':>10} {'shapes':>6}", flush=True)

@@ -25,9 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.common import fastpath  # noqa: E402
 from train.common.distributed import DistInfo  # noqa: E402
-from train.stage1.data import DataConfig, PackedBatches, build_batch, generate_synthetic  # noqa: E402
+from train.common.shapes import get_shape  # noqa: E402
+from train.stage1.data import DataConfig, PackedBatches, build_batch  # noqa: E402
 from train.stage1.model import build_model  # noqa: E402
 from train.stage1.objective import CausalLMObjective  # noqa: E402
+from train.stage1.synthetic import generate_synthetic  # noqa: E402
+from train.stage1.tokenizer import build_tokenizer  # noqa: E402
 from train.stage1.train import Stage1Config, make_stepper, train_step  # noqa: E402
 
 ONE_RANK = DistInfo(0, 1, 0, "127.0.0.1", 0, "gloo", False)
@@ -50,13 +53,14 @@ def main() -> int:
         variants = {}
         for name, vision in (("text", False), ("vision", True)):
             torch.manual_seed(0)
-            model, spec = build_model("tiny", vision=vision)
+            tok = build_tokenizer(get_shape("tiny"), None, vision)
+            model, spec = build_model("tiny", vision=vision, vision_ids=tok.vision_ids)
             fastpath.install_kernels(model, fastpath.select_kernels(device))
-            cfg = Stage1Config(preset="tiny", steps=a.steps + a.warmup, row_len=a.row_len, batch_rows=a.batch_rows,
+            cfg = Stage1Config(shape="tiny", steps=a.steps + a.warmup, row_len=a.row_len, batch_rows=a.batch_rows,
                                vision=vision)
             objective = CausalLMObjective(model, "logits")
             stepper = make_stepper(objective, model, cfg, device, ONE_RANK, ds=False)
-            ds = PackedBatches(DataConfig(str(data), row_len=a.row_len, batch_rows=a.batch_rows, vision=vision), 0)
+            ds = PackedBatches(DataConfig(str(data), row_len=a.row_len, batch_rows=a.batch_rows), tok, 0)
             batches = [build_batch(ds.sampler, ds.tok, ds.cfg, k) for k in range(a.steps + a.warmup)]
             variants[name] = dict(model=model, spec=spec, stepper=stepper, batches=batches, times=[], losses=[])
         for k in range(a.steps + a.warmup):

@@ -170,9 +170,12 @@ POLICY_RC_D = "#!/bin/sh\n# launch image build: no service starts inside the bui
 
 
 @contextlib.contextmanager
-def chroot_mounts(rootfs: Path) -> Iterator[None]:
+def chroot_mounts(rootfs: Path, read_only_binds: list[tuple[Path, str]] | None = None) -> Iterator[None]:
     """The rootfs as a mount point, /proc, /sys and /dev for the chroot (findmnt, apt and pip need them), the host's DNS,
     and a policy-rc.d that keeps package scripts from starting services in the build chroot.
+
+    read_only_binds: (host directory, path inside the rootfs) pairs bound read-only (the
+    wheelhouse); their mount points are removed again when they were made here.
 
     Everything is undone on the way out, also when the body fails. Mounts are private and not
     recursive, so unmounting them can never take a host submount (such as /dev/pts) with it.
@@ -181,6 +184,7 @@ def chroot_mounts(rootfs: Path) -> Iterator[None]:
     done: list[Path] = []
     policy = rootfs / "usr/sbin/policy-rc.d"
     policy_added = False
+    made_dirs: list[Path] = []
     try:
         for target, argv in (
             # The rootfs bound onto itself is a mount point, so findmnt inside the chroot finds
@@ -201,6 +205,15 @@ def chroot_mounts(rootfs: Path) -> Iterator[None]:
             subprocess.run(["mount", "--bind", "-o", "ro", "/etc/resolv.conf", str(resolv)],
                            check=True, capture_output=True)
             done.append(resolv)
+        for source, inside in read_only_binds or ():
+            target = rootfs / inside
+            if not target.exists():
+                target.mkdir(parents=True)
+                made_dirs.append(target)
+            subprocess.run(["mount", "--bind", str(source), str(target)], check=True, capture_output=True)
+            done.append(target)
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], check=True, capture_output=True)
+            subprocess.run(["mount", "--make-private", str(target)], check=True, capture_output=True)
         if not policy.exists() and policy.parent.is_dir():
             policy.write_text(POLICY_RC_D)
             policy.chmod(0o755)
@@ -216,5 +229,8 @@ def chroot_mounts(rootfs: Path) -> Iterator[None]:
                     errors.append(f"{target}: {proc.stderr.strip()}")
         if policy_added:
             policy.unlink(missing_ok=True)
+        for made in reversed(made_dirs):
+            if not errors and not made.is_mount():
+                made.rmdir()
         if errors:
             raise LaunchError("could not unmount " + "; ".join(errors) + "; unmount by hand before removing the tree")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import sys
 import time
@@ -21,6 +22,7 @@ from launch import registry, values
 from launch.errors import LaunchError
 from launch.registry import JobRecord
 from launch.runner import last_step, read_task_outcome
+from launch.runs import requeue_line
 from launch.slurmenv import TERMINAL_STATES, job_state, job_states, pending_words, require_cluster, run_slurm
 from toolkit.outcome import describe, read_outcome
 
@@ -138,6 +140,9 @@ def run_status(args: argparse.Namespace) -> int:
     tasks = task_outcomes(rec)
     row["outcome"] = outcome
     row["task_states"] = {str(k): describe(v) for k, v in tasks.items()}
+    requeued = requeue_line(rec.job_id, rec.folder, {**os.environ, **rec.slurm_env()})
+    if requeued:
+        row["requeued"] = requeued
     failed = st["state"] in TERMINAL_STATES - {"COMPLETED"}
     if failed:
         row["error"] = job_error(rec, st["state"])
@@ -148,6 +153,8 @@ def run_status(args: argparse.Namespace) -> int:
     print(_line(row))
     if "pending" in row:
         print(f"  pending: {row['pending']}")
+    if requeued:
+        print(f"  {requeued}")
     print(f"  folder: {rec.folder}")
     if rec.tasks > 1:
         states = ", ".join(f"{k} {row['task_states'].get(str(k), 'not started')}" for k in range(rec.tasks))

@@ -68,7 +68,7 @@ def run_title(metrics: Path, header: dict[str, Any] | None) -> str:
         job, preset = rec.name, rec.preset
     elif run_dir.parent.parent.name == "runs":  # $LAUNCH_HOME/runs/<job>/<id>
         job = run_dir.parent.name
-    preset = preset or (header or {}).get("preset")
+    preset = preset or (header or {}).get("preset") or (header or {}).get("shape")  # stage-1 names its model shape
     return " ".join(str(x) for x in (job, preset, job_id) if x)
 
 

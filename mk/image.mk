@@ -1,13 +1,18 @@
-# Container images: `make image [name=trainer] [flavour=cpu|gpu|test] [force=1]` (as root).
-# Builds build/images/<name>-<flavour>/<name>-<flavour>_<hash>_amd64.tar.zst and its
-# manifest.json; returns in seconds when the inputs hash equals the last build's (images/README.md).
+# Container images: `make image [name=trainer] [flavour=cpu|gpu|test] [force=1] [lxc_xz=1]` (as root).
+# Builds build/images/<name>-<flavour>/<name>-<flavour>_<hash>_amd64.tar.zst, its LXC metadata
+# and manifest.json; returns in seconds when the inputs hash equals the last build's (images/README.md).
+# `make wheelhouse flavour=cpu|gpu [wheels=DIR]`: the flavour's wheels, resolved with this
+# machine's pip, into build/wheelhouse/<flavour>/ (make image does it too when needed).
 IMAGE_OUT ?= build/images
 
-.PHONY: image test-image
+.PHONY: image wheelhouse test-image
 
 image: venv
 	$(PY) -m images.build --name $(or $(name),trainer) --flavour $(or $(flavour),cpu) \
-	  --out $(IMAGE_OUT) $(if $(force),--force)
+	  --out $(IMAGE_OUT) $(if $(force),--force) $(if $(lxc_xz),--lxc-xz)
+
+wheelhouse: venv
+	$(PY) -m images.make_wheelhouse --name $(or $(name),trainer) --flavour $(or $(flavour),cpu) $(if $(wheels),--add $(wheels))
 
 test-image: venv
 	$(PY) -m pytest -q tests/test_image.py

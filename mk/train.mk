@@ -2,9 +2,11 @@
 
 SAMPLE_DATA_DIR ?= runs/sample-data
 SAMPLE_DATA_N   ?= 2000
+# the model shape whose asset format the assets have (qwen35-2b: 1728+2048+2048 codes of 8192)
+SAMPLE_DATA_SHAPE ?= qwen35-2b
 
 # A small synthetic stage-1 dataset in the real format: one jsonl manifest per task, PNG
-# images, 3D token .npz files. `make sample-data SAMPLE_DATA_DIR=/tmp/d SAMPLE_DATA_N=500`
+# images, 3D asset .npz files. `make sample-data SAMPLE_DATA_DIR=/tmp/d SAMPLE_DATA_N=500`
 sample-data: venv
-	$(PY) -m train.stage1.data --out $(SAMPLE_DATA_DIR) --samples $(SAMPLE_DATA_N)
+	$(PY) -m train.stage1.synthetic --out $(SAMPLE_DATA_DIR) --samples $(SAMPLE_DATA_N) --shape $(SAMPLE_DATA_SHAPE)
 	@echo "format: see the docstring of train/stage1/data.py; e.g. head -2 $(SAMPLE_DATA_DIR)/gen_img.jsonl"

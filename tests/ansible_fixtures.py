@@ -22,8 +22,9 @@ from images.rootfs import BaseSpec, cached_base_rootfs, debian_mirror  # noqa: F
 from images.rootfs import cache_dir as rootfs_cache_dir
 
 SUITE = "bookworm"
-# The packages the roles install in the tests (toolchain's and python_env's small test set).
-TEST_APT_PACKAGES = ("gcc", "libc6-dev", "python3-dev", "python3-venv")
+# The packages the roles install in the tests (toolchain's and python_env's small test set; systemd-sysv
+# for the image test flavour, which boots systemd).
+TEST_APT_PACKAGES = ("gcc", "libc6-dev", "python3-dev", "python3-venv", "systemd-sysv")
 
 
 def cache_dir() -> Path:

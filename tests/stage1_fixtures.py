@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.stage1.data import generate_synthetic
+from train.stage1.synthetic import generate_synthetic
 from train.stage1.train import main
 
 # Small enough for the shared 2-core CI machine: 1 row of 128 tokens a step.
-FAST_ARGS = ["--preset", "tiny", "--batch-rows", "1", "--row-len", "128", "--num-workers", "1", "--lr", "3e-3",
+FAST_ARGS = ["--shape", "tiny", "--batch-rows", "1", "--row-len", "128", "--num-workers", "1", "--lr", "3e-3",
              "--warmup", "3"]
 
 

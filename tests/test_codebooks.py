@@ -6,13 +6,16 @@ import pytest
 import torch
 
 from train.common.codebooks import CODEBOOK_NAMES, CodebookConfig, CodebookVocab, extend_embeddings
-from train.stage1.model import PRESETS, build_model, get_preset, text_config
+from train.common.shapes import SHAPES, get_shape
+from train.stage1.model import build_model, text_config
 
 
 def test_full_size_layout():
     vocab = CodebookVocab(248_320)
-    assert vocab.offsets == {"ss": 248_320, "shape": 248_320 + 1728, "tex": 248_320 + 1728 + 2048}
-    assert vocab.used_vocab == 248_320 + 1728 + 2048 + 2048 + len(vocab.config.specials)
+    assert vocab.offsets == {"ss": 248_320, "shape": 248_320 + 8192, "tex": 248_320 + 2 * 8192}
+    assert vocab.used_vocab == 248_320 + 3 * 8192 + len(vocab.config.specials) == 272_912
+    assert vocab.padded_vocab == 273_152  # the "~272.9k": 272,896 + 16 specials, padded to 256
+    assert vocab.config.lengths == (1728, 2048, 2048)  # 5,824 codes per asset
     assert vocab.padded_vocab % 256 == 0
     assert 0 <= vocab.padded_vocab - vocab.used_vocab < 256
     assert sorted(vocab.special_ids.values()) == list(range(vocab.special_offset, vocab.used_vocab))
@@ -39,8 +42,8 @@ def test_encode_decode_3d_asset():
 
 def test_out_of_range_codes_and_foreign_tokens_are_refused():
     vocab = CodebookVocab(248_320)
-    with pytest.raises(ValueError, match=r"ss codes must lie in \[0, 1728\)"):
-        vocab.codes_to_tokens("ss", [0, 1728])
+    with pytest.raises(ValueError, match=r"ss codes must lie in \[0, 8192\)"):
+        vocab.codes_to_tokens("ss", [0, 8192])
     with pytest.raises(ValueError, match="not tex codebook tokens"):
         vocab.tokens_to_codes("tex", vocab.codes_to_tokens("shape", [5]))
     with pytest.raises(ValueError, match="unknown codebook"):
@@ -50,7 +53,7 @@ def test_out_of_range_codes_and_foreign_tokens_are_refused():
 def test_new_embedding_rows_are_the_mean_of_the_old_ones():
     from transformers import Qwen3_5ForCausalLM
 
-    cfg = text_config(get_preset("tiny"))
+    cfg = text_config(get_shape("tiny"))
     model = Qwen3_5ForCausalLM(cfg)
     old = model.get_input_embeddings().weight.detach().clone()
     extend_embeddings(model, 4864)
@@ -80,10 +83,10 @@ def test_2b_shape_on_meta_device():
     assert 1.8e9 < spec.n_params < 2.0e9
 
 
-def test_unknown_preset_lists_the_valid_ones():
+def test_unknown_shape_lists_the_valid_ones():
     with pytest.raises(ValueError) as err:
         build_model("qwen35-70b")
-    for name in PRESETS:
+    for name in SHAPES:
         assert name in str(err.value)
 
 
@@ -94,5 +97,5 @@ def test_init_from_a_local_checkpoint(tmp_path):
     assert spec.init_from == str(tmp_path / "ckpt")
     for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match="nowhere: not a directory"):
         build_model("tiny", init_from=tmp_path / "nowhere")

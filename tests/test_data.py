@@ -1,15 +1,22 @@
-"""Stage-1 data: mixture determinism per (seed, rank), malformed records with file:line, limits."""
+"""Stage-1 data: mixture determinism per (seed, rank), malformed records with file:line, limits,
+the 3D asset format (lengths, code ranges), corrupt .npz files and decompression-bomb PNGs."""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from train.common.shapes import get_shape
 from train.stage1.data import (
     TASKS,
     DataConfig,
@@ -18,11 +25,13 @@ from train.stage1.data import (
     PackedBatches,
     Stage1Data,
     build_batch,
-    generate_synthetic,
     load_manifests,
     normalized_weights,
-    tokenizer_for_preset,
 )
+from train.stage1.synthetic import generate_synthetic
+from train.stage1.tokenizer import build_tokenizer
+
+TOK = build_tokenizer(get_shape("tiny"), None, vision=False)
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +61,10 @@ def test_generated_format(data_dir: Path) -> None:
 
 
 def test_batch_is_function_of_seed_rank_index(data_dir: Path) -> None:
-    ds = PackedBatches(_cfg(data_dir), rank=0)
-    again = PackedBatches(_cfg(data_dir), rank=0)
-    other_rank = PackedBatches(_cfg(data_dir), rank=1)
-    other_seed = PackedBatches(_cfg(data_dir, seed=8), rank=0)
+    ds = PackedBatches(_cfg(data_dir), TOK, rank=0)
+    again = PackedBatches(_cfg(data_dir), TOK, rank=0)
+    other_rank = PackedBatches(_cfg(data_dir), TOK, rank=1)
+    other_seed = PackedBatches(_cfg(data_dir, seed=8), TOK, rank=0)
     b3 = build_batch(ds.sampler, ds.tok, ds.cfg, 3)
     assert _same(b3, build_batch(again.sampler, again.tok, again.cfg, 3))
     assert not _same(b3, build_batch(ds.sampler, ds.tok, ds.cfg, 4))
@@ -66,12 +75,12 @@ def test_batch_is_function_of_seed_rank_index(data_dir: Path) -> None:
 
 def test_worker_loader_order_and_resume(data_dir: Path) -> None:
     """Two loader worker processes give batches in index order; starting at k resumes exactly."""
-    loader = Stage1Data(_cfg(data_dir, num_workers=2, prefetch_factor=2), rank=0, report=lambda _: None)
+    loader = Stage1Data(_cfg(data_dir, num_workers=2, prefetch_factor=2), TOK, rank=0, report=lambda _: None)
     seq = [next(loader) for _ in range(5)]
     loader.close()
     assert [b["batch_index"] for b in seq] == [0, 1, 2, 3, 4]
     assert loader.state_dict()["next_batch"] == 5
-    resumed = Stage1Data(_cfg(data_dir), rank=0, start_batch=3, report=lambda _: None)
+    resumed = Stage1Data(_cfg(data_dir), TOK, rank=0, start_batch=3, report=lambda _: None)
     assert _same(next(resumed), seq[3])
     assert _same(next(resumed), seq[4])
 
@@ -95,8 +104,6 @@ def test_weight_on_empty_task_is_an_error(tmp_path: Path, data_dir: Path) -> Non
 
 
 def _copy(src: Path, dst: Path) -> None:
-    import shutil
-
     shutil.copytree(src, dst)
 
 
@@ -112,7 +119,7 @@ def test_malformed_records_counted_with_file_and_line(tmp_path: Path, data_dir: 
     (d / json.loads(img_lines[0])["image"]).unlink()
 
     reported: list[str] = []
-    loader = Stage1Data(_cfg(d, max_bad_fraction=0.5, weights={"replay_img": 1.0, "gen_txt": 1.0}),
+    loader = Stage1Data(_cfg(d, max_bad_fraction=0.5, weights={"replay_img": 1.0, "gen_txt": 1.0}), TOK,
                         report=reported.append)
     assert f"{d / 'gen_txt.jsonl'}:3: invalid JSON" in reported[0]
     assert reported[1].startswith(f"malformed record: {d / 'gen_txt.jsonl'}:5: missing key(s) text, tokens3d")
@@ -133,29 +140,106 @@ def test_too_many_malformed_records_stop_the_run(tmp_path: Path, data_dir: Path)
     with open(d / "und.jsonl", "a") as f:
         f.write("not json\n" * 5)
     with pytest.raises(DataError, match=r"5 of \d+ records malformed .* > 1\.0% allowed\); first: .*und.jsonl:\d+"):
-        Stage1Data(_cfg(d, max_bad_fraction=0.01), report=lambda _: None)
-    Stage1Data(_cfg(d, max_bad_fraction=0.2), report=lambda _: None)  # under the limit: runs
+        Stage1Data(_cfg(d, max_bad_fraction=0.01), TOK, report=lambda _: None)
+    Stage1Data(_cfg(d, max_bad_fraction=0.2), TOK, report=lambda _: None)  # under the limit: runs
 
 
-def test_codes_outside_the_codebook_are_malformed(tmp_path: Path, data_dir: Path) -> None:
-    import numpy as np
+def _asset(**over: np.ndarray) -> dict[str, np.ndarray]:
+    ss, shape, tex = TOK.codebooks.lengths
+    return {"ss": np.zeros(ss, np.int16), "shape": np.ones(shape, np.int16), "tex": np.ones(tex, np.int16), **over}
 
+
+BAD_ASSETS = {
+    "out of range": (lambda p: np.savez(p, **_asset(ss=np.full(8, 256))), r"ss codes out of range \[0, 256\)"),
+    "wrong length": (lambda p: np.savez(p, **_asset(shape=np.ones(9, np.int16))),
+                     "shape has 9 codes, the asset format wants 10"),
+    "missing array": (lambda p: np.savez(p, ss=np.zeros(8, np.int16)), "lacks array.s. shape, tex"),
+    "truncated npz": (lambda p: p.write_bytes(p.read_bytes()[:100]), r"unreadable 3D token file .*\(BadZipFile\)"),
+    "not an npz": (lambda p: np.save(p.with_suffix(".npy"), np.zeros(3)) or p.with_suffix(".npy").rename(p),
+                   "not an .npz archive"),
+    "float codes": (lambda p: np.savez(p, **_asset(tex=np.ones(10, np.float32))), "tex codes must be .* integer"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ASSETS))
+def test_a_bad_3d_asset_is_a_malformed_record_with_file_and_line(tmp_path: Path, data_dir: Path, case: str) -> None:
     d = tmp_path / "data"
     _copy(data_dir, d)
-    sizes = tokenizer_for_preset("tiny").codebook_sizes
+    make_bad, reason = BAD_ASSETS[case]
+    line_no, rec = load_manifests(d).records["und"][1]
+    make_bad(d / rec["tokens3d"])
+    reported: list[str] = []
+    loader = Stage1Data(_cfg(d, weights={"und": 1.0}, max_bad_fraction=0.5), TOK, report=reported.append)
+    for _ in range(40):
+        next(loader)
+        if reported:
+            break
+    assert len(reported) == 1, reported
+    assert reported[0].startswith(f"malformed record: {d / 'und.jsonl'}:{line_no}: "), reported[0]
+    assert re.search(reason, reported[0]), reported[0]
+    assert loader.bad_seen >= 1
+
+
+def test_every_bad_asset_stops_the_run_past_max_bad_fraction(tmp_path: Path, data_dir: Path) -> None:
+    d = tmp_path / "data"
+    _copy(data_dir, d)
     for _, rec in load_manifests(d).records["und"]:
-        np.savez(d / rec["tokens3d"], ss=np.array([sizes["ss"]]), shape=np.array([0]), tex=np.array([0]))
-    loader = Stage1Data(_cfg(d, weights={"und": 1.0}, max_bad_fraction=0.5), report=lambda _: None)
+        np.savez(d / rec["tokens3d"], **_asset(ss=np.full(8, 256)))
+    loader = Stage1Data(_cfg(d, weights={"und": 1.0}, max_bad_fraction=0.5), TOK, report=lambda _: None)
     with pytest.raises(DataError, match=r"und\.jsonl:\d+: .*ss codes out of range"):
         next(loader)
 
 
+def _png_claiming(path: Path, width: int, height: int) -> None:
+    """A valid PNG header for a width x height RGB image, with one tiny IDAT: a decompression bomb's
+    shape (a few hundred bytes on disk that claim gigabytes) without the bytes."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize(("vision", "side"), [(False, 9000), (True, 9000), (True, 30000)])
+def test_a_decompression_bomb_png_is_a_malformed_record(tmp_path: Path, data_dir: Path, vision: bool,
+                                                        side: int) -> None:
+    """9000^2 is above the loader's limit and below PIL's; 30000^2 (900M pixels) above both."""
+    d = tmp_path / "data"
+    _copy(data_dir, d)
+    line_no, rec = load_manifests(d).records["replay_img"][0]
+    _png_claiming(d / rec["image"], side, side)
+    tok = build_tokenizer(get_shape("tiny"), None, vision=vision)
+    reported: list[str] = []
+    loader = Stage1Data(_cfg(d, weights={"replay_img": 1.0}, max_bad_fraction=0.5), tok, report=reported.append)
+    for _ in range(40):
+        next(loader)
+        if reported:
+            break
+    assert reported and reported[0].startswith(f"malformed record: {d / 'replay_img.jsonl'}:{line_no}: image ")
+    assert "decompression bomb" in reported[0] and len(reported[0].splitlines()) == 1
+
+
+def test_asset_format_any_length(tmp_path: Path) -> None:
+    """lengths "any": assets of varying length pass, codes are still range-checked."""
+    from train.common.codebooks import CodebookConfig, parse_lengths
+
+    fmt = CodebookConfig(ss=256, shape=256, tex=256, lengths=parse_lengths("any"))
+    fmt.check_asset({"ss": np.arange(5), "shape": np.arange(70), "tex": np.arange(1)})
+    with pytest.raises(ValueError, match="out of range"):
+        fmt.check_asset({"ss": np.arange(5), "shape": np.arange(300), "tex": np.arange(1)})
+    assert parse_lengths("1728,any,2048") == (1728, None, 2048)
+    for bad in ("1,2", "0,1,2", "a,b,c"):
+        with pytest.raises(ValueError):
+            parse_lengths(bad)
+
+
 def test_generator_cli(tmp_path: Path) -> None:
     out = tmp_path / "d"
-    proc = subprocess.run([sys.executable, "-m", "train.stage1.data", "--out", str(out), "--samples", "20"],
+    proc = subprocess.run([sys.executable, "-m", "train.stage1.synthetic", "--out", str(out), "--samples", "20"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.glob("*.jsonl")) == sorted(f"{t}.jsonl" for t in TASKS)
-    bad = subprocess.run([sys.executable, "-m", "train.stage1.data", "--out", str(out), "--samples", "20",
-                          "--preset", "nope"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "train.stage1.synthetic", "--out", str(out), "--samples", "20",
+                          "--shape", "nope"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

@@ -16,8 +16,9 @@ def _clear_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(key)
 
 
-def test_layout_from_slurm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layout_from_slurm_env(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     _clear_slurm(monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol: the first node's name is the address
     monkeypatch.setenv("SLURM_JOB_ID", "4321")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
@@ -26,9 +27,31 @@ def test_layout_from_slurm_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_LOCALID", "3")
     rank, world, local, addr, port = slurm_layout()
     assert (rank, world, local, addr) == (11, 16, 3, "gpu07")
-    assert 20000 <= port < 40000
+    assert 20000 <= port < 32000
     monkeypatch.setenv("SLURM_PROCID", "0")
     assert slurm_layout()[4] == port  # every rank of the job agrees on the port
+
+
+def test_rank_from_node_and_local_id_without_procid(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A task that did not come through srun has no SLURM_PROCID: Slurm's block layout gives
+    rank = tasks on the nodes before it + its local id."""
+    from train.common.distributed import _tasks_per_node, node_layout
+
+    assert _tasks_per_node("2(x3),1") == [2, 2, 2, 1] and _tasks_per_node("8") == [8]
+    with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE"):
+        _tasks_per_node("2(x")
+    _clear_slurm(monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for key, value in dict(SLURM_JOB_ID="77", SLURM_JOB_NODELIST="n[1-4]", SLURM_JOB_NUM_NODES="4",
+                           SLURM_NTASKS="7", SLURM_TASKS_PER_NODE="2(x3),1", SLURM_NODEID="3",
+                           SLURM_LOCALID="0").items():
+        monkeypatch.setenv(key, value)
+    assert slurm_layout()[:4] == (6, 7, 0, "n1")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert slurm_layout()[0] == 3 and node_layout() == (1, 4)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.9")
+    assert slurm_layout()[3] == "10.0.0.9"  # an explicit address wins
 
 
 def test_single_process_needs_no_group(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,7 +26,7 @@ def _run_stage1(tmp_path: Path, extra_env: dict[str, str]) -> subprocess.Complet
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(extra_env, PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-m", "train.stage1", "--preset", "tiny", "--steps", "1", "--out", str(tmp_path / "run")],
+        [sys.executable, "-m", "train.stage1", "--shape", "tiny", "--steps", "1", "--out", str(tmp_path / "run")],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
     )
 
@@ -82,10 +82,10 @@ def test_job_state_must_be_running(tmp_path: Path, state: str, ok: bool) -> None
             check_slurm_allocation(env)
 
 
-def test_unknown_preset_is_one_line_exit_2(tmp_path: Path) -> None:
+def test_unknown_model_shape_is_one_line_exit_2(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([sys.executable, "-m", "train.stage1", "--preset", "huge"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "train.stage1", "--shape", "huge"], capture_output=True,
                           text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "train.stage1: error: unknown preset 'huge'; valid presets: tiny, qwen35-0.8b, qwen35-2b"
+    assert proc.stderr.strip() == "train.stage1: error: unknown model shape 'huge'; valid shapes: tiny, qwen35-0.8b, qwen35-2b"

@@ -415,3 +415,26 @@ def test_reconcile_reclaims_jobs_slurm_forgot_but_not_fresh_releases(world_dir: 
         assert [i for i, h in holders.items() if h.held] == [0, 3]
     finally:
         daemon.shutdown()
+
+
+def test_holder_leaves_a_world_writable_directory_alone(world_dir: Path) -> None:
+    """A socket directly in a 1777 directory (like /tmp) is refused, one line, and the directory
+    keeps its mode; a socket in a subdirectory the holder makes gets a private 0700 one, which
+    it removes again on exit, while the 1777 directory above stays 1777."""
+    shared = world_dir / "run"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    h = Holder(world_dir, gpus=1, extra_args=["--no-slurm", "--socket", str(shared / "control.sock")])
+    h.start(wait=False)
+    assert h.proc is not None and h.proc.wait(timeout=30) == 2
+    err = h.log_path.read_text().strip()
+    assert err.count("\n") == 0 and "refusing a control socket directly in" in err and "Traceback" not in err
+    assert (shared.stat().st_mode & 0o7777) == 0o1777
+    assert not (shared / "control.sock").exists() and h.state() is None
+
+    with running_holder(world_dir, gpus=1, extra_args=["--no-slurm"]) as ok:  # socket in run/ctl/
+        assert ok.socket.parent.parent == shared
+        assert (ok.socket.parent.stat().st_mode & 0o777) == 0o700 and ok.socket.parent.stat().st_uid == 0
+        assert (shared.stat().st_mode & 0o7777) == 0o1777
+    assert not ok.socket.parent.exists()  # the directory it made, gone with it
+    assert (shared.stat().st_mode & 0o7777) == 0o1777

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_launch, slurm_available, wait_for_state
 
-from launch.cluster.embedded import MARKER_VAR, EmbeddedCluster
+from launch.cluster.embedded import MARKER_VAR, EmbeddedCluster, node_daemon
 
 pytestmark = pytest.mark.slurm
 
@@ -229,7 +229,7 @@ def test_dry_run_prints_script_and_submits_nothing(launch_env):
     assert 'export TRITON_CACHE_DIR="$LAUNCH_SCRATCH"/triton' in out.stdout
     # The scratch default expands only its documented variables, each quoted.
     assert 'export LAUNCH_SCRATCH="${LAUNCH_NODE_SCRATCH:-/tmp}"/launch-"${USER:-root}"/"${SLURM_JOB_ID}"' in out.stdout
-    assert "python -m train.stage1 --preset tiny" in out.stdout
+    assert "python -m train.stage1 --shape tiny" in out.stdout
     assert run_launch(["list"], launch_env).stdout.startswith("no jobs")
 
 
@@ -275,8 +275,9 @@ def test_cluster_down_leaves_nothing_behind(tmp_path):
             break
         time.sleep(0.3)
     assert _live_processes_of(cluster.state_dir), "the cluster should be running before down"
+    node = cluster.nodes()[0]["name"]
     stopped = cluster.down()
-    assert stopped == ["slurmd", "slurmctld", "slurmdbd", "munged", "mariadb"]
+    assert stopped == [node_daemon(node), "slurmctld", "slurmdbd", "munged", "mariadb"]
     assert _live_processes_of(cluster.state_dir) == []
     assert not cluster.is_up()
     assert cluster.down() == []  # a second down is a no-op

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.common.mfu import flops_per_token, matmul_params, mfu, peak_flops
+from train.common.mfu import flops_per_token, gated_delta_rule_flops, matmul_params, mfu, mfu_pair, peak_flops
 from train.stage1.model import build_model
 
 
 def hand_count_tiny() -> int:
-    # tiny: hidden 256, 3 GDN + 1 full layer, FFN 768, vocab 4864 (4096 text + codebooks, padded)
+    # tiny: hidden 256, 3 GDN + 1 full layer, FFN 768, vocab 5120 (4096 text + 3 x 256 codes + 16 specials, padded)
     gdn = (
         256 * (2 * 4 * 64 + 4 * 64)  # in_proj_qkv: q, k (4 heads x 64) and v (4 heads x 64)
         + 256 * 256  # in_proj_z
@@ -19,22 +19,29 @@ def hand_count_tiny() -> int:
     )
     full = 256 * 4 * 64 * 2 + 256 * 2 * 64 * 2 + 4 * 64 * 256  # q (with gate), k, v, o
     mlp = 3 * 256 * 768
-    lm_head = 256 * 4864
+    lm_head = 256 * 5120
     return 3 * (gdn + mlp) + (full + mlp) + lm_head
 
 
 def test_matmul_params_tiny_hand_count():
     model, _ = build_model("tiny", device="meta")
-    assert hand_count_tiny() == 4_855_808
-    assert matmul_params(model.config) == 4_855_808
+    assert hand_count_tiny() == 4_921_344
+    assert matmul_params(model.config) == 4_921_344
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert linear == 4_855_808  # every nn.Linear, lm_head included (tied, still a matmul)
+    assert linear == 4_921_344  # every nn.Linear, lm_head included (tied, still a matmul)
 
 
 def test_flops_per_token_tiny():
     model, _ = build_model("tiny", device="meta")
     attention = 12 * 1 * 4 * 64 * 8192  # one full-attention layer, 4 heads of 64, 8192-token row
-    assert flops_per_token(model.config, 8192) == 6 * 4_855_808 + attention == 54_300_672
+    gdr = 18 * 3 * 4 * 64 * 64  # torchtitan's recurrence charge: 3 GDN layers, 4 value heads, d_k = d_v = 64
+    assert gated_delta_rule_flops(model.config) == gdr == 884_736
+    assert flops_per_token(model.config, 8192) == 6 * 4_921_344 + attention + gdr == 55_578_624
+
+
+def test_useful_mfu_leaves_the_padding_out():
+    all_tok, useful = mfu_pair(20_000, 15_000, 1e9, n_gpus=2, peak=1e13)
+    assert all_tok == pytest.approx(1.0) and useful == pytest.approx(0.75)
 
 
 def test_mfu_and_peak():
@@ -45,6 +52,15 @@ def test_mfu_and_peak():
         mfu(1.0, 1.0, n_gpus=0)
 
 
+def test_2b_flops_count_the_extended_vocab():
+    """The 2B lm_head is hidden x 273,152 (248,320 + 3 x 8,192 codebook rows + 16 specials, padded)."""
+    model, spec = build_model("qwen35-2b", device="meta")
+    assert model.config.vocab_size == spec.vocab.padded_vocab == 273_152
+    base = {**model.config.to_dict(), "vocab_size": 248_320}
+    assert matmul_params(model.config) - matmul_params(base) == 2048 * (273_152 - 248_320)
+    assert flops_per_token(model.config, 8192) - flops_per_token(base, 8192) == 6 * 2048 * (273_152 - 248_320)
+
+
 def test_2b_shape_in_the_expected_range():
     model, spec = build_model("qwen35-2b", device="meta")
     n = matmul_params(model.config)
@@ -52,3 +68,6 @@ def test_2b_shape_in_the_expected_range():
     assert abs(n - spec.n_params) / spec.n_params < 0.01
     per_token = flops_per_token(model.config, 8192)
     assert 12e9 < per_token < 13e9
+    # the GDN recurrence term is about +0.7% for this shape (18 layers, 16 heads of 128 x 128)
+    assert gated_delta_rule_flops(model.config) == 18 * 18 * 16 * 128 * 128
+    assert 0.006 < gated_delta_rule_flops(model.config) / per_token < 0.008

@@ -28,21 +28,17 @@ from train.common.packing import (
     model_kwargs,
     mrope_positions,
 )
-from train.stage1.data import (
-    TASKS,
-    TinyTokenizer,
-    generate_synthetic,
-    load_manifests,
-    tokenize_record,
-    tokenizer_for_preset,
-)
-from train.stage1.model import build_model, get_preset
+from train.common.shapes import get_shape
+from train.stage1.data import TASKS, DataConfig, PackedBatches, build_batch, load_manifests, tokenize_record
+from train.stage1.model import build_model
 from train.stage1.objective import base_forward
-from train.stage1.vision import ImagePreprocessor, smart_resize
+from train.stage1.synthetic import generate_synthetic
+from train.stage1.tokenizer import build_tokenizer
 
-IMAGE_ID = TinyTokenizer.vision_token_ids()["image"]
+TOK = build_tokenizer(get_shape("tiny"), None, vision=True)  # byte stand-in + the shape's image processor
+IMAGE_ID = TOK.vision_ids["image_token_id"]
 ROW_LEN = 128
-TINY_VISION = get_preset("tiny").vision
+TINY_VISION = get_shape("tiny").vision
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -52,30 +48,20 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # preprocessing
 
 
-def test_smart_resize_matches_transformers():
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as theirs
-
-    for h, w in [(32, 32), (30, 50), (200, 90), (7, 9), (64, 64), (1000, 30)]:
-        assert smart_resize(h, w, 16, 32 * 32, 64 * 64) == theirs(h, w, 16, 32 * 32, 64 * 64), (h, w)
-
-
-def test_pixel_values_match_transformers_processor(tmp_path: Path):
-    """Own patchify == transformers' Qwen2-VL PIL processor (built locally, nothing downloaded)."""
+def test_image_encoder_emits_what_the_vision_tower_reads(tmp_path: Path):
+    """The shape's processor resizes into [min_pixels, max_pixels] in patch*merge multiples."""
     from PIL import Image
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     rng = np.random.default_rng(0)
-    path = tmp_path / "x.png"
-    Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)).save(path)  # H 32, W 48: no resize
-    cfg = TINY_VISION
-    ours = ImagePreprocessor(cfg)(path)
-    theirs = Qwen2VLImageProcessorPil(
-        patch_size=cfg.patch_size, merge_size=cfg.spatial_merge_size, temporal_patch_size=cfg.temporal_patch_size,
-        min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, image_mean=[0.5] * 3, image_std=[0.5] * 3,
-    )(images=[Image.open(path)], return_tensors="pt")
-    assert list(ours.grid_thw) == theirs["image_grid_thw"][0].tolist() == [1, 4, 6]
-    torch.testing.assert_close(ours.pixel_values, theirs["pixel_values"].float(), atol=1e-6, rtol=0)
-    assert ours.n_tokens == 6
+    # by hand (smart_resize, factor 16): 200x90 -> 80x32 (shrunk to <= 64*64), 7x9 -> 32x48 (grown)
+    for (h, w), grid in [((32, 48), (1, 4, 6)), ((200, 90), (1, 10, 4)), ((7, 9), (1, 4, 6))]:
+        path = tmp_path / f"x{h}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        img = TOK.encoder(path)
+        assert tuple(img.grid_thw) == grid, (h, w, img.grid_thw)
+        dim = 3 * TINY_VISION.temporal_patch_size * TINY_VISION.patch_size**2
+        assert img.pixel_values.shape == (grid[1] * grid[2], dim) and img.pixel_values.dtype == torch.float32
+        assert img.n_tokens == grid[1] * grid[2] // 4 <= TOK.encoder.max_tokens
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,7 +89,7 @@ def image_doc(grids: list[tuple[int, int, int]], text_between: int, task: int, s
 
 
 def test_mrope_positions_equal_transformers_get_rope_index():
-    model, _ = build_model("tiny", device="meta", vision=True)
+    model, _ = build_model("tiny", device="meta", vision=True, vision_ids=TOK.vision_ids)
     doc = image_doc([(1, 4, 6), (1, 8, 2), (1, 2, 2)], text_between=5, task=0, seed=1)
     ids = torch.tensor([doc.tokens])
     theirs, _ = model.model.get_rope_index(
@@ -169,7 +155,7 @@ def test_long_image_document_is_never_cut_inside_an_image():
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)
-    stock, _ = build_model("tiny", vision=True)
+    stock, _ = build_model("tiny", vision=True, vision_ids=TOK.vision_ids)
     stock.eval()
     packed = copy.deepcopy(stock)
     assert install_kernels(packed, select_kernels("cpu")) == 3
@@ -182,8 +168,7 @@ def image_batch(tmp_path_factory):
     data = tmp_path_factory.mktemp("vision") / "data"
     generate_synthetic(data, samples=40, seed=0)
     man = load_manifests(data)
-    tok = tokenizer_for_preset("tiny", vision=True)
-    docs = [tokenize_record(tok, data, task, man.records[task][i][1])
+    docs = [tokenize_record(TOK, data, task, man.records[task][i][1])
             for task, i in [("gen_img", 0), ("replay_img", 0), ("gen_txt", 0), ("replay_img", 1), ("gen_img", 1)]]
     long_doc = image_doc([(1, 4, 4), (1, 4, 6)], 70, TASKS.index("replay_img"), seed=6)  # > ROW_LEN: split
     docs.insert(2, long_doc)
@@ -284,8 +269,8 @@ def test_trainer_vision_defaults():
     from launch.jobspec import find_spec
     from train.stage1.train import parse_args
 
-    assert parse_args(["--preset", "tiny"]).vision is True
-    assert parse_args(["--preset", "tiny", "--vision", "off"]).vision is False
+    assert parse_args(["--shape", "tiny"]).vision is True
+    assert parse_args(["--shape", "tiny", "--vision", "off"]).vision is False
     # the GPU shapes' job presets (launch/jobs/stage1.yaml) keep the benchmark text-only
     spec = find_spec("stage1")
     assert parse_args(spec.resolve("qwen35-2b").argv()).vision is False
@@ -294,14 +279,12 @@ def test_trainer_vision_defaults():
 
 
 def test_loader_batches_carry_images_and_report_broken_pngs(tmp_path: Path):
-    from train.stage1.data import DataConfig, PackedBatches, build_batch
-
     data = tmp_path / "data"
     generate_synthetic(data, samples=40, seed=0)
     broken = data / load_manifests(data).records["replay_img"][0][1]["image"]
     broken.write_bytes(b"\x89PNG\r\n\x1a\nnot really")
-    ds = PackedBatches(DataConfig(str(data), row_len=ROW_LEN, batch_rows=2, vision=True,
-                                  weights={"gen_img": 1, "replay_img": 1}), rank=0)
+    ds = PackedBatches(DataConfig(str(data), row_len=ROW_LEN, batch_rows=2,
+                                  weights={"gen_img": 1, "replay_img": 1}), TOK, rank=0)
     batches = [build_batch(ds.sampler, ds.tok, ds.cfg, k) for k in range(4)]
     for batch in batches:
         n_placeholders = int((batch["input_ids"] == IMAGE_ID).sum())

@@ -65,7 +65,10 @@ def build(src: Path, cache: Path) -> Path:
             shutil.copy2(src / rel, tree / rel)
         proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--disable-pip-version-check", "--no-deps",
                                "--no-build-isolation", "--no-index", "-q", "-w", str(dist), str(tree)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True,
+                              # Fixed zip dates: the same sources give the same wheel bytes on any
+                              # checkout (an image keeps the wheel, and its bytes are compared).
+                              env={**os.environ, "SOURCE_DATE_EPOCH": "315532800"})
         built = sorted(dist.glob("*.whl"))
         if proc.returncode != 0 or len(built) != 1:
             last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel written"]

@@ -1,4 +1,4 @@
-"""`launch cluster up | down | status`: the embedded single-node Slurm."""
+"""`launch cluster up | down | status`: the embedded Slurm cluster (one or more nodes on this machine)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,15 @@ from launch.values import nonneg_int, positive_int
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["up", "down", "status"])
-    p.add_argument("--gpus", type=nonneg_int, help="GPUs to declare: the real ones by default; on a machine without "
-                   "the NVIDIA driver, N stand-in devices (major 195)")
-    p.add_argument("--cpus", type=positive_int, help="CPUs to declare (default: this machine's)")
+    p.add_argument("--nodes", type=positive_int, help="compute nodes, each its own slurmd on a loopback "
+                   "address (default 1)")
+    p.add_argument("--gpus", type=nonneg_int, help="GPUs per node: the real ones by default (split between the "
+                   "nodes); on a machine without the NVIDIA driver, N stand-in devices (major 195)")
+    p.add_argument("--cpus", type=positive_int, help="CPUs per node (default: this machine's)")
     p.add_argument("--prolog", help="Slurm Prolog executable (e.g. the keepalive hook)")
     p.add_argument("--epilog", help="Slurm Epilog executable")
+    p.add_argument("--slurmd-timeout", type=positive_int, metavar="S",
+                   help="seconds a silent node stays up before Slurm marks it DOWN (Slurm's default 300)")
     p.add_argument("--state-dir", help=f"where configs, logs and data live (default {default_state_dir()})")
 
 
@@ -24,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "up":
         t0 = time.monotonic()
         started = cluster.up(gpus=args.gpus, cpus=args.cpus, prolog=args.prolog, epilog=args.epilog,
+                             nodes=args.nodes, slurmd_timeout=args.slurmd_timeout,
                              progress=lambda msg: print(f"[cluster] {msg}", flush=True))
         if not started:
             print(f"embedded cluster is already up in {cluster.state_dir}; nothing changed")

@@ -1,22 +1,37 @@
-"""An embedded single-node Slurm cluster built from Debian's real daemons.
+"""An embedded Slurm cluster of one or more nodes, built from Debian's real daemons.
 
 `up` starts, in order: MariaDB (accounting store, data in the state dir), munged, slurmdbd,
-slurmctld and slurmd, every one in the foreground under our own pid file, with configs
-rendered from the same jinja2 templates as the `slurm` Ansible role. Nothing is installed
-system-wide and nothing listens beyond 127.0.0.1, so several clusters (one per state dir)
-can run side by side: each picks its own free ports.
+slurmctld and one slurmd per node, every one in the foreground under our own pid file, with
+configs rendered from the same jinja2 templates as the `slurm` Ansible role. Nothing is
+installed system-wide, and every address the daemons are given is a loopback one (MariaDB
+binds 127.0.0.1 only; Slurm's daemons listen on all addresses, as on any node, and are reached
+on loopback), so nothing leaves the machine. Several clusters (one per state dir) can run side
+by side: each picks its own free ports and its own range of job ids.
+
+Several nodes on one machine (`up(nodes=N)`): Debian's slurmd runs once per node name
+(`slurmd -N node1`), each node with its own `Port=`, its own NodeAddr on the loopback range
+(127.0.0.2, 127.0.0.3, ...) and its own spool, pid and log file (`%n` in slurm.conf). Slurm
+needs no --enable-multiple-slurmd build for that: that option only lets several nodes share
+one NodeHostname, and these nodes have distinct ones. So no network namespace is needed;
+slurmctld, srun and slurmstepd talk to each node at its own address, as on a real cluster.
+
+`up` on a cluster that is partly running restarts only the daemons that died, from the state
+and configs recorded at the first `up` (ports, nodes, prolog/epilog, stand-in GPUs), so the
+running daemons and their jobs are left alone. Other resources than the recorded ones are an
+error that says how to change them.
 
 `down` stops exactly the processes `up` recorded. A pid is signalled only if the process
 still carries this cluster's marker variable in its environment, so a recycled pid is never
 hit, and nothing is ever stopped by name.
 
 Stand-in GPUs: on a machine without the NVIDIA driver, `--gpus N` makes N character devices
-with the NVIDIA major (195) under the state dir and lists them as `gres.conf File=`. slurmd
-then allocates them and sets CUDA_VISIBLE_DEVICES / SLURM_JOB_GPUS as on a GPU node.
+per node with the NVIDIA major (195) under the state dir and lists them as `gres.conf File=`.
+slurmd then allocates them and sets CUDA_VISIBLE_DEVICES / SLURM_JOB_GPUS as on a GPU node.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -27,7 +42,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import jinja2
@@ -38,8 +53,10 @@ from toolkit.fsutil import atomic_write_bytes, atomic_write_text
 
 NVIDIA_MAJOR = 195
 MARKER_VAR = "LAUNCH_CLUSTER_STATE"
+NODE_VAR = "LAUNCH_CLUSTER_NODE"  # which node's slurmd started a process (inherited by slurmstepd)
+MAX_NODES = 64  # loopback addresses 127.0.0.2 ... are plenty; a typo like 10**20 is not a cluster
 TEMPLATES = Path(__file__).with_name("templates")
-# Order matters: each daemon needs the ones before it.
+# Order matters: each daemon needs the ones before it. "slurmd" stands for one slurmd per node.
 DAEMONS = ("mariadb", "munged", "slurmdbd", "slurmctld", "slurmd")
 REQUIRED_BINARIES = {
     "munged": "munge",
@@ -76,10 +93,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _port_open(port: int) -> bool:
+def _port_open(port: int, addr: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((addr, port)) == 0
 
 
 def _proc_environ(pid: int) -> bytes:
@@ -102,10 +119,36 @@ class DaemonSpec:
     argv: list[str]
     ready: Callable[[], bool]
     log: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What the first `up` was asked for; later `up`s restart daemons with exactly this."""
+
+    nodes: int = 1
+    gpus: int = 0  # per node
+    cpus: int = 1  # per node
+    prolog: str | None = None
+    epilog: str | None = None
+    partition: str = "debug"
+    slurmd_timeout: int | None = None
+
+    def describe(self) -> str:
+        def n(count: int, what: str) -> str:
+            return f"{count} {what}{'s' if count != 1 else ''}"
+
+        hooks = "".join(f", {k} {v}" for k, v in (("prolog", self.prolog), ("epilog", self.epilog)) if v)
+        return f"{n(self.nodes, 'node')} x ({n(self.gpus, 'GPU')}, {n(self.cpus, 'CPU')}){hooks}"
+
+
+def node_daemon(node: str) -> str:
+    """The name under which a node's slurmd is recorded (one per node)."""
+    return f"slurmd:{node}"
 
 
 class EmbeddedCluster:
-    """A real single-node Slurm (with accounting) living entirely in `state_dir`."""
+    """A real Slurm (with accounting) of one or more nodes, living entirely in `state_dir`."""
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None) -> None:
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
@@ -137,9 +180,22 @@ class EmbeddedCluster:
         state = self.read_state() or {}
         return {name: pid for name, pid in state.get("pids", {}).items() if self._is_ours(pid)}
 
+    @staticmethod
+    def daemon_names(state: dict) -> list[str]:
+        """Every daemon of the cluster `state` describes, in start order."""
+        return [*DAEMONS[:-1], *(node_daemon(n["name"]) for n in state.get("nodes", []))]
+
+    def nodes(self) -> list[dict]:
+        """The nodes as recorded at `up`: name, addr, port, cpus, gpus, gpu_files."""
+        return list((self.read_state() or {}).get("nodes", []))
+
     def is_up(self) -> bool:
         state = self.read_state()
-        return bool(state) and set(self.running_daemons()) == set(DAEMONS)
+        if not state:
+            return False
+        # a state from before multi-node clusters has no "nodes": its recorded pids are the daemons
+        names = self.daemon_names(state) if "nodes" in state else list(state.get("pids") or DAEMONS)
+        return set(self.running_daemons()) >= set(names)
 
     def env(self) -> dict[str, str]:
         """Variables that point Slurm's client commands (and submitit) at this cluster."""
@@ -158,50 +214,111 @@ class EmbeddedCluster:
 
     # ------------------------------------------------------------------ up
     def up(self, gpus: int | None = None, cpus: int | None = None, prolog: str | None = None,
-           epilog: str | None = None, partition: str = "debug",
-           progress: Progress | None = None, timeout: float = 60) -> bool:
-        """Start the cluster. Returns False (and changes nothing) when it is already up."""
+           epilog: str | None = None, partition: str | None = None, nodes: int | None = None,
+           slurmd_timeout: int | None = None, progress: Progress | None = None, timeout: float = 60) -> bool:
+        """Start the cluster; True if anything was started.
+
+        On a cluster that is already (partly) up, only the daemons that died are restarted,
+        with the configuration recorded at the first `up`, so running jobs keep running. Asking
+        such a cluster for other resources is an error that says how to change them.
+        """
         say = progress or (lambda _msg: None)
-        if self.is_up():
-            return False
-        if self.read_state():
-            say("found a partly running cluster from an earlier `up`; stopping its leftovers first")
+        asked = _asked(nodes=nodes, gpus=gpus, cpus=cpus, prolog=prolog, epilog=epilog, partition=partition,
+                       slurmd_timeout=slurmd_timeout)
+        state = self.read_state()
+        if state is not None and self._restartable(state):
+            self._refuse_other_resources(state, asked)
+            running = self.running_daemons()
+            dead = [name for name in self.daemon_names(state) if name not in running]
+            if not dead:
+                return False
+            self._restart(state, dead, say, timeout)
+            return True
+        if state is not None:
+            say("found leftovers of an earlier `up` without a usable configuration; stopping them first")
             self.down(progress=progress)
+        self._start_fresh(asked, say, timeout)
+        return True
+
+    def _start_fresh(self, asked: dict, say: Progress, timeout: float) -> None:
         self._check_prerequisites()
+        n = asked.get("nodes", 1)
+        names = [socket.gethostname().split(".")[0]] if n == 1 else [f"node{i}" for i in range(1, n + 1)]
+        # One node keeps 127.0.0.1; several get their own loopback addresses, so each slurmd
+        # is reached at an address of its own, as on a real cluster, and nothing leaves the host.
+        addrs = ["127.0.0.1"] if n == 1 else [f"127.0.0.{i + 1}" for i in range(1, n + 1)]
+        spools = [self.state_dir / "spool" / "d"] if n == 1 else [self.state_dir / "spool" / "d" / m for m in names]
         for d in (self.etc, self.run_dir, self.log_dir, self.dev_dir, self.state_dir / "spool" / "ctld",
-                  self.state_dir / "spool" / "d", self.state_dir / "munge", self.state_dir / "mysql"):
+                  *spools, self.state_dir / "munge", self.state_dir / "mysql"):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o755)
 
-        gpu_files, stand_in = self._gpu_files(gpus)
-        ports = {k: _free_port() for k in ("slurmctld", "slurmd", "slurmdbd", "mariadb")}
+        gpu_files, stand_in = self._gpu_files(names, asked.get("gpus"))
+        config = ClusterConfig(nodes=n, gpus=len(gpu_files[0]), cpus=asked.get("cpus") or os.cpu_count() or 1,
+                               prolog=asked.get("prolog"), epilog=asked.get("epilog"),
+                               partition=asked.get("partition", "debug"),
+                               slurmd_timeout=asked.get("slurmd_timeout"))
+        ports = {k: _free_port() for k in ("slurmctld", "slurmdbd", "mariadb")}
+        mem_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.9 / n)
+        node_list = [dict(name=name, addr=addr, port=_free_port(), cpus=config.cpus, memory_mb=mem_mb,
+                          gpus=len(files), gpu_files=files)
+                     for name, addr, files in zip(names, addrs, gpu_files, strict=True)]
         db_password = secrets.token_hex(16)
-        node_name = socket.gethostname().split(".")[0]
-        cpus = cpus or os.cpu_count() or 1
-        self._render_configs(node_name, cpus, gpu_files, ports, db_password, prolog, epilog, partition)
+        self._render_configs(node_list, ports, db_password, config)
         self._write_munge_key()
-        state = {"pids": {}, "ports": ports, "node": node_name, "cpus": cpus, "gpus": len(gpu_files),
-                 "stand_in_gpus": stand_in, "gpu_files": gpu_files, "partition": partition,
-                 "prolog": prolog, "epilog": epilog, "started_at": time.time()}
+        state = {"pids": {}, "ports": ports, "nodes": node_list, "config": asdict(config),
+                 # flat copies of the first node, for readers of the single-node layout
+                 "node": names[0], "cpus": config.cpus, "gpus": config.gpus, "gpu_files": gpu_files[0],
+                 "stand_in_gpus": stand_in, "partition": config.partition,
+                 "prolog": config.prolog, "epilog": config.epilog, "started_at": time.time()}
         self._save_state(state)
 
         self._init_mariadb(say)
         try:
-            for spec in self._daemon_specs(node_name, ports):
-                t0 = time.monotonic()
-                say(f"starting {spec.name} ...")
-                pid = self._spawn(spec)
-                state["pids"][spec.name] = pid
-                self._save_state(state)
-                self._wait(spec, pid, timeout)
+            for spec in self._daemon_specs(state):
+                self._start_daemon(spec, state, say, timeout)
                 if spec.name == "mariadb":
                     self._create_accounting_user(db_password)
-                say(f"  {spec.name} up (pid {pid}, {time.monotonic() - t0:.1f} s)")
-            self._wait_node_idle(node_name, timeout, say)
+            self._wait_nodes_up(state, timeout, say)
         except BaseException:
             self.down()
             raise
-        return True
+
+    def _start_daemon(self, spec: DaemonSpec, state: dict, say: Progress, timeout: float) -> None:
+        t0 = time.monotonic()
+        say(f"starting {spec.name} ...")
+        pid = self._spawn(spec)
+        state["pids"][spec.name] = pid
+        self._save_state(state)
+        self._wait(spec, pid, timeout)
+        say(f"  {spec.name} up (pid {pid}, {time.monotonic() - t0:.1f} s)")
+
+    def _restartable(self, state: dict) -> bool:
+        """A state with a recorded configuration whose files are all still there."""
+        return ("config" in state and "nodes" in state and self.slurm_conf.exists()
+                and (self.etc / "slurmdbd.conf").exists() and (self.etc / "munge.key").exists()
+                and (self.state_dir / "mysql" / "mysql").exists())
+
+    def _refuse_other_resources(self, state: dict, asked: dict) -> None:
+        config = ClusterConfig(**state["config"])
+        recorded = asdict(config)
+        differ = {k: v for k, v in asked.items() if recorded.get(k) != v}
+        if not differ:
+            return
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in differ.items())
+        keep = {k: v for k, v in recorded.items() if v and k != "partition"}
+        wanted = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in {**keep, **differ}.items())
+        raise LaunchError(
+            f"the embedded cluster in {self.state_dir} is up with {config.describe()}, not {flags}; "
+            f"to change it: `launch cluster down` (cancels its jobs), then `launch cluster up {wanted}`")
+
+    def _restart(self, state: dict, dead: list[str], say: Progress, timeout: float) -> None:
+        say(f"restarting {', '.join(dead)} with the configuration of the first `up`; "
+            "the running daemons and their jobs are left alone")
+        for spec in self._daemon_specs(state):
+            if spec.name in dead:
+                self._start_daemon(spec, state, say, timeout)
+        self._wait_nodes_up(state, timeout, say)
 
     def _check_prerequisites(self) -> None:
         missing = sorted({pkg for binary, pkg in REQUIRED_BINARIES.items() if not shutil.which(binary)
@@ -213,41 +330,54 @@ class EmbeddedCluster:
             raise LaunchError("the embedded cluster runs slurmd, which must run as root "
                               "(it starts jobs for other users); run `launch cluster up` as root")
 
-    def _gpu_files(self, gpus: int | None) -> tuple[list[str], bool]:
+    def _gpu_files(self, names: list[str], gpus: int | None) -> tuple[list[list[str]], bool]:
+        """Each node's GPU device files: real ones split between the nodes, else stand-ins."""
         real = _real_gpu_nodes()
+        n = len(names)
         if real:
-            count = len(real) if gpus is None else gpus
-            if count > len(real):
-                raise LaunchError(f"--gpus {count} asked for, but this machine has {len(real)} NVIDIA GPUs")
-            return real[:count], False
+            count = len(real) // n if gpus is None else gpus
+            if count * n > len(real):
+                raise LaunchError(f"--gpus {count} per node on {n} node(s) asked for, "
+                                  f"but this machine has {len(real)} NVIDIA GPUs")
+            return [real[i * count:(i + 1) * count] for i in range(n)], False
         count = gpus or 0
-        files = []
-        for i in range(count):
-            node = self.dev_dir / f"nvidia{i}"
-            if node.exists() and not stat.S_ISCHR(node.stat().st_mode):
-                node.unlink()
-            if not node.exists():
-                try:
-                    os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, i))
-                except PermissionError as exc:
-                    raise LaunchError(f"cannot create stand-in GPU node {node} ({exc}); "
-                                      "mknod needs root with CAP_MKNOD") from exc
-            files.append(str(node))
+        files: list[list[str]] = []
+        for name in names:
+            # One node keeps dev/nvidiaK; several get dev/<node>/nvidiaK, minors 0.. on each.
+            directory = self.dev_dir if n == 1 else self.dev_dir / name
+            directory.mkdir(parents=True, exist_ok=True)
+            node_files = []
+            for i in range(count):
+                node = directory / f"nvidia{i}"
+                if node.exists() and not stat.S_ISCHR(node.stat().st_mode):
+                    node.unlink()
+                if not node.exists():
+                    try:
+                        os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, i))
+                    except PermissionError as exc:
+                        raise LaunchError(f"cannot create stand-in GPU node {node} ({exc}); "
+                                          "mknod needs root with CAP_MKNOD") from exc
+                node_files.append(str(node))
+            files.append(node_files)
         return files, True
 
-    def _render_configs(self, node_name: str, cpus: int, gpu_files: list[str], ports: dict[str, int],
-                        db_password: str, prolog: str | None, epilog: str | None, partition: str) -> None:
-        mem_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.9)
-        gpu_expr = ",".join(gpu_files)
+    def _render_configs(self, nodes: list[dict], ports: dict[str, int], db_password: str,
+                        config: ClusterConfig) -> None:
+        controller = socket.gethostname().split(".")[0]
         context = dict(
             managed="Generated by `launch cluster up`; edits are overwritten on the next up.",
             cluster_name="embedded",
-            controller_host=node_name, controller_addr="127.0.0.1",
-            slurmctld_port=ports["slurmctld"], slurmd_port=ports["slurmd"],
-            slurmdbd_host="127.0.0.1", slurmdbd_port=ports["slurmdbd"], dbd_host=node_name,
+            # Job ids of its own, as clusters have: jobs of two embedded clusters on one host then
+            # never share an id, nor the rendezvous port derived from it (train.common.distributed).
+            first_job_id=secrets.randbelow(900_000) + 100_000,
+            controller_host=controller, controller_addr="127.0.0.1",
+            slurmctld_port=ports["slurmctld"], slurmd_port=nodes[0]["port"],
+            slurmdbd_host="127.0.0.1", slurmdbd_port=ports["slurmdbd"], dbd_host=controller,
             slurm_user="root", munge_socket=str(self.munge_socket),
             state_save_dir=str(self.state_dir / "spool" / "ctld"),
             slurmd_spool_dir=str(self.state_dir / "spool" / "d"),
+            # Several slurmds on one host: each its own spool, pid and log file (%n = node name).
+            per_node_files=len(nodes) > 1,
             run_dir=str(self.run_dir), log_dir=str(self.log_dir),
             # Declared CPUs/memory may exceed the hardware (stand-in nodes on a small CI box).
             slurmd_parameters="config_overrides",
@@ -255,10 +385,13 @@ class EmbeddedCluster:
             proctrack_type="proctrack/linuxproc", task_plugin="task/none",
             # Start a submitted batch job at once (Slurm's default waits up to 3 s to batch them).
             scheduler_parameters="batch_sched_delay=0,sched_min_interval=0",
-            prolog=prolog or "", epilog=epilog or "",
-            nodes=[dict(name=node_name, addr="127.0.0.1", cpus=cpus, memory_mb=mem_mb,
-                        gpus=len(gpu_files), gpu_files=gpu_expr)],
-            partition=partition,
+            slurmd_timeout=config.slurmd_timeout,
+            # A requeued job waits cred_expire (default 120 s) before it may start again; with a
+            # short node timeout (fast fail-over, as in tests) the wait is as short.
+            cred_expire=config.slurmd_timeout,
+            prolog=config.prolog or "", epilog=config.epilog or "",
+            nodes=[{**node, "gpu_files": ",".join(node["gpu_files"])} for node in nodes],
+            partition=config.partition,
             storage_host="127.0.0.1", storage_port=ports["mariadb"], storage_user="slurm",
             storage_pass=db_password, storage_db="slurm_acct_db",
         )
@@ -298,10 +431,13 @@ class EmbeddedCluster:
         if proc.returncode != 0:
             raise LaunchError(f"could not create the accounting user: {proc.stderr.strip()}")
 
-    def _daemon_specs(self, node_name: str, ports: dict[str, int]) -> list[DaemonSpec]:
+    def _daemon_specs(self, state: dict) -> list[DaemonSpec]:
+        """Every daemon of the recorded cluster, in start order (from `state` alone, so a
+        restart gets exactly the ports and nodes of the first `up`)."""
         conf = str(self.slurm_conf)
         log = self.log_dir
-        return [
+        ports = state["ports"]
+        specs = [
             DaemonSpec("mariadb", [
                 "mariadbd", "--no-defaults", f"--datadir={self.state_dir / 'mysql'}", "--user=root",
                 f"--port={ports['mariadb']}", "--bind-address=127.0.0.1",
@@ -318,18 +454,25 @@ class EmbeddedCluster:
                        lambda: _port_open(ports["slurmdbd"]), log / "slurmdbd.out"),
             DaemonSpec("slurmctld", ["slurmctld", "-D", "-f", conf],
                        lambda: _port_open(ports["slurmctld"]), log / "slurmctld.out"),
-            DaemonSpec("slurmd", ["slurmd", "-D", "-f", conf, "-N", node_name],
-                       lambda: _port_open(ports["slurmd"]), log / "slurmd.out"),
         ]
+        several = len(state["nodes"]) > 1
+        for node in state["nodes"]:
+            # -N: this slurmd is that node (its Port=, NodeAddr and %n paths come from slurm.conf).
+            # NODE_VAR marks its processes (slurmstepd inherits it) as this node's.
+            out = log / (f"slurmd-{node['name']}.out" if several else "slurmd.out")
+            specs.append(DaemonSpec(node_daemon(node["name"]), ["slurmd", "-D", "-f", conf, "-N", node["name"]],
+                                    functools.partial(_port_open, node["port"], node["addr"]), out,
+                                    env={NODE_VAR: node["name"]}))
+        return specs
 
     def _spawn(self, spec: DaemonSpec) -> int:
-        env = {**os.environ, **self.env(), MARKER_VAR: str(self.state_dir)}
+        env = {**os.environ, **self.env(), MARKER_VAR: str(self.state_dir), **spec.env}
         # slurmdbd finds its config beside slurm.conf.
         env.pop("SLURM_JOB_ID", None)
         with open(spec.log, "ab") as out:
             proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     env=env, cwd=self.state_dir, start_new_session=True)
-        atomic_write_text(self.run_dir / f"launch-{spec.name}.pid", f"{proc.pid}\n")
+        atomic_write_text(self._pid_file(spec.name), f"{proc.pid}\n")
         return proc.pid
 
     def _wait(self, spec: DaemonSpec, pid: int, timeout: float) -> None:
@@ -346,8 +489,13 @@ class EmbeddedCluster:
             time.sleep(0.1)
         raise LaunchError(f"{spec.name} did not become ready in {timeout:.0f} s; {self._log_hint(spec.name)}")
 
+    def _pid_file(self, name: str) -> Path:
+        return self.run_dir / f"launch-{name.replace(':', '-')}.pid"
+
     def _log_hint(self, name: str) -> str:
-        logs = [self.log_dir / f"{name}.log", self.log_dir / f"{name}.out"]
+        # slurmd:NODE logs to slurmd-NODE.log on a multi-node cluster, slurmd.log on one node
+        bases = dict.fromkeys([name.replace(":", "-"), name.split(":")[0]])
+        logs = [self.log_dir / f"{base}{ext}" for base in bases for ext in (".log", ".out")]
         for log in logs:
             if log.exists() and log.stat().st_size:
                 lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
@@ -355,17 +503,27 @@ class EmbeddedCluster:
                 return f"last log line ({log}): {last[-300:]}"
         return f"see {self.log_dir}"
 
-    def _wait_node_idle(self, node: str, timeout: float, say: Progress) -> None:
+    def node_states(self) -> dict[str, str]:
+        """Slurm's state of each node (sinfo %T: idle, allocated, down*, ...); {} if unreachable."""
+        proc = self.slurm("sinfo", "-h", "-N", "-o", "%N %T", check=False)
+        if proc.returncode != 0:
+            return {}
+        return dict(line.split(None, 1) for line in proc.stdout.splitlines() if len(line.split()) == 2)
+
+    def _wait_nodes_up(self, state: dict, timeout: float, say: Progress) -> None:
+        names = [n["name"] for n in state["nodes"]]
         deadline = time.monotonic() + timeout
-        state = ""
+        states: dict[str, str] = {}
         while time.monotonic() < deadline:
-            proc = self.slurm("sinfo", "-h", "-N", "-n", node, "-o", "%T", check=False)
-            state = proc.stdout.strip()
-            if state in ("idle", "mixed", "allocated"):
-                say(f"node {node} is {state}")
+            states = self.node_states()
+            if all(_answers(states.get(name, "")) for name in names):
+                for name in names:
+                    say(f"node {name} is {states[name]}")
                 return
             time.sleep(0.3)
-        raise LaunchError(f"node {node} did not become idle (state {state!r}); {self._log_hint('slurmd')}")
+        bad = next(name for name in names if not _answers(states.get(name, "")))
+        raise LaunchError(f"node {bad} did not come up (state {states.get(bad, 'unknown')!r}); "
+                          f"{self._log_hint(node_daemon(bad))}")
 
     # ------------------------------------------------------------------ down
     def down(self, progress: Progress | None = None, timeout: float = 20) -> list[str]:
@@ -375,8 +533,10 @@ class EmbeddedCluster:
         if state is None:
             return []
         running = self.running_daemons()
-        if {"slurmctld", "slurmd"} <= set(running):
-            # Jobs first, so their steps end cleanly before slurmd goes.
+        names = self.daemon_names(state)
+        names += [name for name in state.get("pids", {}) if name not in names]  # an older layout's
+        if "slurmctld" in running and any(name.startswith("slurmd") for name in running):
+            # Jobs first, so their steps end cleanly before the slurmds go.
             self.slurm("scancel", "--full", "--user", str(os.geteuid()), check=False)
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
@@ -385,7 +545,7 @@ class EmbeddedCluster:
                     break
                 time.sleep(0.3)
         stopped = []
-        for name in reversed(DAEMONS):
+        for name in reversed(names):
             pid = running.get(name)
             if pid is None:
                 continue
@@ -396,8 +556,8 @@ class EmbeddedCluster:
         for pid in self._marked_processes():
             self._terminate(pid, 5)
             say(f"stopped leftover process {pid}")
-        for name in DAEMONS:
-            (self.run_dir / f"launch-{name}.pid").unlink(missing_ok=True)
+        for name in names:
+            self._pid_file(name).unlink(missing_ok=True)
         self.state_file.unlink(missing_ok=True)
         return stopped
 
@@ -444,15 +604,47 @@ class EmbeddedCluster:
         if state is None:
             return f"no embedded cluster in {self.state_dir} (start one with `launch cluster up`)"
         running = self.running_daemons()
+        names = self.daemon_names(state)
+        width = max(len(name) for name in names) + 2
         lines = [f"embedded cluster in {self.state_dir}",
-                 f"SLURM_CONF={self.slurm_conf}", "", "daemon      pid      state"]
-        for name in DAEMONS:
+                 f"SLURM_CONF={self.slurm_conf}", "", f"{'daemon':<{width}}pid      state"]
+        for name in names:
             pid = state.get("pids", {}).get(name)
-            lines.append(f"{name:<11} {pid or '-':<8} {'running' if name in running else 'STOPPED'}")
-        if {"slurmctld", "slurmd"} <= set(running):
+            lines.append(f"{name:<{width}}{pid or '-':<8} {'running' if name in running else 'STOPPED'}")
+        if "slurmctld" in running:
             sinfo = self.slurm("sinfo", "-N", "-o", "%N %P %T %C %m %G", check=False)
             lines += ["", "node/partition (CPUs alloc/idle/other/total, memory MB, GRES):",
                       sinfo.stdout.rstrip() or sinfo.stderr.strip()]
-            if state.get("stand_in_gpus") and state.get("gpus"):
-                lines.append(f"GPUs: {state['gpus']} stand-in devices (major {NVIDIA_MAJOR}) in {self.dev_dir}")
+        if len(state.get("nodes", [])) > 1:
+            lines += ["", "node addresses (loopback, each slurmd on its own port):"]
+            lines += [f"  {n['name']:<10} {n['addr']}:{n['port']}" for n in state["nodes"]]
+        if state.get("stand_in_gpus") and state.get("gpus"):
+            lines.append(f"GPUs: {state['gpus']} stand-in devices per node (major {NVIDIA_MAJOR}) in {self.dev_dir}")
+        dead = [name for name in names if name not in running]
+        if dead and len(dead) < len(names):
+            lines.append(f"\n{', '.join(dead)} not running: `launch cluster up` restarts only those, "
+                         "with the first `up`'s configuration")
         return "\n".join(lines)
+
+
+def _answers(node_state: str) -> bool:
+    """A node whose slurmd answers slurmctld: not down, unknown or not responding (`*`).
+    (Drained counts: that is an administrator's choice, not a dead daemon.)"""
+    return bool(node_state) and not node_state.endswith("*") and not node_state.startswith(("down", "unk", "fail"))
+
+
+def _asked(**values: object) -> dict:
+    """The resources a caller gave explicitly (None: not given), validated."""
+    asked = {k: v for k, v in values.items() if v is not None}
+    for key, low in (("nodes", 1), ("cpus", 1), ("gpus", 0), ("slurmd_timeout", 1)):
+        if key in asked and (not isinstance(asked[key], int) or asked[key] < low):
+            raise LaunchError(f"--{key.replace('_', '-')} must be a whole number >= {low}, got {asked[key]}")
+    if asked.get("nodes", 1) > MAX_NODES:
+        raise LaunchError(f"--nodes {asked['nodes']}: the embedded cluster has at most {MAX_NODES} nodes")
+    for key in ("prolog", "epilog"):
+        if key in asked:
+            path = Path(str(asked[key])).resolve()
+            if not (path.is_file() and os.access(path, os.X_OK)):
+                raise LaunchError(f"--{key} {asked[key]}: not an executable file")
+            asked[key] = str(path)
+    return asked

@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", help="the job's preset whose resources apply (default: the spec's default)")
     parser.add_argument("--on-cluster", action="store_true",
                         help="run the doctor as a short Slurm job with the job's resources, on the allocated node")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="with --on-cluster: run on this many nodes at once, one task each")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--lock", type=Path, help="version lock file to check against (default: the job's)")
     parser.add_argument("--no-gdn", action="store_true", help="skip the GDN fwd+bwd run on the GPU")
@@ -38,9 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.lock is not None and not args.lock.is_file():
         raise LaunchError(f"--lock {args.lock}: no such file")
+    if args.nodes != 1 and not args.on_cluster:
+        raise LaunchError("--nodes needs --on-cluster")
     if args.on_cluster:
         job = load_job(args.job, args.preset) if args.job else None
-        results = run_on_cluster(job, args.lock)
+        if args.nodes < 1:
+            raise LaunchError(f"--nodes {args.nodes}: must be >= 1")
+        results = run_on_cluster(job, args.lock, nodes=args.nodes)
     else:
         if args.preset and not args.job:
             raise LaunchError("--preset needs --job")

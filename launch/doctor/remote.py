@@ -33,7 +33,11 @@ def doctor_in_allocation(job: str | None, preset: str | None, lock_path: str | N
     """Runs inside the Slurm job: the full doctor, expecting to be in an allocation."""
     results = run_checks(job, preset=preset, lock_path=Path(lock_path) if lock_path else None,
                          expect_allocation=True)
-    return [r.to_dict() for r in results]
+    rows = [r.to_dict() for r in results]
+    if int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1:  # one task per node: say whose rows
+        node = os.environ.get("SLURMD_NODENAME", "?")
+        rows = [{**row, "check": f"{node}: {row['check']}"} for row in rows]
+    return rows
 
 
 class CancelOnSignals:
@@ -74,17 +78,19 @@ def _resolved(job: JobRequirements | None) -> ResolvedJob:
     return ResolvedJob(spec=spec, preset=None, resources=spec.resources, args={}, env={})
 
 
-def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: float | None = None) -> list[CheckResult]:
+def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: float | None = None,
+                   nodes: int = 1) -> list[CheckResult]:
+    """The doctor in an allocation like the job's; with `nodes` > 1, one task on each node."""
     env_extra = require_cluster()
     resolved = _resolved(job)
-    resolved.resources.nodes = 1
+    resolved.resources.nodes = nodes
     problem = feasibility.check(resolved.resources, feasibility.query_cluster(env_extra),
                                 f"the doctor for {resolved.spec.name}" + (f" (preset {resolved.preset})" if resolved.preset else ""))
     if problem:
         raise LaunchError(problem)
     folder = launch_home() / "doctor" / time.strftime("%Y%m%d-%H%M%S")
     executor = make_executor(resolved, folder, resolved.spec.scratch)
-    executor.update_parameters(job_name="launch-doctor", time=DOCTOR_TIME_LIMIT_MIN, nodes=1, ntasks_per_node=1)
+    executor.update_parameters(job_name="launch-doctor", time=DOCTOR_TIME_LIMIT_MIN, nodes=nodes, ntasks_per_node=1)
     os.environ.update(env_extra)  # submitit calls sbatch with this process's environment
     with CancelOnSignals(env_extra) as guard:
         try:
@@ -124,7 +130,7 @@ def _wait(sjob, rec: registry.JobRecord, env_extra: dict[str, str], wait_s: floa
                               f"last state {say}; logs: {rec.folder}")
         time.sleep(1.0)
     try:
-        return sjob.result()
+        return [row for task_rows in sjob.results() for row in task_rows]
     except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as exc:
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]
         raise LaunchError(f"doctor job {job_id} failed: {lines[-1] if lines else exc}; logs: {rec.folder}") from None

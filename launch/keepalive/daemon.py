@@ -6,10 +6,11 @@ so that taking or freeing one GPU (which can take seconds on a real GPU) never b
 prolog asking for a different one. Overlapping jobs on disjoint GPUs thus never wait on
 each other.
 
-Trust: only root may talk to the socket. The directory is 0700, the socket 0600, and every
-connection's SO_PEERCRED uid is checked as well, so a mis-set permission is not enough to
-let an ssh/bash process take a GPU. Slurm's prolog, run as root by slurmd, is the only
-release path.
+Trust: only root may talk to the socket. The socket is 0600 in a private directory (made
+0700 by the holder when missing; an existing one's mode is never changed, and one that others
+may write to or own is refused), and every connection's SO_PEERCRED uid is checked as well,
+so a mis-set permission is not enough to let an ssh/bash process take a GPU. Slurm's prolog,
+run as root by slurmd, is the only release path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import struct
 import threading
 import time
@@ -74,6 +76,7 @@ class KeepaliveDaemon:
         self.pending: set[int] = set()  # GPUs to take back whose lock/memory is still busy
         self._stop = threading.Event()
         self._server: socket.socket | None = None
+        self._made_dir: Path | None = None  # the socket's directory, when this holder made it
         self._started_at = _now_iso()
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -148,6 +151,11 @@ class KeepaliveDaemon:
                 path.unlink()
             except FileNotFoundError:
                 pass
+        if self._made_dir is not None:
+            try:
+                self._made_dir.rmdir()  # only the directory it made, and only when empty
+            except OSError:
+                pass
         log.info("stopped; all GPUs freed")
 
     def install_signal_handlers(self) -> None:
@@ -155,9 +163,7 @@ class KeepaliveDaemon:
             signal.signal(sig, lambda *_: self.stop())
 
     def _listen(self) -> socket.socket:
-        directory = self.socket_path.parent
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(directory, 0o700)
+        self._socket_directory()
         if self.socket_path.exists() or self.socket_path.is_symlink():
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -179,6 +185,25 @@ class KeepaliveDaemon:
         os.chmod(self.socket_path, 0o600)
         server.listen(64)
         return server
+
+    def _socket_directory(self) -> None:
+        """Make the socket's private directory (0700, ours) if it is missing; never change the
+        mode of one that exists. A directory others may write to (or own) could have the
+        socket swapped under the prolog, so it is refused rather than "fixed"."""
+        directory = self.socket_path.parent
+        if not directory.exists():
+            directory.mkdir(parents=True, mode=0o700)
+            os.chmod(directory, 0o700)  # ours, just made: the umask may have narrowed it further
+            self._made_dir = directory
+        st = directory.stat()
+        if st.st_mode & stat.S_IWOTH:
+            raise LaunchError(
+                f"refusing a control socket directly in {directory}: anyone may write there "
+                f"(mode {stat.S_IMODE(st.st_mode):o}); give a path in a private directory, e.g. "
+                f"--socket {directory / 'launch-keepalive' / self.socket_path.name}")
+        if st.st_uid not in (0, os.geteuid()):
+            raise LaunchError(f"refusing a control socket in {directory}: it belongs to uid {st.st_uid}, "
+                              "not to root or this holder")
 
     # ---- requests --------------------------------------------------------------------
 

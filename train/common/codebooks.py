@@ -1,13 +1,16 @@
 """3D codebook tokens appended to a text vocabulary.
 
-Stage 1 predicts discrete 3D tokens from three codebooks: sparse structure (SS, 1728 codes),
-shape (2048) and texture (2048). Each codebook gets a contiguous block of token ids after the base
-text vocabulary, followed by the boundary and task special tokens:
+Stage 1 predicts discrete 3D tokens from three codebooks: sparse structure (SS), shape and
+texture. One asset is 1,728 SS codes (a 12^3 grid) + 2,048 shape codes + 2,048 texture codes =
+5,824 codebook tokens (the per-asset LENGTHS), and each codebook has 8,192 entries (its VOCAB
+SIZE). Both are per model shape and per job (``CodebookConfig``); a length of None accepts assets
+whose length varies. Each codebook gets a contiguous block of token ids after the base text
+vocabulary, followed by the boundary and task special tokens:
 
     [0, base_vocab)                      text tokens (Qwen3.5: 248,320)
-    [ss_offset, +ss)                     <ss_0> ... <ss_1727>
-    [shape_offset, +shape)               <shape_0> ...
-    [tex_offset, +tex)                   <tex_0> ...
+    [ss_offset, +ss)                     <|ss_0|> ... <|ss_8191|>
+    [shape_offset, +shape)               <|shape_0|> ...
+    [tex_offset, +tex)                   <|tex_0|> ...
     [special_offset, +len(specials))     boundary/task tokens
     [used, padded_vocab)                 unused rows, never produced by the tokenizer
 
@@ -17,16 +20,17 @@ of 64/128), the vocab dimension splits evenly over up to 256 tensor-parallel ran
 embedding's row count stays a multiple of 8 that torch's allocator and NCCL like. The unused rows
 cost <0.1% of the parameters.
 
-For the full model: 248,320 + 1,728 + 2,048 + 2,048 + 18 specials = 254,162, padded to 254,208.
-(The issue's "about 272k" does not follow from these three codebooks; a config with more codes
-gives a bigger vocab through the same code path.) The ``tiny`` preset uses a 4,096-token base
-vocabulary and scaled-down codebooks, through the same code.
+For the Qwen3.5 shapes: 248,320 + 3 x 8,192 + 16 specials = 272,912 used, padded to 273,152.
+The ``tiny`` shape uses a 4,096-token base vocabulary and scaled-down codebooks and lengths,
+through the same code. The names (``<|ss_17|>``, ``<|3d_start|>``) are what a checkpoint's
+tokenizer gets as special tokens at exactly these ids (train.stage1.tokenizer).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 TASKS = ("gen_img", "gen_txt", "und", "replay_img", "replay_text")
@@ -42,11 +46,66 @@ def default_specials() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class CodebookConfig:
-    ss: int = 1728
-    shape: int = 2048
-    tex: int = 2048
+    ss: int = 8192  # codebook vocab sizes: entries per codebook
+    shape: int = 8192
+    tex: int = 8192
+    # codes per asset in each codebook (ss, shape, tex); None: any length (assets that vary)
+    lengths: tuple[int | None, int | None, int | None] = (1728, 2048, 2048)
     specials: tuple[str, ...] = field(default_factory=default_specials)
     vocab_multiple: int = 256
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"ss": self.ss, "shape": self.shape, "tex": self.tex}
+
+    def check_asset(self, arrays: dict[str, np.ndarray]) -> None:
+        """ValueError (one line) unless each codebook's codes have its length and lie in [0, size).
+
+        ``arrays``: codebook name -> 1-D integer numpy array.
+        """
+        for name, length in zip(CODEBOOK_NAMES, self.lengths, strict=True):
+            arr = arrays[name]
+            size = self.sizes[name]
+            if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.size == 0 or not np.issubdtype(
+                    arr.dtype, np.integer):
+                raise ValueError(f"{name} codes must be a non-empty 1-D integer array")
+            if length is not None and arr.size != length:
+                raise ValueError(f"{name} has {arr.size} codes, the asset format wants {length}")
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= size:
+                raise ValueError(f"{name} codes out of range [0, {size}): found [{lo}, {hi}]")
+
+
+def parse_lengths(text: str) -> tuple[int | None, int | None, int | None]:
+    """"1728,2048,2048" or "any" (all three) or "any,2048,any" -> per-codebook lengths."""
+    parts = [p.strip() for p in text.split(",")]
+    if parts == ["any"]:
+        parts = ["any"] * 3
+    if len(parts) != 3:
+        raise ValueError(f"asset lengths must be 3 comma-separated numbers or 'any' (ss,shape,tex), got {text!r}")
+    out: list[int | None] = []
+    for p in parts:
+        if p == "any":
+            out.append(None)
+        elif p.isdigit() and int(p) > 0:
+            out.append(int(p))
+        else:
+            raise ValueError(f"asset length {p!r} must be a positive integer or 'any' (in {text!r})")
+    return out[0], out[1], out[2]
+
+
+def parse_sizes(text: str) -> tuple[int, int, int]:
+    """"8192,8192,8192" or one number for all three -> codebook vocab sizes (ss, shape, tex)."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) == 1:
+        parts = parts * 3
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"codebook sizes must be 1 or 3 comma-separated positive integers (ss,shape,tex), got {text!r}")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def code_token_name(codebook: str, code: int) -> str:
+    return f"<|{codebook}_{code}|>"
 
 
 class CodebookVocab:
@@ -55,7 +114,7 @@ class CodebookVocab:
     def __init__(self, base_vocab: int, config: CodebookConfig | None = None):
         self.config = config or CodebookConfig()
         self.base_vocab = base_vocab
-        self.sizes = {"ss": self.config.ss, "shape": self.config.shape, "tex": self.config.tex}
+        self.sizes = self.config.sizes
         self.offsets: dict[str, int] = {}
         offset = base_vocab
         for name in CODEBOOK_NAMES:
@@ -107,6 +166,12 @@ class CodebookVocab:
             if name is not None:
                 out[name].append(tok - self.offsets[name])
         return out
+
+    def token_names(self) -> list[tuple[int, str]]:
+        """(id, name) of every codebook and special token, in id order: what a tokenizer adds."""
+        out = [(self.offsets[name] + c, code_token_name(name, c)) for name in CODEBOOK_NAMES
+               for c in range(self.sizes[name])]
+        return out + [(i, tok) for tok, i in self.special_ids.items()]
 
     def _size(self, codebook: str) -> int:
         if codebook not in self.sizes:

@@ -1,18 +1,38 @@
-"""torch.distributed from the Slurm environment.
+"""torch.distributed from the Slurm environment, on one node or across several.
 
-Rank, world size and local rank come from `submitit`'s Slurm job environment (SLURM_PROCID,
-SLURM_NTASKS, SLURM_LOCALID); the rendezvous is the first host of SLURM_JOB_NODELIST on a port
-derived from the job id, so every rank of one job agrees without talking first. Outside Slurm
-(tests of the trainer internals) it is world size 1 and, by default, no process group at all.
+Layout: the global rank is SLURM_PROCID, the world SLURM_NTASKS, the local rank (which GPU)
+SLURM_LOCALID and the node rank SLURM_NODEID, as `submitit`'s Slurm job environment reads
+them. Without SLURM_PROCID (a batch script that did not go through srun) the rank follows
+from SLURM_NODEID, SLURM_LOCALID and SLURM_TASKS_PER_NODE, Slurm's block distribution.
+
+Rendezvous, one per job: a TCP store on the job's first node (the first host of
+SLURM_JOB_NODELIST), on a port derived from the job id, so every rank of one job agrees
+without talking first and two jobs on one node never collide. The first node's address is
+the NodeAddr Slurm itself reaches it at (`scontrol show node`), else its host name; on a
+single node it is 127.0.0.1. MASTER_ADDR / MASTER_PORT override both. A real cluster's
+firewall must let the nodes of a job reach each other on that port (20000-31999) and on the
+ports the collective backend opens (gloo on CPU, NCCL on GPUs).
+
+Outside Slurm (tests of the trainer internals) it is world size 1 and, by default, no
+process group at all.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+# Rendezvous ports: 20000-31999, below Linux's ephemeral range (32768-60999), so no outgoing
+# connection of the node can hold the port, and well away from Slurm's (6817-6819).
+PORT_BASE = 20000
+PORT_SPAN = 12000
 
 
 @dataclass(frozen=True)
@@ -24,6 +44,8 @@ class DistInfo:
     master_port: int
     backend: str
     initialized_here: bool
+    node_rank: int = 0
+    num_nodes: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -31,10 +53,49 @@ class DistInfo:
 
 
 def _port_for_job(job_id: str) -> int:
-    # A fixed range well away from Slurm's (6817-6819) and ephemeral ports; per job so two
-    # jobs on one node do not collide.
+    # Per job, so two jobs on one node do not collide (ids are unique within a cluster).
     digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
-    return 20000 + int(digits) % 20000
+    return PORT_BASE + int(digits) % PORT_SPAN
+
+
+def _tasks_per_node(value: str) -> list[int]:
+    """SLURM_TASKS_PER_NODE ('2(x3),1') -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in filter(None, value.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ValueError(f"SLURM_TASKS_PER_NODE={value!r} is not Slurm's 'N(xK),M' form")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts
+
+
+def _global_rank(env_rank: int) -> int:
+    """SLURM_PROCID when srun set it; else block distribution from node id and local id."""
+    if os.environ.get("SLURM_PROCID") is not None:
+        return env_rank
+    node = int(os.environ.get("SLURM_NODEID", 0))
+    local = int(os.environ.get("SLURM_LOCALID", 0))
+    per_node = _tasks_per_node(os.environ.get("SLURM_TASKS_PER_NODE", "1"))
+    return sum(per_node[:node]) + local
+
+
+@functools.lru_cache(maxsize=8)
+def node_address(host: str, timeout: float = 20.0) -> str:
+    """The address Slurm reaches node `host` at (its NodeAddr), else the host name itself.
+
+    NodeAddr is what slurmctld and srun use, so it is reachable from the job's other nodes
+    whenever Slurm works; a node without NodeAddr reports its NodeName, which then resolves
+    through DNS as usual. No scontrol (a container image without Slurm's clients): the name.
+    """
+    if shutil.which("scontrol") is None:
+        return host
+    try:
+        proc = subprocess.run(["scontrol", "-o", "show", "node", host], capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return host
+    m = re.search(r"\bNodeAddr=(\S+)", proc.stdout) if proc.returncode == 0 else None
+    return m[1] if m else host
 
 
 def slurm_layout() -> tuple[int, int, int, str, int]:
@@ -44,12 +105,21 @@ def slurm_layout() -> tuple[int, int, int, str, int]:
     from submitit.slurm.slurm import SlurmJobEnvironment
 
     env = SlurmJobEnvironment()
-    hosts = env.hostnames
-    master_addr = os.environ.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1")
-    if env.num_nodes == 1 and not os.environ.get("MASTER_ADDR"):
-        master_addr = "127.0.0.1"  # one node: no need to resolve its name
+    master_addr = os.environ.get("MASTER_ADDR")
+    if not master_addr:
+        hosts = env.hostnames
+        # one node: no need to resolve its name
+        master_addr = node_address(hosts[0]) if env.num_nodes > 1 and hosts else "127.0.0.1"
     master_port = int(os.environ.get("MASTER_PORT") or _port_for_job(env.job_id))
-    return env.global_rank, env.num_tasks, env.local_rank, master_addr, master_port
+    return _global_rank(env.global_rank), env.num_tasks, env.local_rank, master_addr, master_port
+
+
+def node_layout() -> tuple[int, int]:
+    """(node_rank, num_nodes) of this task: SLURM_NODEID of SLURM_JOB_NUM_NODES; (0, 1) outside Slurm."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return 0, 1
+    return int(os.environ.get("SLURM_NODEID", 0)), int(os.environ.get("SLURM_JOB_NUM_NODES")
+                                                         or os.environ.get("SLURM_NNODES") or 1)
 
 
 def init_distributed(device: torch.device, force_group: bool = False) -> DistInfo:
@@ -58,19 +128,21 @@ def init_distributed(device: torch.device, force_group: bool = False) -> DistInf
     `force_group` makes a 1-rank group, which DeepSpeed needs even for one process.
     """
     rank, world, local_rank, addr, port = slurm_layout()
+    node_rank, num_nodes = node_layout()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if dist.is_available() and dist.is_initialized():
-        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, addr, port, backend, False)
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, addr, port, backend, False,
+                        node_rank, num_nodes)
     if world == 1 and not force_group:
-        return DistInfo(0, 1, 0, addr, port, backend, False)
+        return DistInfo(0, 1, 0, addr, port, backend, False, node_rank, num_nodes)
     os.environ.update(
         MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank), NODE_RANK=str(node_rank),
     )
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
-    return DistInfo(rank, world, local_rank, addr, port, backend, True)
+    return DistInfo(rank, world, local_rank, addr, port, backend, True, node_rank, num_nodes)
 
 
 def shutdown_distributed(info: DistInfo) -> None:

@@ -8,12 +8,15 @@ Format (a data directory)
     replay_img.jsonl   {"id", "image", "text"}                                               image -> caption
     replay_text.jsonl  {"id", "text"}                                                        plain text
 Paths are relative to the data directory. A `tokens3d` file is an .npz with three 1-D integer
-arrays `ss`, `shape`, `tex`: the codes of the three 3D codebooks, each below its codebook size
-(full model 1728/2048/2048; the tiny preset scales them down, see train.stage1.model.PRESETS).
+arrays `ss`, `shape`, `tex`: ONE 3D asset, its codes in the three codebooks. For the Qwen3.5
+shapes an asset is 1,728 SS + 2,048 shape + 2,048 tex codes (5,824 tokens), each code in
+[0, 8192); both the lengths and the codebook sizes are per model shape and per job
+(train.common.codebooks.CodebookConfig; a length may be "any").
 
-Malformed records (bad JSON, missing keys, missing/corrupt image or token file, codes out of
-range) are skipped, counted and reported as `file:line: reason`; when they exceed
-`max_bad_fraction` of the records seen, the run stops with a DataError.
+Malformed records (bad JSON, missing keys, a missing/corrupt image or token file, a decompression
+bomb, an asset of the wrong length, codes out of range) are skipped, counted and reported as
+`file:line: reason`; when they exceed `max_bad_fraction` of the records seen, the run stops with
+a DataError.
 
 Determinism and resume
 ----------------------
@@ -23,36 +26,35 @@ packed into `batch_rows` rows of `row_len` tokens. So loader workers build batch
 (worker w builds k = w, w+W, ...; the DataLoader returns them in k order), and the whole data
 position is the next k.
 
-Tokenization of this CPU path is a deterministic stand-in needing no download: text is UTF-8
-bytes and 3D codes go through train.common.codebooks. An image, with the vision tower on
-(`DataConfig.vision`, the model's Qwen3_5ForConditionalGeneration), is
-`<img> <|image_pad|> x n </img>`: the placeholders are replaced by the vision tower's outputs for
-the image's `pixel_values` (train.stage1.vision), which travel with the document through the
-packer. Without it (a text-only model) an image is 16 stand-in tokens: its 4x4 mean colours, 4
-levels per channel.
+Tokenization is train.stage1.tokenizer: the checkpoint's own tokenizer and image processor, or
+the byte stand-in for random-init shapes. An image, with the vision tower on, is
+`<vision_start> <image_pad> x n <vision_end>` with the ids of the model's config: the
+placeholders are replaced by the vision tower's outputs for the image's `pixel_values`, which
+travel with the document through the packer. The byte stand-in without a vision tower makes an
+image 16 colour tokens; a checkpoint tokenizer without one cannot tokenize images, so the image
+tasks are left out of the default mixture (and refused when weighted explicitly).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
-import sys
+import zipfile
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from train.common.codebooks import CodebookVocab
-from train.common.packing import Document, ImageInput, Packer, collate
-
-if TYPE_CHECKING:
-    from train.stage1.vision import ImagePreprocessor
+from train.common.codebooks import CODEBOOK_NAMES, CodebookConfig
+from train.common.packing import Document, ImageInput, collate, layout_packer, rows_per_batch
+from train.stage1.tokenizer import Stage1Tokenizer
+from train.stage1.vision import BadImage
 
 TASKS: tuple[str, ...] = ("gen_img", "gen_txt", "und", "replay_img", "replay_text")
 REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
@@ -66,10 +68,10 @@ REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
 REFERENCE_COUNTS: dict[str, int] = {
     "gen_img": 294_000, "gen_txt": 293_000, "und": 293_000, "replay_img": 320_000, "replay_text": 150_000,
 }
-# Codebook sizes of the full model; the tiny preset scales them down (train.stage1.model.PRESETS).
-CODEBOOK_SIZES: dict[str, int] = {"ss": 1728, "shape": 2048, "tex": 2048}
-IMAGE_GRID = 4  # image stand-in: IMAGE_GRID x IMAGE_GRID cells
-IMAGE_LEVELS = 4  # per channel -> 64 image tokens
+IMAGE_TASKS = ("gen_img", "replay_img")
+# An .npz member above this (uncompressed) is refused before it is read: a 5,824-code asset is
+# ~23 KB as int32, so this is generous for any asset and small against a loader's memory.
+MAX_NPZ_MEMBER_BYTES = 64 * 1024 * 1024
 
 
 class DataError(RuntimeError):
@@ -78,94 +80,6 @@ class DataError(RuntimeError):
 
 class MalformedRecord(ValueError):
     pass
-
-
-# ---------------------------------------------------------------------------------------------
-# tokenizer
-
-
-class TinyTokenizer:
-    """Byte-level text + image stand-in in the base vocabulary; task/3D tokens from the codebook vocab.
-
-    Base-vocabulary ids used: [<pad> <bos> <eos> <img> </img> <|image_pad|> <|video_pad|>, 1 unused]
-    [256 bytes] [64 image stand-ins]. `<img>`/`</img>` are the vision start/end tokens and
-    `<|image_pad|>` the image placeholder of the vision model's config
-    (train.stage1.model.multimodal_config). Task tokens, 3D boundaries and the SS/shape/tex
-    codebook tokens come from `vocab` (train.common.codebooks.CodebookVocab), so the ids match the
-    model's extended embeddings.
-
-    `vision`: an ImagePreprocessor (train.stage1.vision) makes images vision-tower inputs; None
-    keeps the 16-token colour stand-in.
-    """
-
-    SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<img>", "</img>", "<|image_pad|>", "<|video_pad|>")
-    BYTE_BASE = 8
-    IMAGE_BASE = BYTE_BASE + 256
-
-    def __init__(self, vocab: CodebookVocab, vision: ImagePreprocessor | None = None) -> None:
-        needed = self.IMAGE_BASE + IMAGE_LEVELS**3
-        if vocab.base_vocab < needed:
-            raise ValueError(f"base vocab {vocab.base_vocab} too small for the byte tokenizer (needs {needed})")
-        self.vocab = vocab
-        self.vision = vision
-
-    @classmethod
-    def vision_token_ids(cls) -> dict[str, int]:
-        """The ids the vision model's config names (image/video placeholder, vision start/end)."""
-        return {"image": cls.SPECIALS.index("<|image_pad|>"), "video": cls.SPECIALS.index("<|video_pad|>"),
-                "vision_start": cls.SPECIALS.index("<img>"), "vision_end": cls.SPECIALS.index("</img>")}
-
-    @property
-    def vocab_size(self) -> int:
-        return self.vocab.padded_vocab
-
-    @property
-    def codebook_sizes(self) -> dict[str, int]:
-        return dict(self.vocab.sizes)
-
-    def special(self, name: str) -> int:
-        if name in self.SPECIALS:
-            return self.SPECIALS.index(name)
-        return self.vocab.special_ids[name]
-
-    def task_token(self, task: str) -> int:
-        return self.vocab.special_ids[f"<|task_{task}|>"]
-
-    @property
-    def pad_id(self) -> int:
-        return 0
-
-    def text(self, s: str) -> list[int]:
-        return [self.BYTE_BASE + b for b in s.encode("utf-8")]
-
-    def image(self, path: Path) -> list[int]:
-        from PIL import Image
-
-        with Image.open(path) as im:
-            im.load()
-            cells = np.asarray(im.convert("RGB").resize((IMAGE_GRID, IMAGE_GRID), Image.BOX), dtype=np.int64)
-        q = cells * IMAGE_LEVELS // 256  # [g, g, 3] in 0..LEVELS-1
-        codes = (q[..., 0] * IMAGE_LEVELS + q[..., 1]) * IMAGE_LEVELS + q[..., 2]
-        return [self.IMAGE_BASE + int(c) for c in codes.reshape(-1)]
-
-    def codes3d(self, ss: Sequence[int], shape: Sequence[int], tex: Sequence[int]) -> list[int]:
-        """<3d_start> <ss_start> ss.. <ss_end> <shape_start> .. <tex_end> <3d_end>."""
-        return self.vocab.encode_3d(list(ss), list(shape), list(tex))
-
-
-def tokenizer_for_preset(preset: str, vision: bool = False) -> TinyTokenizer:
-    """The preset's tokenizer; `vision`: images become inputs of the preset's vision tower."""
-    from train.stage1.model import get_preset
-
-    cfg = get_preset(preset)
-    preprocess = None
-    if vision:
-        from train.stage1.vision import ImagePreprocessor
-
-        if cfg.vision is None:
-            raise ValueError(f"preset {preset!r} has no vision tower")
-        preprocess = ImagePreprocessor(cfg.vision)
-    return TinyTokenizer(CodebookVocab(cfg.base_vocab, cfg.codebooks), preprocess)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,38 +136,52 @@ def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -
     return man
 
 
-def _load_codes(path: Path, sizes: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def load_asset(path: Path, codebooks: CodebookConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (ss, shape, tex) codes of one 3D asset file; MalformedRecord (one line) if unusable."""
     try:
-        with np.load(path) as z:
-            arrays = tuple(np.asarray(z[k]) for k in CODEBOOK_SIZES)
-    except (OSError, ValueError, KeyError, EOFError) as exc:
-        raise MalformedRecord(f"unreadable 3D token file {path} ({type(exc).__name__}: {exc})") from None
-    for (name, size), arr in zip(sizes.items(), arrays, strict=True):
-        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-            raise MalformedRecord(f"{path}: {name} codes must be a non-empty 1-D integer array")
-        if arr.min() < 0 or arr.max() >= size:
-            raise MalformedRecord(f"{path}: {name} codes out of range [0, {size})")
-    return arrays  # type: ignore[return-value]
+        loaded = np.load(path, allow_pickle=False)  # a plain .npy loads as an array: not an asset
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise MalformedRecord(f"3D token file {path} is not an .npz archive")
+        with loaded as z:
+            missing = [k for k in CODEBOOK_NAMES if k not in z.files]
+            if missing:
+                raise MalformedRecord(f"3D token file {path} lacks array(s) {', '.join(missing)}")
+            for k in CODEBOOK_NAMES:
+                size = z.zip.getinfo(f"{k}.npy").file_size
+                if size > MAX_NPZ_MEMBER_BYTES:
+                    raise MalformedRecord(f"3D token file {path}: {k} is {size} bytes uncompressed, above "
+                                          f"{MAX_NPZ_MEMBER_BYTES}")
+            arrays = {k: np.asarray(z[k]) for k in CODEBOOK_NAMES}
+    except MalformedRecord:
+        raise
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise MalformedRecord(f"unreadable 3D token file {path} ({type(exc).__name__})") from None
+    try:
+        codebooks.check_asset(arrays)
+    except ValueError as exc:
+        raise MalformedRecord(f"{path}: {exc}") from None
+    return arrays["ss"], arrays["shape"], arrays["tex"]
 
 
-def tokenize_record(tok: TinyTokenizer, root: Path, task: str, rec: dict[str, Any]) -> Document:
+def tokenize_record(tok: Stage1Tokenizer, root: Path, task: str, rec: dict[str, Any]) -> Document:
     """One document (tokens, task, images); MalformedRecord if a referenced file is missing or bad."""
-    head = [tok.special("<bos>"), tok.task_token(task)]
+    head = [*tok.bos_ids, tok.task_token(task)]
     images: list[ImageInput] = []
+    ids = tok.vision_ids
 
     def image() -> list[int]:
         path = root / rec["image"]
         try:
-            if tok.vision is None:
-                return [tok.special("<img>"), *tok.image(path), tok.special("</img>")]
-            img = tok.vision(path)
-        except (OSError, ValueError, SyntaxError) as exc:
-            raise MalformedRecord(f"unreadable image {path} ({type(exc).__name__})") from None
+            if tok.encoder is None:
+                return [ids["vision_start_token_id"], *tok.image_standin(path), ids["vision_end_token_id"]]
+            img = tok.encoder(path)
+        except BadImage as exc:
+            raise MalformedRecord(str(exc)) from None
         images.append(dataclasses.replace(img, start=len(head) + 1))
-        return [tok.special("<img>"), *[tok.special("<|image_pad|>")] * img.n_tokens, tok.special("</img>")]
+        return [ids["vision_start_token_id"], *[ids["image_token_id"]] * img.n_tokens, ids["vision_end_token_id"]]
 
     def codes() -> list[int]:
-        return tok.codes3d(*_load_codes(root / rec["tokens3d"], tok.codebook_sizes))
+        return tok.codes3d(*load_asset(root / rec["tokens3d"], tok.codebooks))
 
     # The image, when there is one, comes first in the body: its span starts after the head.
     body = {
@@ -263,16 +191,27 @@ def tokenize_record(tok: TinyTokenizer, root: Path, task: str, rec: dict[str, An
         "replay_img": lambda: image() + tok.text(rec["text"]),
         "replay_text": lambda: tok.text(rec["text"]),
     }[task]()
-    return Document(head + body + [tok.special("<eos>")], TASKS.index(task), images)
+    return Document(head + body + [tok.eos_id], TASKS.index(task), images)
 
 
 # ---------------------------------------------------------------------------------------------
 # mixture + packing
 
 
-def normalized_weights(weights: dict[str, float] | None, man: Manifest) -> dict[str, float]:
-    """Mixture weights over the tasks that have data; a weighted task with no records is an error."""
-    weights = dict(REFERENCE_COUNTS if weights is None else weights)
+def normalized_weights(weights: dict[str, float] | None, man: Manifest, images: bool = True) -> dict[str, float]:
+    """Mixture weights over the tasks that have data; a weighted task with no records is an error.
+
+    ``images``: the tokenizer can tokenize images. If not, the default mixture leaves the image
+    tasks out and explicit weight on them is an error.
+    """
+    if weights is None:
+        weights = {t: c for t, c in REFERENCE_COUNTS.items() if images or t not in IMAGE_TASKS}
+    weights = dict(weights)
+    if not images:
+        weighted = [t for t in IMAGE_TASKS if weights.get(t, 0) > 0]
+        if weighted:
+            raise DataError(f"task(s) {', '.join(weighted)} need images, and this model has no vision tower to "
+                            "read them with its checkpoint's tokenizer: use --vision on or give them weight 0")
     unknown = sorted(set(weights) - set(TASKS))
     if unknown:
         raise DataError(f"unknown task(s) in mixture weights: {', '.join(unknown)}; known: {', '.join(TASKS)}")
@@ -309,7 +248,6 @@ class MixtureSampler:
 @dataclass
 class DataConfig:
     data_dir: str
-    preset: str = "tiny"  # model preset: its vocab layout and codebook sizes
     row_len: int = 512
     batch_rows: int = 4
     seed: int = 0
@@ -317,11 +255,11 @@ class DataConfig:
     max_bad_fraction: float = 0.01
     num_workers: int = 1
     prefetch_factor: int = 4
-    vision: bool = False  # images as vision-tower inputs (the model is Qwen3_5ForConditionalGeneration)
+    packing: str = "rows"  # rows: batch_rows rows of row_len; flat: one stream of batch_rows*row_len (packing.py)
 
 
 def build_batch(
-    sampler: MixtureSampler, tok: TinyTokenizer, cfg: DataConfig, batch_index: int
+    sampler: MixtureSampler, tok: Stage1Tokenizer, cfg: DataConfig, batch_index: int
 ) -> dict[str, Any]:
     """Pack documents of batch `batch_index` into cfg.batch_rows rows; collated, plus bookkeeping."""
     bad: list[str] = []
@@ -344,16 +282,16 @@ def build_batch(
             docs_used += 1
             yield doc
 
-    packer = Packer(row_len=cfg.row_len, pad_id=tok.pad_id, long_doc="split")
+    packer = layout_packer(cfg.packing, cfg.row_len, cfg.batch_rows, pad_id=tok.pad_id, long_doc="split")
     rows = []
     for row in packer.pack(documents()):
         rows.append(row)
-        if len(rows) == cfg.batch_rows:
+        if len(rows) == rows_per_batch(cfg.packing, cfg.batch_rows):
             break
     batch: dict[str, Any] = collate(rows)
     batch.update(
         batch_index=batch_index, n_docs=docs_used, bad_records=bad,
-        packing_efficiency=sum(r.n_real_tokens for r in rows) / (cfg.row_len * len(rows)),
+        packing_efficiency=sum(r.n_real_tokens for r in rows) / sum(r.input_ids.numel() for r in rows),
     )
     return batch
 
@@ -361,15 +299,16 @@ def build_batch(
 class PackedBatches(IterableDataset):
     """Infinite stream of packed batches start, start+1, ... split over loader workers."""
 
-    def __init__(self, cfg: DataConfig, rank: int, start_batch: int = 0) -> None:
+    def __init__(self, cfg: DataConfig, tok: Stage1Tokenizer, rank: int, start_batch: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.rank = rank
         self.start_batch = start_batch
-        self.tok = tokenizer_for_preset(cfg.preset, vision=cfg.vision)
+        self.tok = tok
         self.man = load_manifests(cfg.data_dir)
         check_bad_fraction(len(self.man.bad), self.man.total_lines, cfg.max_bad_fraction, self.man.bad)
-        self.sampler = MixtureSampler(self.man, normalized_weights(cfg.weights, self.man), cfg.seed, rank)
+        weights = normalized_weights(cfg.weights, self.man, images=tok.can_tokenize_images)
+        self.sampler = MixtureSampler(self.man, weights, cfg.seed, rank)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -395,9 +334,10 @@ def _passthrough(x: Any) -> Any:
 class Stage1Data:
     """The loader the trainer iterates: batches in order, malformed-record accounting, position."""
 
-    def __init__(self, cfg: DataConfig, rank: int = 0, start_batch: int = 0, report=print) -> None:
+    def __init__(self, cfg: DataConfig, tok: Stage1Tokenizer, rank: int = 0, start_batch: int = 0,
+                 report=print) -> None:
         self.cfg = cfg
-        self.dataset = PackedBatches(cfg, rank, start_batch)
+        self.dataset = PackedBatches(cfg, tok, rank, start_batch)
         self.report = report
         self.next_batch = start_batch
         self.docs_seen = 0
@@ -418,7 +358,7 @@ class Stage1Data:
         return self.dataset.man
 
     @property
-    def tokenizer(self) -> TinyTokenizer:
+    def tokenizer(self) -> Stage1Tokenizer:
         return self.dataset.tok
 
     def __next__(self) -> dict[str, Any]:
@@ -449,133 +389,3 @@ class Stage1Data:
 
     def close(self) -> None:
         self._it = None  # drops the iterator; its workers shut down
-
-
-# ---------------------------------------------------------------------------------------------
-# synthetic dataset
-
-PRIMITIVES = ("cube", "sphere", "cone", "cylinder", "torus", "pyramid")
-COLORS = {
-    "red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40),
-    "purple": (140, 50, 170), "orange": (240, 140, 30), "white": (240, 240, 240), "black": (20, 20, 20),
-}
-SIZES = ("tiny", "small", "large", "huge")
-REPLAY_SENTENCES = (
-    "the quick brown fox jumps over the lazy dog.",
-    "a model that sees many shapes learns to name them.",
-    "light falls on the table and the shadows grow long.",
-    "every object has a shape, a size and a colour.",
-    "she placed the cup next to the small wooden box.",
-)
-
-
-def _object_codes(
-    prim: int, color: int, size: int, rng: np.random.Generator, sizes: dict[str, int]
-) -> dict[str, np.ndarray]:
-    """3D codes with structure a model can learn: a function of the object, plus 5% noise."""
-    n = 6 + 3 * size
-    i = np.arange(n)
-    ss = (prim * 211 + i * (size + 1) * 13) % sizes["ss"]
-    shape = (prim * 331 + (i * i) * 7 + size * 29) % sizes["shape"]
-    tex = (color * 251 + i * 5) % sizes["tex"]
-    out = {"ss": ss, "shape": shape, "tex": tex}
-    for name, arr in out.items():
-        noise = rng.random(n) < 0.05
-        arr[noise] = rng.integers(0, sizes[name], int(noise.sum()))
-    return {k: v.astype(np.int16 if k == "ss" else np.int32) for k, v in out.items()}
-
-
-def _draw_image(path: Path, prim: int, color: tuple[int, int, int], size: int, rng: np.random.Generator) -> None:
-    from PIL import Image, ImageDraw
-
-    side = 32
-    bg = tuple(int(c) for c in rng.integers(90, 140, 3))
-    im = Image.new("RGB", (side, side), bg)
-    d = ImageDraw.Draw(im)
-    r = 4 + 3 * size
-    cx, cy = side // 2 + int(rng.integers(-3, 4)), side // 2 + int(rng.integers(-3, 4))
-    box = (cx - r, cy - r, cx + r, cy + r)
-    name = PRIMITIVES[prim]
-    if name in ("cube", "cylinder"):
-        d.rectangle(box, fill=color)
-    elif name in ("sphere", "torus"):
-        d.ellipse(box, fill=color)
-        if name == "torus":
-            d.ellipse((cx - r // 3, cy - r // 3, cx + r // 3, cy + r // 3), fill=bg)
-    else:
-        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=color)
-    im.save(path, format="PNG")
-
-
-def generate_synthetic(
-    out: str | os.PathLike[str], samples: int, seed: int = 0, malformed: int = 0, preset: str = "tiny"
-) -> dict[str, int]:
-    """Write a small dataset in the stage-1 format; return records written per task.
-
-    3D codes lie within the codebook sizes of model preset `preset`.
-    `malformed` extra broken lines are spread over the manifests (for tests and demos of the
-    malformed-record accounting).
-    """
-    from toolkit.fsutil import atomic_write_text
-
-    out = Path(out)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    (out / "tokens3d").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    sizes = tokenizer_for_preset(preset).codebook_sizes
-    total_ref = sum(REFERENCE_COUNTS.values())
-    counts = {t: max(1, round(samples * c / total_ref)) for t, c in REFERENCE_COUNTS.items()}
-    color_names = list(COLORS)
-    lines: dict[str, list[str]] = {t: [] for t in TASKS}
-    for task in TASKS:
-        for j in range(counts[task]):
-            prim, color, size = int(rng.integers(len(PRIMITIVES))), int(rng.integers(len(COLORS))), int(rng.integers(4))
-            sid = f"{task}-{j:06d}"
-            caption = f"a {SIZES[size]} {color_names[color]} {PRIMITIVES[prim]}."
-            rec: dict[str, Any] = {"id": sid}
-            if task in ("gen_img", "replay_img"):
-                rec["image"] = f"images/{sid}.png"
-                _draw_image(out / rec["image"], prim, COLORS[color_names[color]], size, rng)
-            if task in ("gen_img", "gen_txt", "und"):
-                rec["tokens3d"] = f"tokens3d/{sid}.npz"
-                np.savez(out / rec["tokens3d"], **_object_codes(prim, color, size, rng, sizes))
-            if task == "gen_txt":
-                rec["text"] = f"make {caption}"
-            elif task == "und":
-                rec["text"] = f"this is {caption}"
-            elif task == "replay_img":
-                rec["text"] = f"a picture of {caption}"
-            elif task == "replay_text":
-                rec["text"] = REPLAY_SENTENCES[int(rng.integers(len(REPLAY_SENTENCES)))]
-            lines[task].append(json.dumps(rec))
-    broken = ['{"id": "broken", ', '["not", "an", "object"]', '{"id": "no-payload"}']
-    for m in range(malformed):
-        task = TASKS[m % len(TASKS)]
-        lines[task].insert(int(rng.integers(len(lines[task]) + 1)), broken[m % len(broken)])
-    for task in TASKS:
-        atomic_write_text(out / f"{task}.jsonl", "\n".join(lines[task]) + "\n")
-    return {t: len(lines[t]) for t in TASKS}
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.stage1.data", description="generate a synthetic stage-1 dataset")
-    p.add_argument("--out", required=True, help="data directory to write")
-    p.add_argument("--samples", type=int, default=2000, help="records over all tasks (default 2000)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preset", default="tiny", help="model preset whose codebook sizes bound the codes")
-    p.add_argument("--malformed", type=int, default=0, help="extra broken lines to include (for tests)")
-    args = p.parse_args(argv)
-    if args.samples < len(TASKS):
-        print(f"error: --samples must be at least {len(TASKS)} (one per task)", file=sys.stderr)
-        return 2
-    try:
-        counts = generate_synthetic(args.out, args.samples, args.seed, args.malformed, args.preset)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {sum(counts.values())} records to {args.out}: " + ", ".join(f"{t}={n}" for t, n in counts.items()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,6 +34,10 @@ def base_forward(model: torch.nn.Module, **model_kwargs: torch.Tensor) -> torch.
     return hidden
 
 
+class ModelInputError(RuntimeError):
+    """transformers refused a batch (e.g. "Image features and image tokens do not match"); one line."""
+
+
 class CausalLMObjective(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, loss_impl: str) -> None:
         super().__init__()
@@ -42,5 +46,8 @@ class CausalLMObjective(torch.nn.Module):
 
     def forward(self, labels: torch.Tensor, **model_kwargs: torch.Tensor) -> torch.Tensor:
         """Per-token loss [B, T-1] in fp32 (0 at ignored labels)."""
-        hidden = base_forward(self.model, **model_kwargs)
+        try:
+            hidden = base_forward(self.model, **model_kwargs)
+        except ValueError as exc:  # transformers checks its inputs with ValueErrors
+            raise ModelInputError(f"the model refused a batch: {' '.join(str(exc).split())[:400]}") from exc
         return token_losses(hidden, self.model.lm_head.weight, labels, self.loss_impl)

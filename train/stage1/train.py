@@ -1,6 +1,6 @@
 """Stage-1 AR pretraining: setup (data, kernels, model, Stepper, resume) -> steps -> finish.
 
-`python -m train.stage1 --preset tiny` always runs the Slurm guard first; `main(argv,
+`python -m train.stage1 --shape tiny` always runs the Slurm guard first; `main(argv,
 guard=False)` exists only so tests can drive the loop's internals outside Slurm.
 
 Files written under --out (default $LAUNCH_JOB_DIR, else ./runs/stage1-local):
@@ -9,6 +9,8 @@ Files written under --out (default $LAUNCH_JOB_DIR, else ./runs/stage1-local):
     summary.json        steps, first/last loss, tok_s_all_ranks, paths; written atomically at the end
     outcome.json        completed / failed (the one-line error) / cancelled, and the step reached
     data/               the synthetic dataset, generated there when --data-dir is not given
+    model_files/        config.json, the extended tokenizer, the image processor (train.stage1.export)
+    export/step_X/      a transformers checkpoint of the last step (from_pretrained loads it)
 Re-running the same argv with the same --out resumes from the newest checkpoint that verifies at
 the same step with the same next batch (this is what submitit's requeue does); --restart starts
 over and keeps the old checkpoints aside.
@@ -20,7 +22,7 @@ import hashlib
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +31,26 @@ import torch
 from toolkit.metrics import SCHEMAS, step_records
 from train.common import fastpath, mfu
 from train.common.checkpoint import CheckpointError, rng_state, set_rng_state
+from train.common.codebooks import CodebookConfig, parse_lengths, parse_sizes
 from train.common.config import ConfigError, json_object, opt, parse_config
 from train.common.distributed import DistInfo, slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
+from train.common.hf_local import HFLocalError, has_vision_tower
+from train.common.levers import Levers, apply_levers
 from train.common.losses import LossImplError, select_loss_impl
 from train.common.metrics import compile_counts, peak_memory_mb
-from train.common.packing import IGNORE_INDEX, model_kwargs
+from train.common.packing import IGNORE_INDEX, model_kwargs, resolve_layout
 from train.common.profiler import StepProfiler, StepTiming, rank_spread
 from train.common.runtime import Runtime, pick_device
+from train.common.shapes import SHAPES, get_shape
 from train.common.stepper import Stepper, make_adamw, zero2_config
-from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data, generate_synthetic
-from train.stage1.objective import CausalLMObjective
+from train.stage1 import model as stage1_model  # stage1_model.build_model: tests wrap it
+from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data
+from train.stage1.export import ExportError, export_checkpoint, write_model_files
+from train.stage1.objective import CausalLMObjective, ModelInputError
+from train.stage1.synthetic import generate_synthetic
+from train.stage1.tokenizer import TokenizerError, build_tokenizer
 
 ENTRYPOINT = "train.stage1"
 
@@ -51,7 +61,7 @@ class Stage1Config:
     minute or two on 2 cores, loss ~8.5 -> ~3); the GPU shapes' values (8192-token rows, their
     lr and warmup, --vision off) are the job presets in launch/jobs/stage1.yaml."""
 
-    preset: str = opt("tiny", help="model shape (train/stage1/model.py)")
+    shape: str = opt("tiny", help=f"model shape (train/common/shapes.py: {', '.join(SHAPES)})")
     steps: int = opt(60, help="optimizer steps")
     batch_rows: int = opt(2, help="packed rows per step per rank")
     row_len: int = opt(256, help="tokens per packed row (8192 on GPU)")
@@ -82,29 +92,61 @@ class Stage1Config:
     wandb_project: str | None = opt(None)
     loss_impl: str = opt("auto", choices=("auto", "logits", "cce", "liger"),
                          help="next-token loss kernel (auto: fused on CUDA)")
-    vision: bool = opt(True, help="images through the preset's Qwen3.5 vision tower; off: colour stand-in tokens")
+    vision: bool | None = opt(None, help="images through the shape's Qwen3.5 vision tower; off: the text-only "
+                              "model (default: as --init-from has it, else on)")
+    # The 3D asset format (default: the shape's).
+    codebook_sizes: str | None = opt(None, help="3D codebook vocab sizes SS,SHAPE,TEX (default: the shape's)")
+    asset_lengths: str | None = opt(None, help="codes per 3D asset SS,SHAPE,TEX, each a number or any "
+                                    "(default: the shape's)")
+    export: bool = opt(True, help="export the last checkpoint as a transformers checkpoint")
+    # Speed levers (train/common/levers.py, measured by bench/stage1_levers.py); auto: on CUDA, off on CPU.
+    compile: str = opt("auto", choices=("auto", "on", "off"),
+                       help="regional torch.compile of the decoder layers (auto: on CUDA, off on CPU)")
+    attention: str = opt("auto", choices=("auto", "varlen", "sdpa"),
+                         help="full-attention kernel: varlen per document, or sdpa with a block-diagonal mask "
+                              "(auto: varlen on CUDA, sdpa on CPU)")
+    act_ckpt: int = opt(0, help="decoder layers with activation checkpointing (0: none)")
+    packing: str = opt("auto", choices=("auto", "flat", "rows"),
+                       help="batch layout: flat (one stream of batch_rows x row_len) or rows (auto: flat on CUDA)")
+    conv_impl: str = opt("auto", choices=("auto", "causal-conv1d", "fla"),
+                         help="GDN short-conv kernel on CUDA (auto: causal-conv1d when installed, else fla's Triton)")
 
 
 def parse_args(argv: list[str] | None) -> Stage1Config:
     cfg = parse_config(Stage1Config, argv, "python -m train.stage1", "stage-1 AR pretraining")
+    if cfg.vision is None:  # the checkpoint decides; a random-init shape trains its vision tower
+        cfg.vision = has_vision_tower(cfg.init_from) if cfg.init_from else True
     validate(cfg)
     return cfg
 
 
 def validate(cfg: Stage1Config) -> None:
-    from train.stage1.model import PRESETS
-
-    if cfg.preset not in PRESETS:
-        raise ConfigError(f"unknown preset {cfg.preset!r}; valid presets: {', '.join(PRESETS)}")
+    if cfg.shape not in SHAPES:
+        raise ConfigError(f"unknown model shape {cfg.shape!r}; valid shapes: {', '.join(SHAPES)}")
     for name in ("steps", "batch_rows", "row_len", "log_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.ckpt_every < 0 or cfg.max_bad_steps < 0:
-        raise ConfigError("--ckpt-every and --max-bad-steps must be >= 0")
+    if cfg.ckpt_every < 0 or cfg.max_bad_steps < 0 or cfg.act_ckpt < 0:
+        raise ConfigError("--ckpt-every, --max-bad-steps and --act-ckpt must be >= 0")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
-    if cfg.vision and PRESETS[cfg.preset].vision is None:
-        raise ConfigError(f"preset {cfg.preset!r} has no vision tower; use --vision off")
+    if cfg.vision and SHAPES[cfg.shape].vision is None:
+        raise ConfigError(f"model shape {cfg.shape!r} has no vision tower; use --vision off")
+    codebook_config(cfg)
+
+
+def codebook_config(cfg: Stage1Config) -> CodebookConfig:
+    """The run's 3D asset format: the shape's, with --codebook-sizes / --asset-lengths applied."""
+    codebooks = get_shape(cfg.shape).codebooks
+    try:
+        if cfg.codebook_sizes:
+            ss, shape, tex = parse_sizes(str(cfg.codebook_sizes))
+            codebooks = replace(codebooks, ss=ss, shape=shape, tex=tex)
+        if cfg.asset_lengths:
+            codebooks = replace(codebooks, lengths=parse_lengths(str(cfg.asset_lengths)))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return codebooks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +250,8 @@ def train_step(stepper: Stepper, batch: dict[str, Any], device: torch.device,
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
     """Entry point; returns the exit code. guard=False only for tests of the loop internals."""
     return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=train, guard=guard,
-                          run_errors=(DataError, FastPathError, LossImplError))
+                          run_errors=(DataError, FastPathError, LossImplError, TokenizerError, HFLocalError,
+                                      ExportError, ModelInputError))
 
 
 @dataclass
@@ -252,20 +295,26 @@ def train(cfg: Stage1Config) -> int:
 
 def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     """Data (synthetic on first use), kernels, model, stepper, resume, header."""
-    from train.stage1 import model as shapes  # looked up at call time: tests wrap build_model
-
     torch.manual_seed(cfg.seed)
+    codebooks = codebook_config(cfg)
     data_dir = Path(cfg.data_dir) if cfg.data_dir else rt.out / "data"
     if not cfg.data_dir and rt.dist.is_main and not (data_dir / "gen_img.jsonl").exists():
-        counts = generate_synthetic(data_dir, cfg.synthetic_samples, seed=cfg.seed, preset=cfg.preset)
+        counts = generate_synthetic(data_dir, cfg.synthetic_samples, seed=cfg.seed, shape=cfg.shape,
+                                    codebooks=codebooks)
         rt.print(f"# generated synthetic data in {data_dir}: {counts}")
     rt.barrier()
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
-    kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path)
+    kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path, conv=cfg.conv_impl)
     dtype = torch.bfloat16 if rt.device.type == "cuda" else torch.float32
-    model, spec = shapes.build_model(cfg.preset, device=rt.device, dtype=dtype, init_from=cfg.init_from,
-                                     vision=cfg.vision)
+    # The tokenizer first: a checkpoint whose tokenizer does not fit fails before the model is built.
+    tok = build_tokenizer(get_shape(cfg.shape), cfg.init_from, bool(cfg.vision), codebooks)
+    model, spec = stage1_model.build_model(cfg.shape, device=rt.device, dtype=dtype, init_from=cfg.init_from,
+                                           vision=bool(cfg.vision), codebooks=codebooks, vision_ids=tok.vision_ids)
+    if rt.dist.is_main:
+        write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
     fastpath.install_kernels(model, kernels)
+    lever_lines = apply_levers(model, rt.device, Levers(cfg.compile, cfg.attention, cfg.act_ckpt))
+    packing = resolve_layout(cfg.packing, rt.device.type)
     loss_impl = select_loss_impl(rt.device, cfg.loss_impl)
     stepper = make_stepper(CausalLMObjective(model, loss_impl), model, cfg, rt.device, rt.dist, ds)
     _, latest = rt.checkpoints(cfg.keep_checkpoints, restart=cfg.restart)
@@ -274,20 +323,23 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist)
         rt.print(f"# resumed from {latest} at step {rt.step}, next batch {data_state['next_batch']}")
     data = Stage1Data(
-        DataConfig(str(data_dir), preset=cfg.preset, row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
+        DataConfig(str(data_dir), row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
                    weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers,
-                   vision=cfg.vision),
-        rank=rt.dist.rank, start_batch=int(data_state["next_batch"]), report=rt.print,
+                   packing=packing),
+        tok, rank=rt.dist.rank, start_batch=int(data_state["next_batch"]), report=rt.print,
     )
     flops_per_token, peak, peak_source = mfu_terms(model, cfg, rt.device)
     rt.log.header({
-        "preset": cfg.preset, "params": spec.n_params, "vocab": spec.vocab.padded_vocab, "device": rt.device.type,
+        "shape": cfg.shape, "params": spec.n_params, "vocab": spec.vocab.padded_vocab,
+        "vocab_used": spec.vocab.used_vocab, "tokenizer": tok.name, "device": rt.device.type,
         "world": rt.dist.world_size, "deepspeed": ds, "row_len": cfg.row_len, "batch_rows": cfg.batch_rows,
         "start_step": rt.step, "steps": cfg.steps, "flops_per_token": f"{flops_per_token:.4g}",
         "mfu_peak": f"{peak:.4g} ({peak_source})" if peak else f"n/a ({peak_source})", "loss_impl": loss_impl,
         "optimizer": stepper.name, "vision_params": spec.n_vision_params,
     })
     rt.print("# " + kernels.header().replace("\n", "\n# "))
+    for line in [f"packing: {packing}", *lever_lines]:
+        rt.print(f"# {line}")
     model.train()
     return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), flops_per_token, peak)
 
@@ -320,8 +372,10 @@ def finish(run: Stage1Run, rt: Runtime) -> None:
         # together, over this process's steps
         "tok_s_all_ranks": run.prof.mean_tokens_per_s if run.prof.total_s else None,
         "out_dir": str(rt.out.resolve()), "metrics": str(metrics.resolve()),
-        "checkpoint": str((rt.out / "checkpoints").resolve()), "preset": run.cfg.preset,
+        "checkpoint": str((rt.out / "checkpoints").resolve()), "shape": run.cfg.shape,
     }
+    if run.cfg.export and run.cfg.ckpt_every:
+        summary["export"] = str(export_checkpoint(rt.out, None, None).resolve())
     summary.update(_loss_span(metrics))
     rt.finish(summary)
 
@@ -345,11 +399,18 @@ def mfu_terms(model: torch.nn.Module, cfg: Stage1Config, device: torch.device) -
     model's FLOPs only: the vision tower's are not counted (its share depends on how many image
     patches a batch holds).
     """
-    from train.stage1.model import text_model_config
-
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = mfu.peak_flops(name)
-    return mfu.flops_per_token(text_model_config(model), cfg.row_len), peak, name if peak else f"{name}: peak unknown"
+    return mfu.flops_per_token(stage1_model.text_model_config(model), cfg.row_len), peak, name if peak else f"{name}: peak unknown"
+
+
+def model_info(cfg: Stage1Config, spec: Any, tok: Any) -> dict[str, Any]:
+    """What the export's README says was trained (model_files/stage1.json)."""
+    c = spec.vocab.config
+    return {"shape": cfg.shape, "vision": bool(cfg.vision), "init_from": cfg.init_from, "tokenizer": tok.name,
+            "has_tokenizer": hasattr(tok, "hf"), "base_vocab": spec.vocab.base_vocab,
+            "codebook_sizes": [c.ss, c.shape, c.tex], "asset_lengths": ["any" if n is None else n for n in c.lengths],
+            "n_specials": len(c.specials), "vocab": spec.vocab.padded_vocab}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,7 +432,7 @@ def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: 
         raise CheckpointError(f"{trainer_file} is missing: checkpoint {path} was written by a different world size")
     trainer = torch.load(trainer_file, weights_only=False)
     saved = trainer.get("config") or {}
-    for key in ("preset", "vision"):  # other shape changes: Stepper.load names the first mismatch
+    for key in ("shape", "vision"):  # other shape changes: Stepper.load names the first mismatch
         if key in saved and saved[key] != getattr(cfg, key):
             raise CheckpointError(f"checkpoint {path} was written with --{key.replace('_', '-')} {saved[key]}, this "
                                   f"run has {getattr(cfg, key)}: resume with the same model arguments, or use a "

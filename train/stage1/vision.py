@@ -1,85 +1,93 @@
-"""Image -> vision-tower inputs for Qwen3.5 (``pixel_values`` + patch grid), without a hub processor.
+"""Image -> vision-tower inputs (``pixel_values`` + patch grid) through transformers' own processor.
 
-Same layout as transformers' Qwen2-VL/Qwen3-VL image processors, so a checkpoint's vision tower
-sees what it was trained on:
+With ``--init-from DIR`` the processor is DIR's own (``AutoImageProcessor``, local files); for a
+random-init shape it is transformers' Qwen2-VL image processor (what Qwen3.5 checkpoints name)
+configured from the shape's vision tower (:func:`image_processor_for_shape`): patch and merge
+sizes of the tower, H*W in ``[min_pixels, max_pixels]``, mean/std 0.5 (Qwen3-VL's constants).
+Either way the export writes that processor's config next to the weights.
 
-1. RGB, resized (bicubic, aspect kept) so that H and W are multiples of
-   ``patch_size * spatial_merge_size`` and H*W lies in ``[min_pixels, max_pixels]`` (:func:`smart_resize`);
-2. scaled to [0, 1] and normalised with mean 0.5, std 0.5 per channel (Qwen3-VL's constants);
-3. the frame repeated ``temporal_patch_size`` times (a still image is a 1-step video), and cut
-   into patches ordered by 2x2 merge window: ``(t, h/m, w/m, m, m)``, each patch flattened as
-   ``(C, temporal, patch, patch)``, which is what ``Qwen3_5VisionPatchEmbed`` views it as and
-   what the patch merger groups (m*m consecutive patches -> one placeholder token).
-
-tests/test_vision.py checks this against transformers' own ``Qwen2VLImageProcessorPil``.
+Images are opened with a size check before any pixel is decoded: a PNG whose header claims more
+than ``MAX_IMAGE_PIXELS`` pixels (a decompression bomb) is a bad image, not an allocation of
+gigabytes. The caller turns :class:`BadImage` into a malformed record.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-import torch
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from train.common.packing import ImageInput
-from train.stage1.model import VisionPresetConfig
+from train.common.shapes import VisionShape
 
 IMAGE_MEAN = 0.5
 IMAGE_STD = 0.5
+# Far above what a vision tower sees (the processors resize to <= ~1M pixels) and far below what
+# exhausts a loader worker's memory (64M RGB pixels = 192 MiB decoded).
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(H, W): multiples of ``factor``, aspect ratio about kept, H*W within [min_pixels, max_pixels]."""
-    if min(height, width) < 1 or max(height, width) / min(height, width) > 200:
-        raise ValueError(f"image of {width}x{height}: empty or aspect ratio above 200")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
+class BadImage(ValueError):
+    """An image file that cannot be used; one line."""
 
 
-def patchify(pixels: np.ndarray, cfg: VisionPresetConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Normalised ``[C, H, W]`` float image -> (``[n_patches, C*T*P*P]``, patch grid (t, h, w))."""
-    c, height, width = pixels.shape
-    p, m, tp = cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size
-    if height % (p * m) or width % (p * m):
-        raise ValueError(f"image {width}x{height} is not a multiple of patch*merge = {p * m}")
-    gh, gw = height // p, width // p
-    frames = np.broadcast_to(pixels[None], (tp, c, height, width))  # a still image: one temporal patch
-    x = frames.reshape(1, tp, c, gh // m, m, p, gw // m, m, p)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # t, h/m, w/m, m, m, C, T, P, P
-    return np.ascontiguousarray(x.reshape(gh * gw, c * tp * p * p)), (1, gh, gw)
+def image_processor_for_shape(v: VisionShape) -> Qwen2VLImageProcessorPil:
+    """The Qwen2-VL image processor configured for vision tower ``v`` (random-init shapes)."""
+    return Qwen2VLImageProcessorPil(
+        patch_size=v.patch_size, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
+        min_pixels=v.min_pixels, max_pixels=v.max_pixels, image_mean=[IMAGE_MEAN] * 3, image_std=[IMAGE_STD] * 3,
+    )
 
 
-class ImagePreprocessor:
+def check_processor(processor: Any, vision_config: Any, where: str) -> None:
+    """ValueError unless the processor cuts patches the way the vision tower reads them."""
+    pairs = [("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+             ("temporal_patch_size", "temporal_patch_size")]
+    for p_key, v_key in pairs:
+        theirs, ours = getattr(processor, p_key, None), getattr(vision_config, v_key)
+        if theirs != ours:
+            raise ValueError(f"{where}: image processor {p_key}={theirs} but the vision tower's {v_key}={ours}")
+
+
+def open_rgb(path: Path) -> Image.Image:
+    """The image at ``path`` as RGB; BadImage for an unreadable file or a decompression bomb."""
+    try:
+        with Image.open(path) as im:
+            w, h = im.size  # from the header: nothing decoded yet
+            if w * h > MAX_IMAGE_PIXELS:
+                raise BadImage(f"image {path} is {w}x{h} pixels, above the {MAX_IMAGE_PIXELS} limit "
+                               "(a decompression bomb?)")
+            im.load()
+            return im.convert("RGB")
+    except BadImage:
+        raise
+    except Image.DecompressionBombError as exc:  # PIL's own limit, hit at open for the largest claims
+        raise BadImage(f"image {path}: {exc} (a decompression bomb?)") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise BadImage(f"unreadable image {path} ({type(exc).__name__})") from None
+
+
+class ImageEncoder:
     """PNG/JPEG path -> :class:`ImageInput` (placeholder span at 0; the tokenizer places it)."""
 
-    def __init__(self, cfg: VisionPresetConfig) -> None:
-        self.cfg = cfg
-        self.factor = cfg.patch_size * cfg.spatial_merge_size
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.merge = int(processor.merge_size)
 
     @property
     def max_tokens(self) -> int:
-        """Placeholder tokens of the largest image this preprocessor emits."""
-        return self.cfg.max_pixels // self.factor**2
+        """Placeholder tokens of the largest image this processor emits."""
+        size = self.processor.size
+        longest = size["longest_edge"] if isinstance(size, dict) else size.longest_edge
+        return int(longest) // (int(self.processor.patch_size) * self.merge) ** 2
 
     def __call__(self, path: Path) -> ImageInput:
-        from PIL import Image
-
-        with Image.open(path) as im:
-            im.load()
-            rgb = im.convert("RGB")
-        h, w = smart_resize(rgb.height, rgb.width, self.factor, self.cfg.min_pixels, self.cfg.max_pixels)
-        if (w, h) != rgb.size:
-            rgb = rgb.resize((w, h), Image.BICUBIC)
-        pixels = (np.asarray(rgb, dtype=np.float32).transpose(2, 0, 1) / 255.0 - IMAGE_MEAN) / IMAGE_STD
-        patches, grid = patchify(pixels, self.cfg)
-        return ImageInput(torch.from_numpy(patches), grid, self.cfg.spatial_merge_size, start=0)
+        rgb = open_rgb(path)
+        try:
+            out = self.processor(images=[rgb], return_tensors="pt")
+        except (ValueError, OSError) as exc:  # e.g. an aspect ratio the resize refuses
+            raise BadImage(f"image {path}: {' '.join(str(exc).split())[:200]}") from None
+        grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
+        return ImageInput(out["pixel_values"].float(), grid, self.merge, start=0)

@@ -1,0 +1,83 @@
+"""The embedded cluster's configuration and argument checks, without starting daemons.
+
+(The daemons themselves: tests/test_launch_slurm.py for one node, tests/test_two_node.py for
+two.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.cluster.embedded import ClusterConfig, EmbeddedCluster, render_template
+from launch.errors import LaunchError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _render(tmp_path: Path, n: int) -> str:
+    cluster = EmbeddedCluster(tmp_path / "c")
+    nodes = [dict(name=f"node{i}", addr=f"127.0.0.{i + 1}", port=40000 + i, cpus=4, memory_mb=1000, gpus=2,
+                  gpu_files=[f"/d/node{i}/nvidia0", f"/d/node{i}/nvidia1"]) for i in range(1, n + 1)]
+    config = ClusterConfig(nodes=n, gpus=2, cpus=4, slurmd_timeout=12)
+    cluster._render_configs(nodes, {"slurmctld": 1, "slurmdbd": 2, "mariadb": 3}, "pw", config)
+    return cluster.slurm_conf.read_text() + (cluster.etc / "gres.conf").read_text()
+
+
+def test_two_nodes_each_with_own_port_address_spool_and_gpus(tmp_path: Path) -> None:
+    text = _render(tmp_path, 2)
+    lines = text.splitlines()
+    assert "NodeName=node1 NodeAddr=127.0.0.2 Port=40001 CPUs=4 RealMemory=1000 Gres=gpu:2 State=UNKNOWN" in lines
+    assert "NodeName=node2 NodeAddr=127.0.0.3 Port=40002 CPUs=4 RealMemory=1000 Gres=gpu:2 State=UNKNOWN" in lines
+    assert "NodeName=node2 Name=gpu File=/d/node2/nvidia0,/d/node2/nvidia1" in lines
+    spool = next(ln for ln in lines if ln.startswith("SlurmdSpoolDir="))
+    assert spool.endswith("/spool/d/%n")
+    assert any(ln.startswith("SlurmdLogFile=") and ln.endswith("/slurmd-%n.log") for ln in lines)
+    assert "SlurmdTimeout=12" in lines and any(ln.endswith(",cred_expire=12") for ln in lines)
+    assert "PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP" in lines
+    first_job = next(ln for ln in lines if ln.startswith("FirstJobId="))
+    assert 100_000 <= int(first_job.split("=")[1]) < 1_000_000
+
+
+def test_one_node_keeps_the_plain_layout(tmp_path: Path) -> None:
+    lines = _render(tmp_path, 1).splitlines()
+    assert any(ln.startswith("SlurmdSpoolDir=") and ln.endswith("/spool/d") for ln in lines)
+    assert any(ln.startswith("SlurmdLogFile=") and ln.endswith("/slurmd.log") for ln in lines)
+
+
+def test_the_ansible_role_context_renders_without_the_embedded_keys() -> None:
+    """The `slurm` role passes only its own keys: the embedded cluster's additions (per-node
+    ports and files, node timeout, first job id) must be optional in the shared template."""
+    context = dict(managed="m", cluster_name="c", controller_host="ctl", controller_addr="", slurmctld_port=6817,
+                   slurmd_port=6818, slurm_user="slurm", munge_socket="", state_save_dir="/s", slurmd_spool_dir="/d",
+                   run_dir="/r", log_dir="/l", slurmd_parameters="", proctrack_type="p", task_plugin="t",
+                   scheduler_parameters="", slurmdbd_host="db", slurmdbd_port=6819, prolog="", epilog="",
+                   partition="gpu", nodes=[dict(name="kpro6", addr="", cpus=64, memory_mb=1000, gpus=8, gpu_files="")])
+    text = render_template("slurm.conf.j2", **context)
+    assert "NodeName=kpro6 CPUs=64 RealMemory=1000 Gres=gpu:8 State=UNKNOWN" in text.splitlines()
+    assert "SlurmdSpoolDir=/d\n" in text and "FirstJobId" not in text and "SlurmdTimeout" not in text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nodes": 0}, "--nodes must be a whole number >= 1"),
+    ({"gpus": -1}, "--gpus must be a whole number >= 0"),
+    ({"nodes": 10**20}, "at most 64 nodes"),
+    ({"prolog": "/nonexistent/prolog"}, "--prolog /nonexistent/prolog: not an executable file"),
+])
+def test_bad_resources_are_refused_before_anything_starts(tmp_path: Path, kwargs: dict, message: str) -> None:
+    cluster = EmbeddedCluster(tmp_path / "c")
+    with pytest.raises(LaunchError, match=message.replace("*", r"\*")):
+        cluster.up(**kwargs)
+    assert not (tmp_path / "c").exists()
+
+
+def test_cli_error_is_one_line(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "launch", "cluster", "up", "--nodes", "0", "--state-dir",
+                          str(tmp_path / "c")], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    assert "--nodes" in out.stderr and "must be between 1 and" in out.stderr

@@ -1,0 +1,102 @@
+"""Load a checkpoint directory's config, tokenizer and image processor from LOCAL files only.
+
+transformers' own loaders (``AutoConfig``, ``AutoTokenizer``, ``AutoImageProcessor``) with
+``local_files_only=True``: nothing is downloaded, and a directory that lacks a piece gives one
+line naming the directory and the missing file (:class:`HFLocalError`), instead of transformers'
+multi-line hub advice. The file checks come first because transformers' messages for a missing
+tokenizer ("Couldn't instantiate the backend tokenizer ...") do not say which file was expected.
+
+Used by the stage-1 trainer (its checkpoint's tokenizer and processor) and by DFlash (the
+target's tokenizer and chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+# Either is enough for a fast tokenizer; vocab.json + merges.txt is the older BPE pair.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+class HFLocalError(ValueError):
+    """A local checkpoint directory that cannot be loaded; the message is one line."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def checkpoint_dir(path: str | os.PathLike[str], what: str = "checkpoint") -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise HFLocalError(f"{what} {p}: not a directory (give a local transformers checkpoint directory)")
+    return p
+
+
+def has_tokenizer(path: str | os.PathLike[str]) -> bool:
+    p = Path(path)
+    return any((p / f).is_file() for f in TOKENIZER_FILES) or (p / "vocab.json").is_file()
+
+
+def has_image_processor(path: str | os.PathLike[str]) -> bool:
+    return any((Path(path) / f).is_file() for f in IMAGE_PROCESSOR_FILES)
+
+
+def load_config(path: str | os.PathLike[str]) -> Any:
+    """``AutoConfig`` of DIR/config.json."""
+    p = checkpoint_dir(path)
+    if not (p / "config.json").is_file():
+        raise HFLocalError(f"checkpoint {p}: no config.json there (give a local transformers checkpoint directory)")
+    try:
+        return AutoConfig.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HFLocalError(f"checkpoint {p}: config.json does not load ({_one_line(exc)})") from None
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """``AutoTokenizer`` of DIR (a fast tokenizer: tokenizer.json, or vocab.json + merges.txt)."""
+    p = checkpoint_dir(path)
+    if not has_tokenizer(p):
+        raise HFLocalError(f"checkpoint {p}: no tokenizer there (expected {' or '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
+        raise HFLocalError(f"checkpoint {p}: its tokenizer does not load ({_one_line(exc)})") from None
+
+
+def load_image_processor(path: str | os.PathLike[str]) -> Any:
+    """``AutoImageProcessor`` of DIR (preprocessor_config.json or processor_config.json)."""
+    p = checkpoint_dir(path)
+    if not has_image_processor(p):
+        raise HFLocalError(
+            f"checkpoint {p}: no image processor there (expected {' or '.join(IMAGE_PROCESSOR_FILES)})")
+    try:
+        return AutoImageProcessor.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
+        raise HFLocalError(f"checkpoint {p}: its image processor does not load ({_one_line(exc)})") from None
+
+
+def chat_template(path: str | os.PathLike[str]) -> str:
+    """The tokenizer's chat template (DFlash renders conversations with it)."""
+    tok = load_tokenizer(path)
+    template = getattr(tok, "chat_template", None)
+    if not template:
+        raise HFLocalError(f"checkpoint {path}: its tokenizer has no chat template (chat_template.jinja or "
+                           "tokenizer_config.json's chat_template)")
+    return template
+
+
+def has_vision_tower(path: str | os.PathLike[str]) -> bool:
+    """DIR/config.json names a vision tower (a conditional-generation checkpoint); False if unreadable
+    (the loaders above then say what is wrong)."""
+    try:
+        return "vision_config" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
