@@ -62,7 +62,9 @@ def test_readme_plain_lxc_path_provisions_a_working_slurm_node() -> None:
 
         assert inside("readlink /proc/1/exe").stdout.strip().endswith("systemd")  # the image has an init
         for unit in ("munge", "mariadb", "slurmdbd", "slurmctld", "slurmd"):
-            assert inside(f"systemctl is-active {unit}", check=False).stdout.strip() == "active", unit
+            logs = f"journalctl -n 30 --no-pager -u {unit}; tail -n 30 /var/log/slurm/*.log"
+            assert inside(f"systemctl is-active {unit}", check=False).stdout.strip() == "active", \
+                inside(logs, check=False).stdout[-3000:]
         job = inside("cd /tmp && sbatch --parsable --wrap 'hostname'").stdout.strip()
         assert job.isdigit(), job
         state = ""
