@@ -10,6 +10,7 @@ hosts it can take the GPUs out of service.
 
     python bench/multigpu.py stage1 --gpus 1,2 --steps 16 --skip 4 --jsonl out.jsonl
     python bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --steps 40 --skip 10
+    python bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --drafter target --anchors 4,512
 
 stage1: for each GPU count, the trainer on job preset --preset (qwen35-2b) with DeepSpeed ZeRO-2
 (`--deepspeed on`, also on one GPU, so every row runs the same code) and uniform 8192-token rows,
@@ -27,7 +28,8 @@ k* = ceil(a target's median seconds to produce a batch / the drafter's median co
 a projection, where the machine has fewer GPUs than the topologies to measure. A target's time
 includes waiting for sends the drafter has not taken yet, so it is the target's own time only
 when the drafter waits (wait fraction well above 0); when the drafter never waits it is already
-saturated and k* = 1.
+saturated and k* = 1. `--anchors 4,512` runs each topology once per anchor count (anchors per
+sequence, clamped by the trainer to each row's response positions), side by side in one table.
 
 Each run appends one JSON line to --jsonl; the table is printed at the end.
 """
@@ -193,15 +195,15 @@ TARGET_LINE = re.compile(r"target rank (\d+): sent (\d+) batches in ([\d.]+)s, q
 
 def bench_dflash(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    for topo in a.topologies.split(","):
+    for topo, anchors in [(t, n) for t in a.topologies.split(",") for n in a.anchors.split(",")]:
         k = int(topo.split("-")[0])
-        out = Path(a.work) / f"dflash-{topo}"
+        out = Path(a.work) / f"dflash-{topo}-a{anchors}"
         argv = ["--mode", "online", "--topology", topo, "--preset", a.target, "--drafter", a.drafter,
                 "--steps", str(a.steps), "--token-budget", str(a.token_budget), "--max-len", str(a.max_len),
                 "--synthetic-samples", str(a.samples), "--out", str(out), "--ckpt-every", str(10**9),
-                "--queue-depth", str(a.queue_depth), *a.extra]
+                "--queue-depth", str(a.queue_depth), "--anchors", anchors, *a.extra]
         shutil.rmtree(out, ignore_errors=True)
-        print(f"== dflash {topo}: python -m train.dflash {' '.join(argv)}", flush=True)
+        print(f"== dflash {topo}, {anchors} anchors: python -m train.dflash {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         outputs = run_ranks("dflash", argv, k + 1, out / "logs", a.timeout)
         steps = timed_steps(out / "metrics.jsonl", a.skip)
@@ -214,6 +216,8 @@ def bench_dflash(a: argparse.Namespace) -> list[dict[str, Any]]:
         produce_s = statistics.median(float(t[4]) for t in targets)
         row = {
             "bench": "dflash", "topology": topo, "target": a.target, "drafter": a.drafter, "steps_timed": len(steps),
+            "anchors": int(anchors), "blocks_per_step": statistics.median(r.get("anchors", 0) for r in steps),
+            "tau": statistics.median(r["tau"] for r in steps) if "tau" in steps[0] else None,
             "drafter_tok_s": statistics.median(r["tok_s"] for r in steps),
             "drafter_step_ms": statistics.median(r["data_ms"] + r["compute_ms"] for r in steps),
             "drafter_compute_ms": drafter_compute_s * 1000, "drafter_wait_fraction": wait / max(wait + compute, 1e-9),
@@ -225,17 +229,19 @@ def bench_dflash(a: argparse.Namespace) -> list[dict[str, Any]]:
             "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]], "wall_s": time.monotonic() - t0,
         }
         rows.append(row)
-        print(f"   {topo}: drafter {row['drafter_tok_s']:,.0f} tok/s, waiting {row['drafter_wait_fraction']:.0%}",
-              flush=True)
+        print(f"   {topo}, {anchors} anchors: drafter {row['drafter_tok_s']:,.0f} tok/s, "
+              f"waiting {row['drafter_wait_fraction']:.0%}", flush=True)
     return rows
 
 
 def print_dflash(rows: list[dict[str, Any]]) -> None:
-    print("\n| topology | drafter tok/s | drafter step ms | drafter compute ms | drafter waiting | queue full "
-          "| target s/batch | projected saturation k |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = {r["topology"]: r["drafter_tok_s"] for r in reversed(rows)}  # each topology's first anchor count
+    print("\n| topology | anchors/seq | blocks/step | drafter tok/s | vs first | drafter step ms | drafter compute ms "
+          "| drafter waiting | queue full | target s/batch | projected saturation k |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['topology']} | {r['drafter_tok_s']:,.0f} | {r['drafter_step_ms']:.0f} | "
+        print(f"| {r['topology']} | {r.get('anchors', '-')} | {r.get('blocks_per_step', 0):,.0f} | "
+              f"{r['drafter_tok_s']:,.0f} | {r['drafter_tok_s'] / base[r['topology']]:.2f} | {r['drafter_step_ms']:.0f} | "
               f"{r['drafter_compute_ms']:.0f} | {r['drafter_wait_fraction']:.0%} | {r['target_queue_full']} | {r['target_produce_s']:.3f} | "
               f"{r['k_saturation_projected']} |")
 
@@ -266,6 +272,7 @@ def main() -> int:
     df.add_argument("--topologies", default="1-1", help="k-1 topologies, comma-separated")
     df.add_argument("--target", default="qwen35-0.8b")
     df.add_argument("--drafter", default="tiny")
+    df.add_argument("--anchors", default="4", help="anchors per sequence, comma-separated: one run each")
     df.add_argument("--steps", type=int, default=40)
     df.add_argument("--token-budget", type=int, default=16384)
     df.add_argument("--max-len", type=int, default=4096)

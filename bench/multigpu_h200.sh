@@ -16,7 +16,7 @@
 #   c       (needs .wheels/c) causal-conv1d
 #   zero2   stage-1 qwen35-2b, DeepSpeed ZeRO-2, 1 and 2 GPUs
 #   ddp     stage-1 qwen35-2b without DeepSpeed (1 GPU; DDP on 2), AdamW with fp32 masters
-#   dflash  DFlash 1-1 online, qwen35-0.8b target, tiny and small drafters
+#   dflash  DFlash 1-1 online, qwen35-0.8b target, the 5-layer target-shaped drafter, 4 vs 512 anchors
 # The first stage-1 run of a fresh machine compiles the fla/tilelang kernels (about 4 minutes).
 # Usage: bench/multigpu_h200.sh STEP...
 set -u
@@ -54,9 +54,9 @@ for step in "$@"; do
       --work /tmp/multigpu-bench/ddp --jsonl "$out/multigpu.jsonl"
     ;;
   dflash)
-    for drafter in ${DRAFTERS:-tiny small}; do
-      python3 bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --drafter "$drafter" --steps 40 \
-        --skip 10 --timeout 200 --work "/tmp/multigpu-bench/$drafter" --jsonl "$out/multigpu.jsonl"
+    for drafter in ${DRAFTERS:-target}; do
+      python3 bench/multigpu.py dflash --topologies 1-1 --target qwen35-0.8b --drafter "$drafter" --anchors 4,512 \
+        --steps 40 --skip 10 --timeout 420 --work "/tmp/multigpu-bench/$drafter" --jsonl "$out/multigpu.jsonl"
     done
     ;;
   *) echo "unknown step $step"; exit 2 ;;

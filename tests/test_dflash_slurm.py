@@ -22,12 +22,17 @@ def _job_dir(env: dict[str, str], stdout: str, job: str) -> Path:
     return Path(env["LAUNCH_HOME"]) / "runs" / job / first.split()[-1]
 
 
-def _loss_fell(run_dir: Path) -> tuple[float, float]:
+def _learned(run_dir: Path) -> float:
+    """Loss fell, and slot-1 accuracy under the strict mask, pooled over the last 5 steps, is above
+    chance (1/64, the synthetic alphabet) by 0.13 (train/dflash/README.md records the numbers)."""
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in recs if r.get("event") == "step"]
+    steps = [r for r in recs if r.get("event") == "step"]
+    losses = [r["loss"] for r in steps]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first, (first, last)
-    return first, last
+    acc1 = sum(r["acc_slot"][0] for r in steps[-5:]) / 5
+    assert acc1 > 1 / 64 + 0.13, [r["acc_slot"][0] for r in steps[-5:]]
+    return acc1
 
 
 def test_extract_then_offline_dflash(launch_env):
@@ -46,8 +51,8 @@ def test_extract_then_offline_dflash(launch_env):
                      launch_env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     run = _job_dir(launch_env, out.stdout, "dflash")
-    assert json.loads((run / "summary.json").read_text())["steps"] == 24
-    _loss_fell(run)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 30
+    _learned(run)
 
 
 def test_online_2_1_topology_over_slurm_tasks(launch_env):
@@ -56,8 +61,8 @@ def test_online_2_1_topology_over_slurm_tasks(launch_env):
     run = _job_dir(launch_env, out.stdout, "dflash")
     # Each Slurm task has its own log; `--follow` streams task 0's.
     logs = "".join(p.read_text() for p in sorted(run.glob("*_log.out")))
-    # 12 steps: target rank 0 produced the even steps, rank 1 the odd ones; rank 2 trained.
-    assert "target rank 0: sent 6 batches" in logs and "target rank 1: sent 6 batches" in logs, logs
+    # 30 steps: target rank 0 produced the even steps, rank 1 the odd ones; rank 2 trained.
+    assert "target rank 0: sent 15 batches" in logs and "target rank 1: sent 15 batches" in logs, logs
     assert "mode=online topology=2-1" in logs
-    assert json.loads((run / "summary.json").read_text())["steps"] == 12
-    _loss_fell(run)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 30
+    _learned(run)

@@ -177,3 +177,86 @@ def test_sigkill_midway_then_resume(tmp_path, data):
     assert _run(out, data) == 0
     assert sorted(_all_samples(out)) == list(range(20))
     assert len(read_index(out)) == total
+
+
+def test_resume_rewrites_a_bit_flipped_shard(tmp_path, data, capsys):
+    """Resume verifies each indexed shard's sha256, not just its size, and rewrites one that changed."""
+    from toolkit.fsutil import sha256_file
+
+    out = tmp_path / "x"
+    assert _run(out, data) == 0
+    victim = out / "shard_00001.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-10] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert _run(out, data) == 0
+    log = capsys.readouterr().out
+    assert "# rewriting shard_00001.safetensors: sha256" in log and '"written": 1' in log
+    assert sha256_file(victim) == read_index(out)["shard_00001.safetensors"].sha256
+
+
+def _can_unshare_mounts() -> bool:
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs root and unshare -m (a private tmpfs)")
+def test_disk_estimate_printed_and_too_small_a_filesystem_refused(tmp_path, data):
+    """A real 2 MiB tmpfs (private mount namespace) as --out: the estimate is printed, the run
+    refuses with one line before writing anything; on the real disk the same run proceeds."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "small"
+    out.mkdir()
+    repo = Path(__file__).resolve().parents[1]
+    code = ("import sys; from train.extract.extract import main; "
+            f"sys.exit(main({['--out', str(out), '--data', str(data), *SMALL]!r}, guard=False))")
+    script = f"mount -t tmpfs -o size=2m tmpfs {out} && {sys.executable} -c \"$0\"; rc=$?; ls -A {out}; exit $rc"
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script, code], cwd=repo, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(repo)}, timeout=300)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(err) == 1, done.stdout + done.stderr
+    assert "GiB free" in err[0] and "extraction needs" in err[0]
+    assert "# disk:" in done.stdout and ".safetensors" not in done.stdout  # nothing written there
+    assert _run(tmp_path / "big", data) == 0
+
+
+def test_conversations_tokenized_with_the_targets_template_loss_mask_on_assistant_turns(tmp_path, capsys):
+    """Conversation records through the target's own tokenizer and chat template (local files):
+    the stored loss mask covers exactly the assistant's text and its end-of-turn token; samples
+    cut to --max-len are counted and reported."""
+    from dflash_fixtures import make_tokenizer, write_conversations
+    from transformers import AutoTokenizer
+
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    convs = write_conversations(tmp_path / "chat.jsonl", 6, n_words=6)
+    out = tmp_path / "x"
+    assert ex.main(["--out", str(out), "--data", str(convs), "--tokenizer", str(tok_dir), "--layers", "1,2",
+                    "--token-budget", "512", "--max-len", "128"], guard=False) == 0
+    tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    records = [json.loads(x) for x in convs.read_text().splitlines()]
+    seen = 0
+    for name in sorted(p.name for p in out.glob("shard_*.safetensors")):
+        for idx, t in read_shard(out / name).items():
+            ids, mask = t["input_ids"].tolist(), t["loss_mask"].bool()
+            assistant = records[idx]["conversations"][-1]["content"]
+            assert tok.decode([i for i, m in zip(ids, mask.tolist(), strict=True) if m]) == assistant + "<|im_end|>\n"
+            assert tok.decode(ids).startswith("<|im_start|>system\nYou repeat.")
+            seen += 1
+    assert seen == 6
+    # Cut short: counted and reported, never silent.
+    capsys.readouterr()
+    assert ex.main(["--out", str(tmp_path / "y"), "--data", str(convs), "--tokenizer", str(tok_dir), "--layers", "1,2",
+                    "--token-budget", "512", "--max-len", "20"], guard=False) == 0
+    log = capsys.readouterr().out
+    assert "# truncated 6 of 6 samples to --max-len 20" in log
+    assert json.loads((tmp_path / "y" / "meta.json").read_text())["truncated"] == 6
+    # Without the tokenizer: one line naming the record.
+    assert ex.main(["--out", str(tmp_path / "z"), "--data", str(convs), *SMALL], guard=False) == 1
+    assert "chat.jsonl:1: a conversation record needs the target's tokenizer" in capsys.readouterr().err

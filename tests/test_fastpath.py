@@ -214,3 +214,40 @@ def test_a_kernel_that_leaks_across_documents_is_refused(site):
 def test_install_kernels_refuses_a_model_without_gdn_layers():
     with pytest.raises(ValueError, match="no Qwen3.5 gated-delta-net"):
         install_kernels(torch.nn.Linear(2, 2), KernelChoice("cpu", "x", "y", "z", False))
+
+
+def test_conv_choice_is_explicit_when_asked(site):
+    site({**WORKING_FLA, "causal_conv1d/__init__.py": "def causal_conv1d_fn(*a, **k):\n    pass\n"})
+    gpu = {"capability": (8, 0), "triton_version": "3.6.0"}
+    assert select_kernels("cuda", **gpu).conv.startswith("causal_conv1d.")
+    assert select_kernels("cuda", conv="fla", **gpu).conv.startswith("fla.modules.causal_conv1d")
+    assert select_kernels("cuda", conv="causal-conv1d", **gpu).conv.startswith("causal_conv1d.")
+    with pytest.raises(ValueError, match="unknown conv"):
+        select_kernels("cuda", conv="cudnn", **gpu)
+
+
+def test_conv_fla_only_is_refused_without_fla_conv(site):
+    files = dict(WORKING_FLA)
+    files["fla/modules/causal_conv1d/__init__.py"] = BROKEN
+    site({**files, "causal_conv1d/__init__.py": "def causal_conv1d_fn(*a, **k):\n    pass\n"})
+    with pytest.raises(FastPathError, match="varlen causal conv"):
+        select_kernels("cuda", conv="fla", capability=(8, 0), triton_version="3.6.0")
+
+
+def test_a_bf16_only_backend_is_checked_too(site):
+    """fla dispatches by dtype (FlashQLA takes bf16 only): a backend that is right in fp32 and
+    leaks across documents in bf16, the training dtype, is refused as well."""
+    site(_with_gdr_body("""
+        import torch
+        from train.common.reference_kernels import chunk_gated_delta_rule_varlen
+
+        def chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+            if q.dtype == torch.bfloat16:
+                cu_seqlens = None
+            return chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens=cu_seqlens,
+                                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), None
+    """))
+    choice = select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    model, _ = build_model("tiny")
+    with pytest.raises(FastPathError, match=r"gated delta rule \(bf16\) kernel .* disagrees"):
+        install_kernels(model, choice)

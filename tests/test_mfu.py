@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.common.mfu import flops_per_token, matmul_params, mfu, peak_flops
+from train.common.mfu import flops_per_token, gated_delta_rule_flops, matmul_params, mfu, mfu_pair, peak_flops
 from train.stage1.model import build_model
 
 
@@ -34,7 +34,14 @@ def test_matmul_params_tiny_hand_count():
 def test_flops_per_token_tiny():
     model, _ = build_model("tiny", device="meta")
     attention = 12 * 1 * 4 * 64 * 8192  # one full-attention layer, 4 heads of 64, 8192-token row
-    assert flops_per_token(model.config, 8192) == 6 * 4_921_344 + attention == 54_693_888
+    gdr = 18 * 3 * 4 * 64 * 64  # torchtitan's recurrence charge: 3 GDN layers, 4 value heads, d_k = d_v = 64
+    assert gated_delta_rule_flops(model.config) == gdr == 884_736
+    assert flops_per_token(model.config, 8192) == 6 * 4_921_344 + attention + gdr == 55_578_624
+
+
+def test_useful_mfu_leaves_the_padding_out():
+    all_tok, useful = mfu_pair(20_000, 15_000, 1e9, n_gpus=2, peak=1e13)
+    assert all_tok == pytest.approx(1.0) and useful == pytest.approx(0.75)
 
 
 def test_mfu_and_peak():
@@ -61,3 +68,6 @@ def test_2b_shape_in_the_expected_range():
     assert abs(n - spec.n_params) / spec.n_params < 0.01
     per_token = flops_per_token(model.config, 8192)
     assert 12e9 < per_token < 13e9
+    # the GDN recurrence term is about +0.7% for this shape (18 layers, 16 heads of 128 x 128)
+    assert gated_delta_rule_flops(model.config) == 18 * 18 * 16 * 128 * 128
+    assert 0.006 < gated_delta_rule_flops(model.config) / per_token < 0.008

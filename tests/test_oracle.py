@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from train.common.fastpath import install_kernels, select_kernels
 from train.common.packed_gdn import PackedGatedDeltaNet
-from train.common.packing import Packer, collate, model_kwargs
+from train.common.packing import Packer, collate, layout_packer, model_kwargs
 from train.common.reference_kernels import (
     causal_conv1d_varlen,
     chunk_gated_delta_rule_varlen,
@@ -81,6 +81,29 @@ def test_packed_logits_and_loss_equal_documents_run_alone(models, packed_batch):
             ce_sum += F.cross_entropy(alone[0, :-1], ids[0, 1:], reduction="sum")
             n_targets += b - a - 1
     assert int((batch["labels"] != -100).sum()) == n_targets
+    torch.testing.assert_close(out.loss, ce_sum / n_targets, atol=1e-5, rtol=1e-5)
+
+
+def test_flat_layout_equals_documents_run_alone(models, packed_batch):
+    """The flat layout: the same documents as ONE stream of 2 x ROW_LEN tokens ([1, 512])."""
+    stock, packed = models
+    docs, _, _ = packed_batch
+    rows = list(layout_packer("flat", row_len=ROW_LEN, batch_rows=2).pack(docs))
+    assert len(rows) == 1 and rows[0].n_real_tokens == 465  # 60 + 256 + 44 + 100 + 5: docs cross the row boundary
+    batch = collate(rows)
+    assert batch["input_ids"].shape == (1, 2 * ROW_LEN)
+    with torch.no_grad():
+        out = packed(**model_kwargs(batch))
+    segments = documents_of(rows)
+    assert len(segments) == 5 and max(b - a for _, a, b in segments) == ROW_LEN
+    ce_sum, n_targets = torch.zeros(()), 0
+    for _, a, b in segments:
+        ids = batch["input_ids"][:, a:b]
+        with torch.no_grad():
+            alone = stock(input_ids=ids).logits
+        torch.testing.assert_close(out.logits[:, a:b], alone, atol=1e-5, rtol=1e-4)
+        ce_sum += F.cross_entropy(alone[0, :-1], ids[0, 1:], reduction="sum")
+        n_targets += b - a - 1
     torch.testing.assert_close(out.loss, ce_sum / n_targets, atol=1e-5, rtol=1e-5)
 
 

@@ -143,4 +143,4 @@ def test_step_line_columns_are_fixed() -> None:
     assert "gen_img 1.00 gen_txt 2.00 und -" in b and "| MFU 25% |" in b
     assert [p.split()[0] for p in a.split(" | ")] == [p.split()[0] for p in b.split(" | ")]
     assert step_line(SCHEMAS["dflash"], {"step": 1, "loss": 3.0}) == \
-        "step     1 | loss 3.0000 | acc - | tok/s - | data - | compute -"
+        "step     1 | loss 3.0000 | acc - | acc1 - | tau - | tok/s - | data - | compute -"

@@ -38,9 +38,12 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
     header, *_ = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert header["event"] == "header" and "torchtitan" in header["mfu_convention"]
     assert "# MFU (torchtitan)" in stdout and "kernels[cpu]" in stdout
+    assert "# compile: off" in stdout and "# packing: rows" in stdout  # the CPU demo never compiles
 
     recs = step_records(out)
     assert [r["step"] for r in recs] == list(range(1, 21))
+    # nothing compiles during the run (dynamo's counters are per process: earlier tests may have)
+    assert len({(r["compiles"], r["recompiles"]) for r in recs}) == 1
     for r in recs:
         assert STEP_FIELDS <= set(r), STEP_FIELDS - set(r)
         assert r["data_ms"] >= 0 and r["compute_ms"] > 0 and 0 < r["real_tok_s"] <= r["tok_s"]

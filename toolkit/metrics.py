@@ -95,6 +95,7 @@ SCHEMAS: dict[str, Schema] = {
             Column("loss", "loss", ".4f"),
             Column("tok_s", "tok/s", ".0f"),
             Column("mfu", "MFU", ".3g", "%", 100.0, missing="n/a"),
+            Column("mfu_useful", "uMFU", ".3g", "%", 100.0, missing="n/a"),  # padding left out
             Column("data_ms", "data", ".0f", " ms"),
             Column("compute_ms", "compute", ".0f", " ms"),
             Column("peak_mem_mb", "mem", ".0f", " MB"),
@@ -111,18 +112,23 @@ SCHEMAS: dict[str, Schema] = {
     ),
     "dflash": Schema(
         trainer="dflash",
-        fields=("step", "loss", "ce", "acc", "tok_s", "data_ms", "compute_ms", "lr", "grad_norm", "epoch",
-                "batch_rows", "padding_efficiency"),
+        # acc_slot: accuracy of each predicted slot 1..K-1 (a list); acc1 its first; tau the
+        # acceptance-length estimate 1 + sum_j prod_{i<=j} acc_slot[i]; anchors: blocks in the step
+        fields=("step", "loss", "ce", "acc", "acc1", "tau", "acc_slot", "anchors", "tok_s", "data_ms", "compute_ms",
+                "lr", "grad_norm", "epoch", "batch_rows", "padding_efficiency"),
         columns=(
             Column("loss", "loss", ".4f"),
             Column("acc", "acc", ".3f"),
+            Column("acc1", "acc1", ".3f"),
+            Column("tau", "tau", ".2f"),
             Column("tok_s", "tok/s", ".0f"),
             Column("data_ms", "data", ".1f", " ms"),
             Column("compute_ms", "compute", ".1f", " ms"),
         ),
         plots=(
             Plot("loss", ("loss", "ce", "kl"), "loss"),
-            Plot("acc", ("acc", "target_agree"), "accuracy"),
+            Plot("acc", ("acc", "acc1", "target_agree"), "accuracy"),
+            Plot("tau", ("tau",), "tau (tokens per block)"),
             Plot("tok_s", ("tok_s",), "real tokens/s"),
         ),
         throughput="real_tok_s",

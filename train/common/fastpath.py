@@ -11,7 +11,9 @@ Policy (:func:`select_kernels`):
 * CUDA: fla's ``chunk_gated_delta_rule`` for the recurrence, and a varlen causal conv:
   ``causal_conv1d.causal_conv1d_fn`` (with ``seq_idx``) or, when that is absent, fla's Triton
   ``causal_conv1d`` (with ``cu_seqlens``) through an adapter. Either missing -> :class:`FastPathError`
-  naming the missing piece and the import exception, before step 1.
+  naming the missing piece and the import exception, before step 1. ``conv`` (``--conv-impl``)
+  picks one of the two explicitly: ``fla`` needs no nvcc-built package at all, so causal-conv1d
+  is optional.
 * CUDA on Hopper (sm_90) with Triton >= 3.4, < 3.7.1: fla's gated backward is wrong there unless its
   tilelang backend is usable (tilelang imports, an nvcc is found, FLA_TILELANG is not 0). Known-bad
   -> FastPathError, naming the fix.
@@ -30,6 +32,7 @@ import importlib
 import os
 import shutil
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +41,7 @@ import torch
 from train.common import reference_kernels
 
 SLOW_PATH_FLAG = "--allow-slow-path"
+CONV_CHOICES = ("auto", "causal-conv1d", "fla")
 
 
 class FastPathError(RuntimeError):
@@ -88,6 +92,30 @@ class KernelChoice:
 # ----------------------------------------------------------------------------- adapters (CUDA)
 
 
+class _Offsets:
+    """``cu_seqlens`` as fla takes it, made once per batch: int64 on the device plus a CPU copy.
+
+    Every GDN layer of a step gets the same int32 ``cu_seqlens`` tensor. A fresh ``.long()`` per
+    layer would miss fla's one-entry tensor cache (it keys on the tensor object), and without
+    ``cu_seqlens_cpu`` fla reads the offsets back from the GPU in every layer, forward and
+    backward: a host sync each time, which drains the launch queue of a launch-bound step.
+    """
+
+    def __init__(self) -> None:
+        self._ref: weakref.ref | None = None
+        self._value: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._ref is not None and self._ref() is cu_seqlens and self._value is not None:
+            return self._value
+        as_long = cu_seqlens.long()
+        self._ref, self._value = weakref.ref(cu_seqlens), (as_long, as_long.cpu())
+        return self._value
+
+
+_offsets = _Offsets()
+
+
 def _fla_gdr_adapter(chunk_gated_delta_rule: Callable) -> Callable[..., torch.Tensor]:
     def fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, use_qk_l2norm_in_kernel=False, **_):
         batch, seq_len = q.shape[:2]
@@ -95,8 +123,9 @@ def _fla_gdr_adapter(chunk_gated_delta_rule: Callable) -> Callable[..., torch.Te
             cu_seqlens = reference_kernels.row_cu_seqlens(batch, seq_len, q.device)
         # fla's varlen mode wants the batch flattened to one sequence and int64 offsets
         flat = [x.reshape(1, batch * seq_len, *x.shape[2:]) for x in (q, k, v, g, beta)]
+        cu_long, cu_cpu = _offsets(cu_seqlens)
         out, _ = chunk_gated_delta_rule(
-            *flat, cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
+            *flat, cu_seqlens=cu_long, cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
         )
         return out.reshape(batch, seq_len, *out.shape[2:])
 
@@ -115,9 +144,9 @@ def _fla_conv_adapter(fla_causal_conv1d: Callable) -> Callable[..., torch.Tensor
     def fla_triton_causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None, **_):
         batch, dim, seq_len = x.shape
         flat = x.transpose(1, 2).reshape(1, batch * seq_len, dim)  # fla: [B, T, D], varlen needs B == 1
-        out, _ = fla_causal_conv1d(
-            flat, weight, bias, activation=activation, cu_seqlens=None if cu_seqlens is None else cu_seqlens.long()
-        )
+        offsets = {} if cu_seqlens is None else dict(zip(("cu_seqlens", "cu_seqlens_cpu"), _offsets(cu_seqlens),
+                                                         strict=True))
+        out, _ = fla_causal_conv1d(flat, weight, bias, activation=activation, **offsets)
         return out.reshape(batch, seq_len, dim).transpose(1, 2)
 
     return fla_triton_causal_conv1d
@@ -183,12 +212,18 @@ def select_kernels(
     *,
     capability: tuple[int, int] | None = None,
     triton_version: str | None = None,
+    conv: str = "auto",
 ) -> KernelChoice:
     """Decide which implementation each token mixer uses on ``device`` (see module docstring).
+
+    ``conv``: ``auto`` (causal-conv1d when it imports, else fla's Triton conv), ``causal-conv1d``
+    or ``fla`` (that one only; missing -> refused like any missing kernel).
 
     ``capability``/``triton_version`` default to the real GPU's and the installed Triton's; tests
     pass them to exercise the CUDA policy on a CPU machine.
     """
+    if conv not in CONV_CHOICES:
+        raise ValueError(f"unknown conv implementation {conv!r} ({', '.join(CONV_CHOICES)})")
     dev = torch.device(device)
     if dev.type != "cuda":
         return KernelChoice(
@@ -210,6 +245,10 @@ def select_kernels(
 
     cc = probe_import("causal_conv1d", "causal_conv1d_fn")
     fla_conv = probe_import("fla.modules.causal_conv1d", "causal_conv1d") if fla_pkg.ok else fla_pkg
+    if conv == "fla":
+        cc = Probe(cc.target, False, "not wanted (--conv-impl fla)")
+    elif conv == "causal-conv1d":
+        fla_conv = Probe(fla_conv.target, False, "not wanted (--conv-impl causal-conv1d)")
     if cc.ok:
         conv_fn, conv_name = _causal_conv1d_adapter(cc.obj), "causal_conv1d.causal_conv1d_fn (seq_idx)"
     elif fla_conv.ok:
@@ -266,6 +305,7 @@ def verify_kernels(
     head_v_dim: int,
     conv_width: int,
     tolerance: float = 5e-2,
+    bf16_tolerance: float = 1e-1,
 ) -> None:
     """Run the chosen kernels once on a small packed input (3 documents, fwd + bwd) and compare
     them with the reference kernels. Catches what an import check cannot: a Triton that cannot
@@ -297,25 +337,41 @@ def verify_kernels(
          (x, weight, None, "silu"), {"seq_idx": seq_idx, "cu_seqlens": cu_seqlens}),
     )
     for piece, name, fast_fn, ref_fn, args, kwargs in checks:
-        if fast_fn is ref_fn:
-            continue
-        leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
-        want = ref_fn(*args, **kwargs)
-        want_grads = torch.autograd.grad(want.float().square().sum(), leaves)
-        try:
-            got = fast_fn(*args, **kwargs)
-            if not torch.is_tensor(got) or got.shape != want.shape:
-                raise TypeError(f"returned {type(got).__name__} {getattr(got, 'shape', '')}, expected {tuple(want.shape)}")
-            got_grads = torch.autograd.grad(got.float().square().sum(), leaves)
-        except Exception as exc:
-            raise FastPathError(f"{piece} kernel {name} failed its first call: {type(exc).__name__}: {exc}") from exc
-        errors = [_relative_error(got, want)] + [_relative_error(a, b) for a, b in zip(got_grads, want_grads, strict=True)]
-        if max(errors) > tolerance:
-            raise FastPathError(
-                f"{piece} kernel {name} disagrees with the varlen reference on a packed input "
-                f"(max relative error {max(errors):.3g} > {tolerance}; output, then input grads: "
-                f"{', '.join(f'{e:.2g}' for e in errors)})"
-            )
+        if fast_fn is not ref_fn:
+            _check_kernel(piece, name, fast_fn, ref_fn, args, kwargs, tolerance)
+    if choice.device == "cuda" and choice.gdr_fn is not reference_kernels.chunk_gated_delta_rule_varlen:
+        # Training runs in bf16, and fla dispatches by dtype (FlashQLA takes only bf16/fp16), so the
+        # kernel that trains is checked too: bf16 inputs, against the reference on the same rounded
+        # values in fp32.
+        # as the layer gives them: q, k, v, beta in bf16, the decay g in fp32 (packed_gdn.py)
+        rounded = [a.detach().to(torch.float32 if a is g else torch.bfloat16) for a in (q, k, v, g, beta)]
+        low = [a.clone().requires_grad_() for a in rounded]
+        high = [a.float().requires_grad_() for a in rounded]
+        _check_kernel("gated delta rule (bf16)", choice.gdr, choice.gdr_fn, reference_kernels.chunk_gated_delta_rule_varlen,
+                      tuple(low), checks[0][5], bf16_tolerance, ref_args=tuple(high))
+
+
+def _check_kernel(piece: str, name: str, fast_fn: Callable, ref_fn: Callable, args: tuple, kwargs: dict,
+                  tolerance: float, ref_args: tuple | None = None) -> None:
+    ref_args = args if ref_args is None else ref_args
+    leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+    ref_leaves = [a for a in ref_args if torch.is_tensor(a) and a.requires_grad]
+    want = ref_fn(*ref_args, **kwargs)
+    want_grads = torch.autograd.grad(want.float().square().sum(), ref_leaves)
+    try:
+        got = fast_fn(*args, **kwargs)
+        if not torch.is_tensor(got) or got.shape != want.shape:
+            raise TypeError(f"returned {type(got).__name__} {getattr(got, 'shape', '')}, expected {tuple(want.shape)}")
+        got_grads = torch.autograd.grad(got.float().square().sum(), leaves)
+    except Exception as exc:
+        raise FastPathError(f"{piece} kernel {name} failed its first call: {type(exc).__name__}: {exc}") from exc
+    errors = [_relative_error(got, want)] + [_relative_error(a, b) for a, b in zip(got_grads, want_grads, strict=True)]
+    if max(errors) > tolerance:
+        raise FastPathError(
+            f"{piece} kernel {name} disagrees with the varlen reference on a packed input "
+            f"(max relative error {max(errors):.3g} > {tolerance}; output, then input grads: "
+            f"{', '.join(f'{e:.2g}' for e in errors)})"
+        )
 
 
 def install_kernels(model: torch.nn.Module, choice: KernelChoice, verify: bool = True) -> int:

@@ -3,21 +3,33 @@
 Exact convention (printed in the trainer's log header via :func:`convention`)::
 
     flops_per_token = 6 * N_matmul + 12 * L_full * n_heads * head_dim * seq_len
+                      + 18 * L_gdn * H_v * d_k * d_v
     MFU             = tokens_per_s * flops_per_token / (n_gpus * peak_flops)
+    useful MFU      = the same with only the useful (non-padding) tokens per second
 
 * ``N_matmul``: weights of every dense matmul the model runs per token: in all layers the
   q/k/v/o projections (Qwen3.5's q_proj is 2x wide: it also yields the output gate), the GDN
   in_proj_qkv/z/a/b and out_proj, the MLP gate/up/down, PLUS the lm_head (hidden x vocab) --
   counted even when it is tied to the embeddings, because the output matmul is still done. Not
   counted: the embedding lookup (no matmul), norms, biases-free scalars (A_log, dt_bias), the
-  depthwise short conv (2*W flops per channel, <0.1%), and the GDN recurrence itself.
+  depthwise short conv (2*W flops per channel, <0.1%).
 * ``6``: forward 2 flops per weight (multiply + add), backward 4.
 * Attention term: full-attention layers only (GDN layers have no T x T score matrix), for each of
   QK^T and AV 2*n_heads*head_dim*seq_len flops per token forward, x3 for forward + backward ->
   12*L_full*n_heads*head_dim*seq_len. NOT halved for causal masking (torchtitan does not halve),
   and ``seq_len`` is the packed ROW length even though documents attend only within themselves:
-  like torchtitan, this is the dense upper bound, so MFU here is comparable across runs.
-* ``tokens_per_s``: tokens (real + padding) processed per second by all ``n_gpus`` together.
+  like torchtitan, this is the dense upper bound, so MFU here is comparable across runs. With
+  the flat layout (one stream of B*row_len tokens a step) ``seq_len`` stays ``row_len``, the
+  longest document the packer lets through, not the stream length: the same FLOPs per token as
+  the row layout, so the two layouts compare.
+* Gated-delta-rule term: the chunked recurrence of every GDN layer, charged as torchtitan's
+  Qwen3.5 model does: 18*H_v*d_k*d_v per GDN layer per token (forward + backward; the state
+  update, the output read and the intra-chunk work, fwd 6 flops per state entry, x3). About
+  +0.7% of the 2B shape's FLOPs per token. It is real work on the tensor cores, so leaving it
+  out understated MFU.
+* ``tokens_per_s``: tokens (real + padding) processed per second by all ``n_gpus`` together
+  (all-token MFU, torchtitan's figure). Useful-token MFU counts only the tokens of documents:
+  the padding of a row is computed but is not training, so it is the figure to improve.
 * Peak: dense bf16 tensor-core peak, 989 TFLOP/s for H100/H200 SXM.
 
 Note: figures made with a causal-halved attention term and N = all parameters (another common
@@ -35,7 +47,8 @@ H100_H200_PEAK = 989e12
 def convention() -> str:
     return (
         "MFU (torchtitan): flops/token = 6*N_matmul (incl. lm_head) + 12*L_full*heads*head_dim*row_len "
-        "(not causal-halved); peak bf16 989 TFLOP/s (H100/H200)"
+        "(not causal-halved) + 18*L_gdn*H_v*d_k*d_v; peak bf16 989 TFLOP/s (H100/H200); "
+        "mfu counts all tokens, mfu_useful only non-padding ones"
     )
 
 
@@ -65,11 +78,19 @@ def matmul_params(config: Any) -> int:
     return n_gdn * (gdn + mlp) + n_full * (full + mlp) + lm_head
 
 
+def gated_delta_rule_flops(config: Any) -> int:
+    """torchtitan's per-token charge for the GDN recurrence of all GDN layers (fwd + bwd)."""
+    n_gdn = list(_get(config, "layer_types")).count("linear_attention")
+    h_v = _get(config, "linear_num_value_heads")
+    return 18 * n_gdn * h_v * _get(config, "linear_key_head_dim") * _get(config, "linear_value_head_dim")
+
+
 def flops_per_token(config: Any, seq_len: int) -> float:
+    """Model FLOPs per token (fwd + bwd); ``seq_len`` is the row length (the longest document)."""
     layer_types = list(_get(config, "layer_types"))
     n_full = layer_types.count("full_attention")
     attention = 12 * n_full * _get(config, "num_attention_heads") * _get(config, "head_dim") * seq_len
-    return float(6 * matmul_params(config) + attention)
+    return float(6 * matmul_params(config) + attention + gated_delta_rule_flops(config))
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, n_gpus: int = 1, peak: float = H100_H200_PEAK) -> float:
@@ -77,6 +98,12 @@ def mfu(tokens_per_s: float, flops_per_token: float, n_gpus: int = 1, peak: floa
     if n_gpus < 1 or peak <= 0:
         raise ValueError(f"need n_gpus >= 1 and peak > 0, got {n_gpus}, {peak}")
     return tokens_per_s * flops_per_token / (n_gpus * peak)
+
+
+def mfu_pair(tokens_per_s: float, useful_tokens_per_s: float, flops_per_token: float, n_gpus: int = 1,
+             peak: float = H100_H200_PEAK) -> tuple[float, float]:
+    """(all-token MFU, useful-token MFU): padding counted, and left out."""
+    return mfu(tokens_per_s, flops_per_token, n_gpus, peak), mfu(useful_tokens_per_s, flops_per_token, n_gpus, peak)
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -67,13 +67,9 @@ class PackedGatedDeltaNet(Qwen3_5GatedDeltaNet):
             batch, seq_len, hidden_states.device, kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx")
         )
 
-        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)  # [B, D, T], channel-last in memory
-        z = self.in_proj_z(hidden_states).reshape(batch, seq_len, -1, self.head_v_dim)
-        b = self.in_proj_b(hidden_states)
-        a = self.in_proj_a(hidden_states)
-
+        mixed_qkv, z, beta, g = self._in_proj(hidden_states)
         mixed_qkv = self.conv_impl(
-            mixed_qkv,
+            mixed_qkv.transpose(1, 2),  # [B, D, T], channel-last in memory
             self.conv1d.weight.squeeze(1),
             self.conv1d.bias,
             activation=self.activation,
@@ -84,12 +80,25 @@ class PackedGatedDeltaNet(Qwen3_5GatedDeltaNet):
         query = query.reshape(batch, seq_len, -1, self.head_k_dim)
         key = key.reshape(batch, seq_len, -1, self.head_k_dim)
         value = value.reshape(batch, seq_len, -1, self.head_v_dim)
-
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # fp32: A may overflow in half
         core_attn_out = self.gdr_impl(
             query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True
         )
+        return self._out(core_attn_out, z)
 
+    # The two halves around the kernels. train.common.regional_compile compiles them per layer
+    # (instance attributes of the same name), so their elementwise chains fuse.
+    def _in_proj(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projections and gates: (mixed_qkv [B, T, D], z, beta, g)."""
+        batch, seq_len, _ = hidden_states.shape
+        mixed_qkv = self.in_proj_qkv(hidden_states)
+        z = self.in_proj_z(hidden_states).reshape(batch, seq_len, -1, self.head_v_dim)
+        beta = self.in_proj_b(hidden_states).sigmoid()
+        a = self.in_proj_a(hidden_states)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # fp32: A may overflow in half
+        return mixed_qkv, z, beta, g
+
+    def _out(self, core_attn_out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm of the recurrence output, then out_proj."""
+        batch, seq_len = z.shape[:2]
         core_attn_out = self.norm(core_attn_out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core_attn_out.reshape(batch, seq_len, -1))

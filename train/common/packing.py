@@ -60,13 +60,32 @@ A cut never falls inside an image's placeholder span: it moves back to the image
 image goes whole into the next piece, or is dropped with the tail); an image longer than a row is
 a ValueError (the data layer bounds image sizes so that this cannot happen).
 
-Placement: bounded first-fit
-----------------------------
+Placement: bounded first-fit (``fill="first-fit"``, the default)
+-----------------------------------------------------------------
 Up to ``open_rows`` rows are kept open. Each document (or piece) goes into the first open row
 with room for it. When none has room and ``open_rows`` rows are already open, the OLDEST open row
 is emitted (padded) and a new row opened. A row that becomes exactly full is emitted at once. At
 the end of the input every open row is emitted, oldest first. ``open_rows=1`` is plain sequential
 fill. The procedure depends only on the input order, so it is deterministic.
+
+Placement: cut to fill (``fill="cut"``)
+---------------------------------------
+Documents go into one row in input order; the one that does not fit the rest of the row is cut
+there: its head ends the row (a document of its own, labels as usual), its tail is dropped and
+counted in ``dropped_tokens``. Rows are therefore full (no padding), except where the cut would
+fall inside an image or leave a head shorter than ``min_piece`` tokens: then the row is emitted
+padded and the document starts the next row whole. Unlike first-fit, which fills the gaps of a
+row with whatever short documents come later, the documents of a row are exactly the ones drawn,
+in order, so a caller that keeps only the first rows (a batch) trains on the mixture it drew.
+
+The flat layout (one stream per batch)
+--------------------------------------
+``Packer(row_len=B * T, max_doc_len=T, fill="cut")``: the batch is ONE row of ``B * T`` tokens,
+collated to ``[1, B * T]``, with ``cu_seqlens`` over it, so a document no longer has to end where
+a row of ``T`` would; documents are still split at ``max_doc_len = T`` (``long_doc``), so no
+attention span and no MFU attention term grows with the stream. Every token mixer of the model
+takes the flattened batch as varlen (GDN, conv, and varlen attention,
+:mod:`train.common.varlen_attention`; sdpa's dense mask over B*T tokens would cost (B*T)^2).
 """
 
 from __future__ import annotations
@@ -79,6 +98,8 @@ import torch
 IGNORE_INDEX = -100
 PAD_TASK = -1
 LONG_DOC_RULES = ("split", "truncate")
+FILL_RULES = ("first-fit", "cut")
+LAYOUTS = ("rows", "flat")
 
 
 @dataclass(frozen=True)
@@ -161,14 +182,23 @@ class _OpenRow:
 class Packer:
     """Documents ``(token_ids, task_index)`` -> uniform :class:`PackedRow` s (see module docstring)."""
 
-    def __init__(self, row_len: int = 8192, pad_id: int = 0, long_doc: str = "split", open_rows: int = 8):
+    def __init__(self, row_len: int = 8192, pad_id: int = 0, long_doc: str = "split", open_rows: int = 8,
+                 max_doc_len: int | None = None, fill: str = "first-fit", min_piece: int = 16):
         if row_len < 2:
             raise ValueError(f"row_len must be >= 2, got {row_len}")
         if long_doc not in LONG_DOC_RULES:
             raise ValueError(f"long_doc must be one of {LONG_DOC_RULES}, got {long_doc!r}")
         if open_rows < 1:
             raise ValueError(f"open_rows must be >= 1, got {open_rows}")
+        if fill not in FILL_RULES:
+            raise ValueError(f"fill must be one of {FILL_RULES}, got {fill!r}")
+        max_doc_len = row_len if max_doc_len is None else max_doc_len
+        if not 2 <= max_doc_len <= row_len:
+            raise ValueError(f"max_doc_len must be in [2, row_len={row_len}], got {max_doc_len}")
         self.row_len = row_len
+        self.max_doc_len = max_doc_len  # documents are split (or truncated) to this many tokens
+        self.fill = fill
+        self.min_piece = min_piece
         self.pad_id = pad_id
         self.long_doc = long_doc
         self.open_rows = open_rows
@@ -183,26 +213,26 @@ class Packer:
         """Real tokens / all tokens (real + padding) over the rows emitted so far."""
         return self.real_tokens / self.total_tokens if self.total_tokens else 0.0
 
-    def _cut(self, doc: Document, start: int) -> int:
-        """End of the piece starting at ``start``: at most ``row_len`` tokens, never inside an image."""
-        end = min(start + self.row_len, len(doc.tokens))
+    def _cut(self, doc: Document, start: int, limit: int | None = None) -> int:
+        """End of the piece starting at ``start``: at most ``limit`` (``max_doc_len``) tokens, never
+        inside an image."""
+        end = min(start + (self.max_doc_len if limit is None else limit), len(doc.tokens))
         for img in doc.images:
             if img.start < end < img.end:
                 end = img.start
-        if end <= start:
+        if end <= start and limit is None:
             raise ValueError(f"an image of {doc.images[0].n_tokens if doc.images else '?'}+ placeholder tokens "
-                             f"does not fit a {self.row_len}-token row; bound the image size")
+                             f"does not fit a {self.max_doc_len}-token row; bound the image size")
         return end
 
     def _pieces(self, doc: Document) -> list[Document]:
         n = len(doc.tokens)
-        if n <= self.row_len:
+        if n <= self.max_doc_len:
             return [doc]
         pieces, start = [], 0
         while start < n:
             end = self._cut(doc, start)
-            images = [replace(i, start=i.start - start) for i in doc.images if start <= i.start < end]
-            pieces.append(Document(doc.tokens[start:end], doc.task, images))
+            pieces.append(_slice(doc, start, end))
             if self.long_doc == "truncate":
                 self.dropped_tokens += n - end
                 break
@@ -210,6 +240,9 @@ class Packer:
         return pieces
 
     def pack(self, docs: Iterable[Document | tuple]) -> Iterator[PackedRow]:
+        if self.fill == "cut":
+            yield from self._pack_cut(docs)
+            return
         open_rows: list[_OpenRow] = []
         for doc in docs:
             self.docs_seen += 1
@@ -231,12 +264,72 @@ class Packer:
         for row in open_rows:
             yield self._emit(row)
 
+    def _pack_cut(self, docs: Iterable[Document | tuple]) -> Iterator[PackedRow]:
+        row = _OpenRow()
+        for doc in docs:
+            self.docs_seen += 1
+            doc = as_document(doc)
+            if not doc.tokens:
+                continue
+            pieces = self._pieces(doc)
+            for p_i, piece in enumerate(pieces):
+                room = self.row_len - row.used
+                if len(piece.tokens) <= room:
+                    row.docs.append(piece)
+                    row.used += len(piece.tokens)
+                else:
+                    head = self._cut(piece, 0, limit=room)
+                    if head >= self.min_piece:  # the head ends this row, the tail is dropped
+                        row.docs.append(_slice(piece, 0, head))
+                        row.used += head
+                        self.dropped_tokens += len(piece.tokens) - head + sum(len(p.tokens) for p in pieces[p_i + 1:])
+                        yield self._emit(row)
+                        row = _OpenRow()
+                        break  # the document's later pieces are dropped with its tail
+                    yield self._emit(row)  # padded; the piece starts the next row whole
+                    row = _OpenRow(docs=[piece], used=len(piece.tokens))
+                if row.used == self.row_len:
+                    yield self._emit(row)
+                    row = _OpenRow()
+        if row.docs:
+            yield self._emit(row)
+
     def _emit(self, row: _OpenRow) -> PackedRow:
         packed = build_row(row.docs, self.row_len, self.pad_id)
         self.real_tokens += packed.n_real_tokens
         self.total_tokens += self.row_len
         self.rows_emitted += 1
         return packed
+
+
+def _slice(doc: Document, start: int, end: int) -> Document:
+    """Tokens [start, end) of ``doc`` as a document of its own (images inside the span move with it)."""
+    images = [replace(i, start=i.start - start) for i in doc.images if start <= i.start < end]
+    return Document(doc.tokens[start:end], doc.task, images)
+
+
+def layout_packer(layout: str, row_len: int, batch_rows: int, pad_id: int = 0, long_doc: str = "split") -> Packer:
+    """The packer of a batch layout: ``rows`` (``batch_rows`` rows of ``row_len``, first-fit) or
+    ``flat`` (one stream of ``batch_rows * row_len`` tokens, cut to fill, documents of at most
+    ``row_len``). A batch is the packer's first ``rows_per_batch(layout, batch_rows)`` rows."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown packing layout {layout!r} ({', '.join(LAYOUTS)})")
+    if layout == "flat":
+        return Packer(row_len=row_len * batch_rows, pad_id=pad_id, long_doc=long_doc, max_doc_len=row_len, fill="cut")
+    return Packer(row_len=row_len, pad_id=pad_id, long_doc=long_doc)
+
+
+def resolve_layout(requested: str, device_type: str) -> str:
+    """``auto``: ``flat`` on CUDA (with varlen attention), ``rows`` on the CPU (the demo and tests)."""
+    if requested == "auto":
+        return "flat" if device_type == "cuda" else "rows"
+    if requested not in LAYOUTS:
+        raise ValueError(f"unknown packing layout {requested!r} (auto, {', '.join(LAYOUTS)})")
+    return requested
+
+
+def rows_per_batch(layout: str, batch_rows: int) -> int:
+    return 1 if layout == "flat" else batch_rows
 
 
 def build_row(docs: list[Document | tuple], row_len: int, pad_id: int = 0) -> PackedRow:

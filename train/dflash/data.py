@@ -1,7 +1,8 @@
 """DFlash batches: from extraction shards (offline), padded and bucketed.
 
 A batch is a dict of tensors:
-    input_ids [B, T] long, lengths [B] long, hidden [B, T, n_layers*H] (target context),
+    input_ids [B, T] long, lengths [B] long, loss_mask [B, T] bool (1 = response token; all on for
+    shards written before loss masks), hidden [B, T, n_layers*H] (target context),
     final [B, T, H] (target final hidden states; offline only, gathered at anchors before use).
 Rows are right-padded with zeros; `lengths` says where each row ends.
 """
@@ -16,13 +17,29 @@ import numpy as np
 import torch
 
 from train.common.bucketing import BucketedSampler
-from train.extract.shards import HEAD, ShardError, read_index, read_meta, shard_keys
+from train.dflash.model import TargetShape
+from train.extract.shards import (
+    HEAD,
+    ShardEntry,
+    ShardError,
+    nonfinite,
+    read_index,
+    read_meta,
+    shard_keys,
+    verify_shard,
+)
 
 
 class ShardDataset:
-    """Random access to the samples of an extraction directory (train/extract/shards.py)."""
+    """Random access to the samples of an extraction directory (train/extract/shards.py).
 
-    def __init__(self, root: str | Path) -> None:
+    Each shard is verified when it is first opened: its sha256 against the index (a same-size bit
+    flip changes nothing else) and every hidden state finite. A shard that fails is reported once
+    (`shard: reason`) and its samples are skipped, as long as the bad shards stay within
+    `max_bad_fraction` of all shards; beyond that the run stops with a ShardError.
+    """
+
+    def __init__(self, root: str | Path, max_bad_fraction: float = 0.01, report=print) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
             raise ShardError(f"{self.root}: no such extraction directory (run `launch submit extract` first)")
@@ -31,6 +48,7 @@ class ShardDataset:
         n = int(self.meta["samples"])
         self.lengths = np.zeros(n, dtype=np.int64)
         self.shard_of: dict[int, Path] = {}
+        self.entries: dict[Path, ShardEntry] = {}
         for name, entry in sorted(index.items()):
             path = self.root / name
             if entry.location != "local":
@@ -41,6 +59,7 @@ class ShardDataset:
                 raise ShardError(f"{path}: corrupt shard ({size} bytes, index says {entry.bytes}); "
                                  "delete it and re-run extraction to rewrite it")
             shard_keys(path)  # header parses and matches the file size
+            self.entries[path] = entry
             for idx, length in zip(entry.samples, entry.lengths, strict=True):
                 self.shard_of[idx] = path
                 self.lengths[idx] = length
@@ -50,9 +69,22 @@ class ShardDataset:
                              "(re-run it with the same arguments to finish)")
         self.layers: list[int] = list(self.meta["layers"])
         self.hidden_size = int(self.meta["hidden_size"])
+        self.max_bad_fraction = max_bad_fraction
+        self.report = report
+        self.verified: set[Path] = set()
+        self.bad: dict[Path, str] = {}
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def target_shape(self, head_vocab: int) -> TargetShape:
+        """The target's config as extraction recorded it (older directories: from the stage-1 preset)."""
+        if "target_config" in self.meta:
+            return TargetShape(**self.meta["target_config"])
+        from train.stage1.model import get_preset, text_config
+
+        cfg = text_config(get_preset(self.meta["preset"]), vocab_size=head_vocab)
+        return TargetShape.from_config(cfg)
 
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         from safetensors.torch import load_file
@@ -64,7 +96,18 @@ class ShardDataset:
             raise ShardError(f"{path}: unreadable target head ({str(exc).splitlines()[0]})") from None
         return head["embed_tokens"], head["lm_head"]
 
-    def batch(self, sample_ids: np.ndarray | list[int]) -> dict[str, torch.Tensor]:
+    def _reject(self, path: Path, reason: str) -> None:
+        self.bad[path] = reason
+        frac = len(self.bad) / max(1, len(self.entries))
+        if frac > self.max_bad_fraction:
+            raise ShardError(f"{path}: {reason}; {len(self.bad)} of {len(self.entries)} shards bad "
+                             f"({100 * frac:.1f}% > --max-bad-fraction {100 * self.max_bad_fraction:.1f}%); "
+                             "delete it and re-run extraction to rewrite it")
+        self.report(f"# skipping {path}: {reason} ({len(self.bad)} of {len(self.entries)} shards skipped, "
+                    f"within --max-bad-fraction {100 * self.max_bad_fraction:.1f}%)")
+
+    def batch(self, sample_ids: np.ndarray | list[int]) -> dict[str, torch.Tensor] | None:
+        """The padded batch of these samples, less those in bad shards; None if none is left."""
         from safetensors import safe_open
 
         ids = [int(i) for i in sample_ids]
@@ -73,26 +116,46 @@ class ShardDataset:
             by_shard.setdefault(self.shard_of[i], []).append(i)
         loaded: dict[int, dict[str, torch.Tensor]] = {}
         for path, members in by_shard.items():
+            if path in self.bad:
+                continue
+            if path not in self.verified:
+                reason = verify_shard(path, self.entries[path])
+                if reason is not None:
+                    self._reject(path, f"corrupt shard ({reason})")
+                    continue
             try:
                 with safe_open(str(path), framework="pt") as f:
-                    for i in members:
-                        loaded[i] = {k: f.get_tensor(f"{i}.{k}") for k in ("input_ids", "hidden", "final")}
+                    keys = set(f.keys())
+                    got = {i: {k: f.get_tensor(f"{i}.{k}") for k in SAMPLE_KEYS if f"{i}.{k}" in keys}
+                           for i in members}
             except Exception as exc:  # safetensors' own error types for a damaged file
                 raise ShardError(f"{path}: corrupt shard ({str(exc).splitlines()[0]}); "
                                  "delete it and re-run extraction to rewrite it") from None
-        return pad_samples([loaded[i] for i in ids])
+            bad = [f"{i}.{k}" for i, t in got.items() for k in nonfinite(t)]
+            if bad:
+                self._reject(path, f"non-finite hidden states ({', '.join(bad[:3])})")
+                continue
+            self.verified.add(path)
+            loaded.update(got)
+        kept = [loaded[i] for i in ids if i in loaded]
+        return pad_samples(kept) if kept else None
+
+
+SAMPLE_KEYS = ("input_ids", "loss_mask", "hidden", "final")
 
 
 def pad_samples(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     lengths = torch.tensor([len(s["input_ids"]) for s in samples])
     t = int(lengths.max())
-    out = {"lengths": lengths, "input_ids": torch.zeros(len(samples), t, dtype=torch.long)}
+    out = {"lengths": lengths, "input_ids": torch.zeros(len(samples), t, dtype=torch.long),
+           "loss_mask": torch.zeros(len(samples), t, dtype=torch.bool)}
     for key in ("hidden", "final"):
         if key in samples[0]:
             out[key] = torch.zeros(len(samples), t, samples[0][key].shape[-1], dtype=torch.float32)
     for r, s in enumerate(samples):
         n = len(s["input_ids"])
         out["input_ids"][r, :n] = s["input_ids"].long()
+        out["loss_mask"][r, :n] = s["loss_mask"].bool() if "loss_mask" in s else True
         for key in ("hidden", "final"):
             if key in s:
                 out[key][r, :n] = s[key].float()

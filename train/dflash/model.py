@@ -3,8 +3,10 @@
 For each anchor position `a` of a sequence the drafter gets a block of `block_size` slots: slot 0
 is the anchor token (known), slots 1.. are the mask token. It predicts the tokens at a+1 ..
 a+block_size-1 in ONE parallel pass. Every layer attends, from the block's slots, to
-  - the target's context features at positions 0..a (the captured layers' hidden states,
-    concatenated and projected to the drafter's width), and
+  - the target's context features at positions 0..a-1, strictly before the anchor (the captured
+    layers' hidden states, concatenated and projected to the drafter's width). At inference the
+    anchor is the token the target has just sampled and not yet run, so its state does not exist
+    (SpecForge's mask is `kv_idx < anchor` for the same reason), and
   - all slots of its own block (bidirectional: block diffusion, not autoregressive).
 Positions are rotary: context t at t, slot j of anchor a at a+j.
 
@@ -19,60 +21,111 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 IGNORE_INDEX = -100
 
 
 @dataclass
-class DrafterConfig:
-    hidden_size: int  # = the target's hidden size (embedding and lm_head are shared with it)
-    n_target_layers: int  # captured target layers feeding the context features
+class TargetShape:
+    """What the drafter takes from its target's config: width, heads, RoPE and norm settings."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
     vocab_size: int
-    num_layers: int = 2
-    num_heads: int = 4
-    intermediate_size: int = 512
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 32768
+
+    @classmethod
+    def from_config(cls, config: Any) -> TargetShape:
+        """From a transformers config (object or dict; a multimodal one's text_config)."""
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        text = get("text_config")
+        if text is not None and text != {}:
+            return cls.from_config(text)
+        rope = get("rope_parameters") or get("rope_scaling") or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        heads = int(get("num_attention_heads"))
+        return cls(hidden_size=int(get("hidden_size")), num_hidden_layers=int(get("num_hidden_layers")),
+                   num_attention_heads=heads, num_key_value_heads=int(get("num_key_value_heads") or heads),
+                   head_dim=int(get("head_dim") or int(get("hidden_size")) // heads),
+                   intermediate_size=int(get("intermediate_size")), vocab_size=int(get("vocab_size")),
+                   rms_norm_eps=float(get("rms_norm_eps") or 1e-6),
+                   rope_theta=float(theta or get("rope_theta") or 1e6),
+                   max_position_embeddings=int(get("max_position_embeddings") or 32768))
+
+
+@dataclass
+class DrafterConfig:
+    """A Qwen3-style drafter (GQA, q/k RMSNorm, SwiGLU), shaped like its target by default."""
+
+    hidden_size: int  # = the target's hidden size (embedding and lm_head are shared with it)
+    target_layer_ids: list[int]  # captured target layers (0-based) feeding the context features
+    num_target_layers: int  # the target's depth
+    vocab_size: int
+    num_layers: int = 5
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    intermediate_size: int = 3584
     block_size: int = 16
     mask_token_id: int = -1  # -1: the last (padding) row of the vocab
-    rope_theta: float = 10_000.0
+    rope_theta: float = 1e6
     rms_eps: float = 1e-6
+    max_position_embeddings: int = 32768
 
     def __post_init__(self) -> None:
         if self.mask_token_id < 0:
             self.mask_token_id = self.vocab_size + self.mask_token_id
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even (rotary embedding)")
         if self.block_size < 2:
             raise ValueError("block_size must be >= 2 (anchor + at least one predicted token)")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one captured target layer")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def n_target_layers(self) -> int:
+        return len(self.target_layer_ids)
 
 
-# Drafter shapes by name; the hidden size, vocab and captured layers come from the target.
+# Drafter shapes by name. Heads, head size, RoPE and norm settings come from the target; so do the
+# width (the embedding and lm_head are the target's) and the captured layers.
+#   target: the published drafter, 5 layers shaped like the target's (width, heads, MLP).
+#   tiny:   2 layers with a 512-wide MLP, for CPU tests.
 DRAFTER_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": {"num_layers": 2, "num_heads": 4, "intermediate_size": 512},
-    # 5 layers at the width of a 1024-wide target (qwen35-0.8b): the reference drafter's depth
-    # for the small target of bench/multigpu.py.
-    "small": {"num_layers": 5, "num_heads": 8, "intermediate_size": 3584},
-    # ~1.7B-class drafter of the reference run, for a 5120-wide target: 5 layers.
-    "reference": {"num_layers": 5, "num_heads": 32, "intermediate_size": 17408},
+    "target": {"num_layers": 5},
+    "tiny": {"num_layers": 2, "intermediate_size": 512},
 }
 
 
-def drafter_config(spec: str, hidden_size: int, n_target_layers: int, vocab_size: int, block_size: int
+def default_drafter(target_preset: str | None) -> str:
+    """`--drafter auto`: `tiny` for the tiny target, the published 5-layer drafter for real ones."""
+    return "tiny" if target_preset in (None, "tiny") else "target"
+
+
+def drafter_config(spec: str, target: TargetShape, target_layer_ids: list[int], block_size: int
                    ) -> DrafterConfig:
     """A preset name, or a JSON file of DrafterConfig fields (target-derived fields are filled in)."""
     if spec in DRAFTER_PRESETS:
-        fields = dict(DRAFTER_PRESETS[spec])
+        fields: dict[str, Any] = dict(DRAFTER_PRESETS[spec])
     else:
         path = Path(spec)
         if not path.is_file():
-            raise ValueError(f"--drafter {spec!r}: neither a preset ({', '.join(DRAFTER_PRESETS)}) nor a JSON file")
+            raise ValueError(f"--drafter {spec!r}: neither a preset ({', '.join(DRAFTER_PRESETS)}, auto) "
+                             "nor a JSON file")
         try:
             fields = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
@@ -81,9 +134,13 @@ def drafter_config(spec: str, hidden_size: int, n_target_layers: int, vocab_size
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"--drafter {path}: unknown field(s) {', '.join(unknown)}")
-    fields.setdefault("block_size", block_size)
-    return DrafterConfig(**{"hidden_size": hidden_size, "n_target_layers": n_target_layers,
-                            "vocab_size": vocab_size, **fields})
+    shaped = {"num_heads": target.num_attention_heads, "num_kv_heads": target.num_key_value_heads,
+              "head_dim": target.head_dim, "intermediate_size": target.intermediate_size,
+              "rope_theta": target.rope_theta, "rms_eps": target.rms_norm_eps,
+              "max_position_embeddings": target.max_position_embeddings, "block_size": block_size}
+    return DrafterConfig(**{"hidden_size": target.hidden_size, "target_layer_ids": list(target_layer_ids),
+                            "num_target_layers": target.num_hidden_layers, "vocab_size": target.vocab_size,
+                            **shaped, **fields})
 
 
 class RMSNorm(nn.Module):
@@ -93,49 +150,133 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        dtype = x.dtype
+        x = x.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype) * self.weight.to(dtype)
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding. x [B, heads, N, d], pos [B, N]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+def rope_tables(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, N, head_dim] for positions pos [B, N] (full rotary, rotate-half layout)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
     ang = pos.to(torch.float32)[:, None, :, None] * inv  # [B, 1, N, d/2]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DrafterAttention(nn.Module):
+    """Qwen3 attention (GQA, per-head q/k RMSNorm, RoPE); keys and values cover the target
+    context (projected once per layer, shared by every block) and the block's own slots."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        h, self.heads, self.kv_heads, self.d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.heads * self.d, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.d, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.d, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.d, h, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_ctx: tuple[torch.Tensor, torch.Tensor], attend: BlockAttention) -> torch.Tensor:
+        b, n, _ = x.shape
+        t = ctx.shape[1]
+
+        def heads(proj: nn.Linear, norm: RMSNorm | None, inp: torch.Tensor, count: int) -> torch.Tensor:
+            out = proj(inp).view(b, inp.shape[1], count, self.d)
+            return (norm(out) if norm is not None else out).transpose(1, 2)
+
+        q = apply_rope(heads(self.q_proj, self.q_norm, x, self.heads), *rope_q)
+        k_ctx = apply_rope(heads(self.k_proj, self.k_norm, ctx, self.kv_heads), *rope_ctx)
+        k_blk = apply_rope(heads(self.k_proj, self.k_norm, x, self.kv_heads), *rope_q)
+        v_ctx, v_blk = heads(self.v_proj, None, ctx, self.kv_heads), heads(self.v_proj, None, x, self.kv_heads)
+        out = attend(q, k_ctx, v_ctx, k_blk, v_blk)  # [B, heads, N, d]
+        assert k_ctx.shape[2] == t
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.d))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DrafterLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer; module names match the published DFlash checkpoints."""
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
-        h, self.heads, self.theta = cfg.hidden_size, cfg.num_heads, cfg.rope_theta
-        self.attn_norm = RMSNorm(h, cfg.rms_eps)
-        self.q = nn.Linear(h, h, bias=False)
-        self.k = nn.Linear(h, h, bias=False)
-        self.v = nn.Linear(h, h, bias=False)
-        self.o = nn.Linear(h, h, bias=False)
-        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
-        self.gate = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.up = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = DrafterMLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, pos_q: torch.Tensor, pos_kv: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """x [B, N, H] block slots; ctx [B, T, H] context features; mask [B, N, T+N] (True = attend)."""
-        b, n, h = x.shape
-        y = self.attn_norm(x)
-        kv_in = torch.cat([ctx, y], dim=1)
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_ctx, attend: BlockAttention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, t.shape[1], self.heads, h // self.heads).transpose(1, 2)
 
-        q = rope(split(self.q(y)), pos_q, self.theta)
-        k = rope(split(self.k(kv_in)), pos_kv, self.theta)
-        att = F.scaled_dot_product_attention(q, k, split(self.v(kv_in)), attn_mask=mask[:, None])
-        x = x + self.o(att.transpose(1, 2).reshape(b, n, h))
-        y = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+class BlockAttention:
+    """Attention of every block's slots to (context t < anchor) + (its own block), all blocks of
+    all rows in one call per layer.
+
+    Each query's keys are the T context positions and the K slots of its own block, never the
+    other blocks': scores are [queries x (T + K)], linear in the number of anchors (a dense mask
+    over all blocks would be quadratic: 512 anchors x 16 slots are 8192 queries per row). The two
+    score parts share one softmax. Queries run in chunks of anchors so that no call holds more
+    than `max_scores` scores.
+    """
+
+    def __init__(self, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int,
+                 max_scores: int = 1 << 27) -> None:
+        self.anchors, self.lengths, self.t, self.k = anchors, lengths, ctx_len, block_size
+        self.max_scores = max_scores
+        pos = torch.arange(ctx_len, device=anchors.device)
+        # [B, A, T]: context t is visible to anchor a's block iff t < a (and t is a real token)
+        self.see_ctx = (pos[None, None] < anchors[:, :, None]) & (pos[None, None] < lengths[:, None, None])
+
+    def chunks(self, bsz: int, heads: int) -> list[tuple[int, int]]:
+        n_anchor = self.anchors.shape[1]
+        per_anchor = bsz * heads * self.k * (self.t + self.k)
+        step = max(1, min(n_anchor, self.max_scores // max(1, per_anchor)))
+        return [(i, min(n_anchor, i + step)) for i in range(0, n_anchor, step)]
+
+    def __call__(self, q, k_ctx, v_ctx, k_blk, v_blk) -> torch.Tensor:
+        """q, k_blk, v_blk [B, heads, A*K, d]; k_ctx, v_ctx [B, kv_heads, T, d] -> [B, heads, A*K, d]."""
+        bsz, heads, _, d = q.shape
+        groups = heads // k_ctx.shape[1]
+        if groups > 1:  # GQA: each key/value head serves `groups` query heads
+            k_ctx, v_ctx, k_blk, v_blk = (t.repeat_interleave(groups, dim=1) for t in (k_ctx, v_ctx, k_blk, v_blk))
+        scale, k, t = d ** -0.5, self.k, self.t
+        outs = []
+        for lo, hi in self.chunks(bsz, heads):
+            a = hi - lo
+            qc = q[:, :, lo * k: hi * k]
+            s_ctx = (qc @ k_ctx.transpose(-1, -2)) * scale  # [B, H, a*K, T]
+            see = self.see_ctx[:, lo:hi].repeat_interleave(k, dim=1)[:, None]  # [B, 1, a*K, T]
+            s_ctx = s_ctx.masked_fill(~see, float("-inf"))
+            qb = qc.view(bsz, heads, a, k, d)
+            kb = k_blk[:, :, lo * k: hi * k].view(bsz, heads, a, k, d)
+            vb = v_blk[:, :, lo * k: hi * k].view(bsz, heads, a, k, d)
+            s_blk = (qb @ kb.transpose(-1, -2)) * scale  # [B, H, a, K, K]: bidirectional in the block
+            probs = torch.softmax(torch.cat([s_ctx, s_blk.reshape(bsz, heads, a * k, k)], -1).float(), -1)
+            probs = probs.to(q.dtype)
+            out = probs[..., :t] @ v_ctx + (probs[..., t:].reshape(bsz, heads, a, k, k) @ vb).reshape(
+                bsz, heads, a * k, d)
+            outs.append(out)
+        return torch.cat(outs, dim=2)
 
 
 class TargetHead(nn.Module):
@@ -149,11 +290,14 @@ class TargetHead(nn.Module):
 
 
 class Drafter(nn.Module):
+    """Module names match the published DFlash checkpoints (z-lab's DFlashDraftModel, SGLang's and
+    vLLM's DFlash loaders): layers.*, fc, hidden_norm, norm; no embedding, no lm_head."""
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(cfg.n_target_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.ctx_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         for m in self.modules():
@@ -161,28 +305,27 @@ class Drafter(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, hidden: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                lengths: torch.Tensor) -> torch.Tensor:
-        """Drafter hidden states of the block slots.
+                lengths: torch.Tensor, max_scores: int = 1 << 27) -> torch.Tensor:
+        """Drafter hidden states of the block slots: every anchor of every row in one pass.
 
         hidden [B, T, n_layers*H] target context; block_embeds [B, A, K, H]; anchors [B, A] (-1 =
-        no anchor); lengths [B]. Returns [B, A, K, H].
+        no anchor); lengths [B]. Returns [B, A, K, H]. The block of anchor a sees the context at
+        t < a and its own K slots; blocks never see each other.
         """
         bsz, n_anchor, k, h = block_embeds.shape
         t = hidden.shape[1]
-        ctx = self.ctx_norm(self.fc(hidden))
+        ctx = self.hidden_norm(self.fc(hidden))
         x = block_embeds.reshape(bsz, n_anchor * k, h)
-        slot = torch.arange(k, device=x.device)
-        anchor_of_q = anchors.clamp(min=0)[:, :, None].expand(bsz, n_anchor, k).reshape(bsz, -1)  # [B, N]
-        pos_q = anchor_of_q + slot.repeat(n_anchor)[None]
-        pos_kv = torch.cat([torch.arange(t, device=x.device).expand(bsz, t), pos_q], dim=1)
-        # context t visible to slots of anchor a iff t <= a (and t is a real token of the row)
-        ctx_pos = torch.arange(t, device=x.device)
-        see_ctx = (ctx_pos[None, None] <= anchor_of_q[:, :, None]) & (ctx_pos[None, None] < lengths[:, None, None])
-        block_id = torch.arange(n_anchor, device=x.device).repeat_interleave(k)
-        see_block = (block_id[:, None] == block_id[None, :]).expand(bsz, -1, -1)
-        mask = torch.cat([see_ctx, see_block], dim=2)
+        a = anchors.clamp(min=0)
+        pos_q = (a[:, :, None] + torch.arange(k, device=x.device)).reshape(bsz, -1)
+        pos_ctx = torch.arange(t, device=x.device).expand(bsz, t)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        rope_q = rope_tables(pos_q, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        rope_ctx = rope_tables(pos_ctx, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        # anchor -1 (none): a position no context precedes, so its slots see only their block
+        attend = BlockAttention(torch.where(anchors >= 0, anchors, 0), lengths, t, k, max_scores)
         for layer in self.layers:
-            x = layer(x, ctx, pos_q, pos_kv, mask)
+            x = layer(x, ctx, rope_q, rope_ctx, attend)
         return self.norm(x).view(bsz, n_anchor, k, h)
 
     @torch.no_grad()
@@ -199,31 +342,56 @@ class Drafter(nn.Module):
         torch.save({"config": asdict(self.cfg), "state_dict": self.state_dict()}, path)
 
 
-def sample_anchors(lengths: torch.Tensor, n_anchors: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
-    """[B, n_anchors] anchor positions per row, distinct, with a full block after them; -1 = none.
+def anchor_candidates(lengths: torch.Tensor, block_size: int, loss_mask: torch.Tensor | None, width: int
+                      ) -> torch.Tensor:
+    """[B, width] bool: where an anchor may go.
 
-    An anchor a needs tokens a+1 .. a+block_size-1 in the row, so a <= len - block_size.
+    The rules (SpecForge's, with the strict mask): the anchor is a response token (loss mask on;
+    at inference it is a token the target sampled), a full block follows it in the row
+    (a <= len - block_size), and at least one context state precedes it (a >= 1).
     """
-    out = torch.full((len(lengths), n_anchors), -1, dtype=torch.long)
-    for r, n in enumerate(lengths.tolist()):
-        choices = n - block_size + 1
-        if choices <= 0:
-            continue
-        pick = torch.randperm(choices, generator=gen)[:n_anchors]
-        out[r, : len(pick)] = pick.sort().values
-    return out
+    pos = torch.arange(width, device=lengths.device)
+    ok = (pos[None] >= 1) & (pos[None] <= (lengths[:, None] - block_size))
+    if loss_mask is not None:
+        ok &= loss_mask[:, :width].to(torch.bool)
+    return ok
 
 
-def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block token ids [B, A, K]: anchor token then masks; labels [B, A, K-1]: the true next tokens)."""
+def sample_anchors(lengths: torch.Tensor, n_anchors: int, block_size: int, gen: torch.Generator,
+                   loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, A] sorted distinct anchor positions per row, -1 = none; A = min(n_anchors, the most
+    candidates any row has): 512 anchors on a row of 300 tokens clamp to what the row offers.
+
+    One random key per position (seeded by `gen`), invalid positions last: the first A of the
+    sorted keys are a uniform draw without replacement from each row's candidates.
+    """
+    width = int(lengths.max()) if len(lengths) else 0
+    ok = anchor_candidates(lengths, block_size, loss_mask, width)
+    n = min(n_anchors, int(ok.sum(1).max()) if width else 0)
+    if n <= 0:
+        return torch.full((len(lengths), 0), -1, dtype=torch.long)
+    keys = torch.rand(ok.shape, generator=gen).masked_fill(~ok, 2.0)
+    order = keys.argsort(dim=1)[:, :n]
+    picked = torch.gather(ok, 1, order)
+    anchors = torch.where(picked, order, torch.full_like(order, width + 1)).sort(dim=1).values
+    return anchors.masked_fill(anchors > width, -1)
+
+
+def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                 loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block token ids [B, A, K]: anchor token then masks; labels [B, A, K-1]: the true next tokens,
+    IGNORE_INDEX where there is no anchor or the loss mask is off: prompts are never targets)."""
     offs = torch.arange(block_size, device=input_ids.device)
     valid = anchors >= 0
     idx = (anchors.clamp(min=0)[:, :, None] + offs).clamp(max=input_ids.shape[1] - 1)  # [B, A, K]
     truth = torch.gather(input_ids[:, None, :].expand(-1, anchors.shape[1], -1), 2, idx)
     blocks = torch.full_like(truth, mask_token_id)
     blocks[:, :, 0] = truth[:, :, 0]
-    labels = truth[:, :, 1:].masked_fill(~valid[:, :, None], IGNORE_INDEX)
+    keep = valid[:, :, None].expand(-1, -1, block_size - 1)
+    if loss_mask is not None:
+        on = torch.gather(loss_mask.to(torch.bool)[:, None, :].expand(-1, anchors.shape[1], -1), 2, idx)
+        keep = keep & on[:, :, 1:]
+    labels = truth[:, :, 1:].masked_fill(~keep, IGNORE_INDEX)
     return blocks, labels
 
 
@@ -245,27 +413,83 @@ def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
     return torch.ones_like(j) if not gamma else torch.exp(-(j - 1) / gamma)
 
 
+def slot_accuracies(correct: torch.Tensor, valid: torch.Tensor) -> list[float]:
+    """Accuracy of each predicted slot j = 1..K-1 (NaN where no label): correct [N] over valid [B, A, K-1]."""
+    hits = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+    hits[valid] = correct.float()
+    n = valid.sum(dim=(0, 1))
+    return [float(h / c) if c else math.nan for h, c in zip(hits.sum(dim=(0, 1)).tolist(), n.tolist(), strict=True)]
+
+
+def acceptance_length(acc_slot: list[float]) -> float:
+    """tau: expected tokens per block, 1 (the target's own token) + sum_j prod_{i<=j} acc_i.
+
+    A drafted token j is accepted only if slots 1..j all are; with per-slot accuracies as
+    acceptance rates this is the published acceptance-length estimate.
+    """
+    tau, run = 1.0, 1.0
+    for a in acc_slot:
+        if math.isnan(a):
+            break
+        run *= a
+        tau += run
+    return tau
+
+
 def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.Tensor,
-                 target_final_at_blocks: torch.Tensor | None, kl_weight: float, gamma: float | None
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted CE on the true tokens (+ kl_weight * KL to the verifier) over block slots only."""
+                 target_final_at_blocks: torch.Tensor | None, kl_weight: float, gamma: float | None,
+                 chunk_rows: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Weighted CE on the true tokens (+ kl_weight * KL to the verifier) over block slots only.
+
+    The rows go through lm_head in chunks of `chunk_rows` (default: 2^30 logits per chunk), each
+    recomputed in backward (activation checkpointing), so 512 anchors x 15 slots x a 248k vocab
+    never exist as one logits tensor (that would be ~90 GB on the bench's qwen35-0.8b batches).
+    """
     pred = drafter_hidden[:, :, 1:]  # slots that predict a token
     valid = labels != IGNORE_INDEX
     rows = pred[valid]  # [N, H]: only anchor-block rows reach lm_head
-    logits = head.lm_head(rows)
+    y = labels[valid]
     w = position_weights(drafter_hidden.shape[2], gamma).to(rows.device)
     w_rows = w.expand_as(labels)[valid]
-    ce = F.cross_entropy(logits.float(), labels[valid], reduction="none")
-    loss = (ce * w_rows).sum() / w_rows.sum().clamp(min=1e-9)
-    stats = {"ce": float(ce.mean().detach()) if ce.numel() else math.nan,
-             "acc": float((logits.argmax(-1) == labels[valid]).float().mean()) if ce.numel() else math.nan}
-    if target_final_at_blocks is not None:
+    verifier_rows = target_final_at_blocks[valid] if target_final_at_blocks is not None else None
+    vocab = head.lm_head.weight.shape[0]
+    chunk = chunk_rows or max(256, (1 << 30) // vocab)
+    use_kl = kl_weight > 0 and verifier_rows is not None
+
+    def piece(r: torch.Tensor, yc: torch.Tensor, wc: torch.Tensor, vc: torch.Tensor | None):
+        logits = head.lm_head(r).float()
+        ce = F.cross_entropy(logits, yc, reduction="none")
+        total = (ce * wc).sum()
+        kl = torch.zeros_like(ce)
+        if vc is not None:
+            with torch.no_grad():
+                ref = F.log_softmax(head.lm_head(vc.to(r.dtype)).float(), -1)
+            kl = F.kl_div(F.log_softmax(logits, -1), ref, log_target=True, reduction="none").sum(-1)
+            total = total + kl_weight * (kl * wc).sum()
+        return total, ce.detach(), kl.detach(), logits.detach().argmax(-1)
+
+    totals, ces, kls, preds = [], [], [], []
+    for lo in range(0, len(rows), chunk):
+        sl = slice(lo, lo + chunk)
+        args = (rows[sl], y[sl], w_rows[sl], verifier_rows[sl] if use_kl else None)
+        out = (torch.utils.checkpoint.checkpoint(piece, *args, use_reentrant=False)
+               if len(rows) > chunk and torch.is_grad_enabled() else piece(*args))
+        for acc, v in zip((totals, ces, kls, preds), out, strict=True):
+            acc.append(v)
+    if not totals:
+        zero = drafter_hidden.sum() * 0.0
+        return zero, {"ce": math.nan, "acc": math.nan, "acc_slot": [math.nan] * labels.shape[2], "tau": 1.0}
+    loss = torch.stack(totals).sum() / w_rows.sum().clamp(min=1e-9)
+    ce, argmax = torch.cat(ces), torch.cat(preds)
+    correct = argmax == y
+    acc_slot = slot_accuracies(correct, valid)
+    stats: dict[str, Any] = {"ce": float(ce.mean()), "acc": float(correct.float().mean()),
+                             "acc_slot": acc_slot, "acc1": acc_slot[0], "tau": acceptance_length(acc_slot)}
+    if verifier_rows is not None:
         with torch.no_grad():
-            verifier = head.lm_head(target_final_at_blocks[valid].to(rows.dtype)).float()
-        stats["target_agree"] = float((verifier.argmax(-1) == logits.argmax(-1)).float().mean()) if ce.numel() else 0.0
-        if kl_weight > 0:
-            kl = F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(verifier, -1), log_target=True,
-                          reduction="none").sum(-1)
-            loss = loss + kl_weight * (kl * w_rows).sum() / w_rows.sum().clamp(min=1e-9)
-            stats["kl"] = float(kl.mean().detach())
+            agree = sum(int((head.lm_head(verifier_rows[lo:lo + chunk].to(rows.dtype)).argmax(-1)
+                             == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(rows), chunk))
+        stats["target_agree"] = agree / len(rows)
+        if use_kl:
+            stats["kl"] = float(torch.cat(kls).mean())
     return loss, stats

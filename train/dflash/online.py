@@ -21,7 +21,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-FIELDS = ("input_ids", "lengths", "hidden", "anchors", "final_blocks")
+FIELDS = ("input_ids", "lengths", "hidden", "anchors", "final_blocks", "loss_mask")
 
 
 def parse_topology(text: str) -> int:
@@ -60,7 +60,7 @@ class BoundedSender:
 
 
 DTYPES = {"input_ids": torch.long, "lengths": torch.long, "hidden": torch.float32, "anchors": torch.long,
-          "final_blocks": torch.float32}
+          "final_blocks": torch.float32, "loss_mask": torch.long}
 MAX_DIMS = 4
 
 

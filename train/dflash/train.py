@@ -39,14 +39,16 @@ from train.dflash.model import (
     Drafter,
     DrafterConfig,
     TargetHead,
+    TargetShape,
     block_inputs,
+    default_drafter,
     drafter_config,
     drafter_loss,
     gather_block_positions,
     sample_anchors,
 )
 from train.dflash.online import BoundedSender, parse_topology, recv_batch
-from train.extract.data import DatasetError, generate_synthetic, load_dataset
+from train.extract.data import DatasetError, TokenData, generate_synthetic
 from train.extract.shards import ShardError
 
 ENTRYPOINT = "train.dflash"
@@ -61,9 +63,12 @@ class DFlashConfig:
     init_from: str | None = opt(None, help="online: local checkpoint of the target")
     layers: str | None = opt(None, help="online: captured target layers (default: n_layers spread over 1..L-3)")
     n_layers: int = opt(5)
-    drafter: str = opt("tiny", help="drafter preset or JSON file of DrafterConfig fields")
+    tokenizer: str | None = opt(None, help="online: the target's tokenizer dir, for conversations (default: --init-from)")
+    drafter: str = opt("auto", help="drafter preset (target: 5 layers shaped like the target; tiny) or JSON file "
+                                    "of DrafterConfig fields; auto: tiny for the tiny target, target otherwise")
     block_size: int = opt(16)
-    anchors: int = opt(4, help="anchors sampled per row")
+    anchors: int = opt(512, help="anchors per sequence (SpecForge's default), clamped to its response positions")
+    max_bad_fraction: float = opt(0.01, help="offline: shards failing verification are skipped up to this share")
     steps: int = opt(40)
     token_budget: int = opt(2048, help="padded tokens per batch")
     max_len: int = opt(8192, help="online: samples are cut to this many tokens")
@@ -95,6 +100,8 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
     for name in ("steps", "anchors", "token_budget", "ckpt_every", "log_every", "queue_depth"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0.0 <= cfg.max_bad_fraction <= 1.0:
+        raise ConfigError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.mode == "online":
@@ -141,26 +148,48 @@ def build_target(cfg: DFlashConfig, device: torch.device):
 
 
 def target_batch(model, capture, samples: list[np.ndarray], cfg: DFlashConfig, step: int,
-                 device: torch.device) -> dict[str, torch.Tensor]:
-    """What a target rank sends for one step: context, anchors and final states at the anchor blocks."""
+                 device: torch.device, masks: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+    """What a target rank sends for one step: context, anchors (on loss-masked response tokens),
+    the loss mask, and the final states at the anchor blocks."""
     from train.extract.extract import pad_batch, target_forward
 
     ids, lens = pad_batch(samples)
+    loss_mask = pad_masks(masks, ids.shape[1]) if masks is not None else torch.ones_like(ids, dtype=torch.bool)
     hidden, final = target_forward(model.model, capture, ids.to(device))
     lengths = torch.tensor(lens)
-    anchors = sample_anchors(lengths, cfg.anchors, cfg.block_size, step_generator(cfg.seed, step))
+    anchors = sample_anchors(lengths, cfg.anchors, cfg.block_size, step_generator(cfg.seed, step), loss_mask)
     final_blocks = gather_block_positions(final, anchors.to(final.device), cfg.block_size)
     # Sent as fp32 (the drafter trains in fp32 on CPU; a bf16 wire format is a possible saving on GPUs).
     return {"input_ids": ids, "lengths": lengths, "hidden": hidden.float(), "anchors": anchors,
-            "final_blocks": final_blocks.float()}
+            "final_blocks": final_blocks.float(), "loss_mask": loss_mask.long()}
 
 
-def load_online_dataset(cfg: DFlashConfig, vocab_base: int, vocab: int, is_main: bool, barrier) -> list[np.ndarray]:
+def load_online_dataset(cfg: DFlashConfig, vocab_base: int, vocab: int, is_main: bool, barrier) -> TokenData:
+    """Token ids and loss masks (conversations through the target's tokenizer); truncation reported."""
+    from train.extract.extract import load_token_data
+
     path = Path(cfg.data) if cfg.data else Path(cfg.out) / "data.jsonl"
     if not cfg.data and not path.exists() and is_main:
         generate_synthetic(path, cfg.synthetic_samples, seed=cfg.seed, vocab=vocab_base)
     barrier()
-    return load_dataset(path, vocab=vocab, max_len=cfg.max_len)
+    data = load_token_data(cfg, path, vocab)  # reads cfg.tokenizer, cfg.init_from, cfg.max_len
+    if data.truncated and is_main:
+        print(data.report(cfg.max_len), flush=True)
+    return data
+
+
+def pad_masks(masks: list[np.ndarray], width: int) -> torch.Tensor:
+    out = torch.zeros(len(masks), width, dtype=torch.bool)
+    for r, m in enumerate(masks):
+        out[r, : len(m)] = torch.from_numpy(m.astype(bool))
+    return out
+
+
+def make_drafter_config(cfg: DFlashConfig, target: TargetShape, layers: list[int], target_preset: str | None
+                        ) -> DrafterConfig:
+    """`--drafter auto`: tiny for the tiny target, the published 5-layer target-shaped one otherwise."""
+    spec = default_drafter(target_preset) if cfg.drafter == "auto" else cfg.drafter
+    return drafter_config(spec, target, layers, cfg.block_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,10 +204,13 @@ class Source:
     hidden_size: int
     embed_w: torch.Tensor
     head_w: torch.Tensor
+    target_shape: TargetShape | None = None  # what the drafter takes from the target's config
+    target_preset: str | None = None
     data: ShardDataset | None = None
     target: Any = None
     capture: Any = None
     samples: list[np.ndarray] | None = None
+    loss_masks: list[np.ndarray] | None = None
 
 
 @dataclass
@@ -218,6 +250,9 @@ def train(cfg: DFlashConfig) -> int:
             s, epoch, ids = next(run.stream)
             assert s == rt.step
             batch, final_blocks = next_batch(cfg, run, rt.step, ids, rt.device)
+            if batch is None:  # every sample of this step is in a skipped shard (reported once)
+                rt.step += 1
+                continue
             t_data = time.perf_counter()
             loss, stats = drafter_forward(cfg, run, batch, final_blocks, rt.device)
             run.stepper.backward(loss)
@@ -261,15 +296,17 @@ def check_layout(cfg: DFlashConfig, rt: Runtime) -> int:
 def load_source(cfg: DFlashConfig, rt: Runtime) -> Source:
     """The data and the target's head: from the shards (offline) or the live target (online)."""
     if cfg.mode != "online":
-        data = ShardDataset(cfg.data)
+        data = ShardDataset(cfg.data, cfg.max_bad_fraction, report=rt.print)
         embed_w, head_w = data.head_weights()
-        return Source(data.lengths, data.layers, data.hidden_size, embed_w, head_w, data=data)
+        return Source(data.lengths, data.layers, data.hidden_size, embed_w, head_w,
+                      data.target_shape(embed_w.shape[0]), data.meta.get("preset"), data=data)
     target, spec, layers, capture = build_target(cfg, rt.device)
-    samples = load_online_dataset(cfg, spec.vocab.base_vocab, target.config.vocab_size, rt.dist.is_main,
+    records = load_online_dataset(cfg, spec.vocab.base_vocab, target.config.vocab_size, rt.dist.is_main,
                                   rt.barrier)
-    return Source(np.array([len(s) for s in samples]), layers, target.config.hidden_size,
+    return Source(np.array([len(s) for s in records.ids]), layers, target.config.hidden_size,
                   target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach(),
-                  target=target, capture=capture, samples=samples)
+                  TargetShape.from_config(target.config), cfg.preset, target=target, capture=capture,
+                  samples=records.ids, loss_masks=records.loss_masks)
 
 
 def run_target_rank(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: BucketedSampler, start: int,
@@ -283,7 +320,8 @@ def run_target_rank(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucket
         rt.step = step
         if step % n_targets == rt.dist.rank:
             t_batch = time.perf_counter()
-            batch = target_batch(src.target, src.capture, [src.samples[i] for i in ids], cfg, step, rt.device)
+            batch = target_batch(src.target, src.capture, [src.samples[i] for i in ids], cfg, step, rt.device,
+                                 [src.loss_masks[i] for i in ids])
             if rt.device.type == "cuda":
                 # also waits for sends the drafter has not received: the target's own time
                 # only while the drafter keeps up (bench/multigpu.py checks the drafter's wait)
@@ -302,8 +340,8 @@ def run_target_rank(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucket
 def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: BucketedSampler, latest: Path | None,
                   start: int, n_targets: int, wire: torch.device) -> DrafterRun:
     device = rt.device
-    dcfg: DrafterConfig = drafter_config(cfg.drafter, src.hidden_size, len(src.layers), src.embed_w.shape[0],
-                                         cfg.block_size)
+    assert src.target_shape is not None
+    dcfg = make_drafter_config(cfg, src.target_shape, src.layers, src.target_preset)
     head = TargetHead(src.embed_w.to(device), src.head_w.to(device)).to(device)
     src.target = None  # the drafter rank needs only the target's head
     drafter = Drafter(dcfg).to(device)
@@ -325,24 +363,31 @@ def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucketed
 
 
 def next_batch(cfg: DFlashConfig, run: DrafterRun, step: int, ids: Any, device: torch.device
-               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """This step's batch and the target's final states at its anchor blocks."""
+               ) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+    """This step's batch and the target's final states at its anchor blocks; (None, None) when
+    every sample of the step is in a shard skipped within --max-bad-fraction."""
     if run.data is None:  # online: from the target rank whose turn it is
         batch = recv_batch(step % run.n_targets, run.wire)
         return batch, batch["final_blocks"].to(device)
     batch = run.data.batch(ids)
-    batch["anchors"] = sample_anchors(batch["lengths"], cfg.anchors, cfg.block_size, step_generator(cfg.seed, step))
+    if batch is None:
+        return None, None
+    batch["anchors"] = sample_anchors(batch["lengths"], cfg.anchors, cfg.block_size, step_generator(cfg.seed, step),
+                                      batch["loss_mask"])
     return batch, gather_block_positions(batch["final"], batch["anchors"], cfg.block_size).to(device)
 
 
 def drafter_forward(cfg: DFlashConfig, run: DrafterRun, batch: dict[str, torch.Tensor], final_blocks: torch.Tensor,
                     device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
     input_ids, anchors = batch["input_ids"].to(device), batch["anchors"].to(device)
-    blocks, labels = block_inputs(input_ids, anchors, run.dcfg.block_size, run.dcfg.mask_token_id)
+    blocks, labels = block_inputs(input_ids, anchors, run.dcfg.block_size, run.dcfg.mask_token_id,
+                                  batch["loss_mask"].to(device))
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.amp_on):
         hidden = run.drafter(batch["hidden"].to(device), run.head.embed_tokens(blocks), anchors,
                              batch["lengths"].to(device))
-        return drafter_loss(run.head, hidden, labels, final_blocks, cfg.kl_weight, cfg.gamma or None)
+        loss, stats = drafter_loss(run.head, hidden, labels, final_blocks, cfg.kl_weight, cfg.gamma or None)
+    stats["anchors"] = int((anchors >= 0).sum())  # blocks in this step
+    return loss, stats
 
 
 def finish(cfg: DFlashConfig, run: DrafterRun, rt: Runtime) -> None:

@@ -1,9 +1,15 @@
 """Token datasets for extraction and DFlash: jsonl, one sample per line.
 
-Format: `{"id": <any>, "input_ids": [int, ...]}` per line; the sample index is the line's
-position among the valid records (0-based). A malformed line stops the run with one line naming
-`file:line` (extraction must not silently drop a sample: the shards would no longer cover the
-dataset).
+Each line is one of
+  - `{"id": <any>, "input_ids": [int, ...], "loss_mask": [0|1, ...]}` (loss_mask optional: all on);
+  - `{"id": <any>, "conversations": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`
+    (or `"messages"`): rendered with the target's own tokenizer and chat template (local files,
+    `--tokenizer DIR`); the loss mask is on over the assistant turns' tokens only, after each
+    turn's header, so DFlash anchors and labels fall on responses, never on prompts.
+The sample index is the line's position among the valid records (0-based). A malformed line stops
+the run with one line naming `file:line` (extraction must not silently drop a sample: the shards
+would no longer cover the dataset). Samples longer than `max_len` are cut, and counted
+(`TokenData.truncated`), never silently.
 
 `generate_synthetic` writes a learnable stand-in (no download): each sample is an arithmetic
 progression of tokens modulo a small alphabet with a little noise, lengths long-tailed, so a
@@ -13,7 +19,9 @@ drafter conditioned on the target's hidden states can learn to continue it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,12 +50,81 @@ def generate_synthetic(path: str | Path, n: int, seed: int = 0, vocab: int = 409
     return path
 
 
-def load_dataset(path: str | Path, vocab: int, max_len: int | None = None) -> list[np.ndarray]:
-    """Samples as int64 arrays, in file order; DatasetError naming file:line on a bad record."""
+@dataclass
+class TokenData:
+    ids: list[np.ndarray]
+    loss_masks: list[np.ndarray]  # uint8, 1 = a response token (anchors and labels go there)
+    truncated: int = 0  # samples cut to max_len
+    tokens_dropped: int = 0
+    truncated_where: list[str] = field(default_factory=list)  # file:line of the first few
+
+    def report(self, max_len: int | None) -> str:
+        """One line for the run log; empty when nothing was cut."""
+        if not self.truncated:
+            return ""
+        where = ", ".join(self.truncated_where)
+        return (f"# truncated {self.truncated} of {len(self.ids)} samples to --max-len {max_len} "
+                f"({self.tokens_dropped} tokens dropped; first: {where})")
+
+
+def load_tokenizer(path: str | Path):
+    """The target's tokenizer (with its chat template) from a local directory, through the same
+    loader as stage-1 (train.common.hf_local); DatasetError (one line) if it is absent."""
+    from train.common.hf_local import HFLocalError
+    from train.common.hf_local import load_tokenizer as load_local
+
+    try:
+        tok = load_local(path)
+    except HFLocalError as exc:
+        raise DatasetError(f"--tokenizer: {exc}") from None
+    if not getattr(tok, "chat_template", None):
+        raise DatasetError(f"--tokenizer {path}: the tokenizer has no chat template; conversations need one")
+    return tok
+
+
+def _template_ids(tok: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    if isinstance(out, dict) or hasattr(out, "keys"):  # a BatchEncoding in newer transformers
+        out = out["input_ids"]
+    return list(out)
+
+
+def tokenize_conversation(tok: Any, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, loss_mask) of a conversation in the tokenizer's chat template.
+
+    Turn i's tokens are those the template adds for messages[:i+1] beyond messages[:i] plus the
+    assistant header (add_generation_prompt): so the mask covers what the assistant wrote, its
+    end-of-turn token included, and never its header. ValueError if the template is not
+    prefix-stable (a later turn re-renders an earlier one).
+    """
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
+            raise ValueError('each turn must be {"role": "system"|"user"|"assistant", "content": str}')
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("a conversation needs at least one assistant turn")
+    ids = _template_ids(tok, messages, generation_prompt=False)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = _template_ids(tok, messages[:i], generation_prompt=True) if i else []
+        upto = _template_ids(tok, messages[: i + 1], generation_prompt=False)
+        if ids[: len(upto)] != upto or upto[: len(head)] != head:
+            raise ValueError("the chat template is not prefix-stable, so assistant tokens cannot be located")
+        mask[len(head): len(upto)] = 1
+    return np.asarray(ids, dtype=np.int64), mask
+
+
+def load_records(path: str | Path, vocab: int, max_len: int | None = None, tokenizer: Any = None) -> TokenData:
+    """Samples and their loss masks, in file order; DatasetError naming file:line on a bad record.
+
+    `tokenizer`: the target's (load_tokenizer), needed only by conversation records.
+    """
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
-    samples: list[np.ndarray] = []
+    data = TokenData([], [])
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -55,17 +132,40 @@ def load_dataset(path: str | Path, vocab: int, max_len: int | None = None) -> li
             where = f"{path}:{n}"
             try:
                 rec = json.loads(line)
-                ids = np.asarray(rec["input_ids"], dtype=np.int64)
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise DatasetError(f"{where}: malformed record ({type(exc).__name__}: {exc}); "
-                                   'expected {"id": ..., "input_ids": [int, ...]}') from None
+                turns = rec.get("conversations", rec.get("messages")) if isinstance(rec, dict) else None
+                if turns is not None:
+                    if tokenizer is None:
+                        raise DatasetError(f"{where}: a conversation record needs the target's tokenizer "
+                                           "(--tokenizer DIR, the target checkpoint's directory)")
+                    ids, mask = tokenize_conversation(tokenizer, turns)
+                else:
+                    ids = np.asarray(rec["input_ids"], dtype=np.int64)
+                    mask = (np.asarray(rec["loss_mask"], dtype=np.uint8) if "loss_mask" in rec
+                            else np.ones(ids.shape, dtype=np.uint8))
+            except DatasetError:
+                raise
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise DatasetError(f"{where}: malformed record ({type(exc).__name__}: {exc}); expected "
+                                   '{"id", "input_ids": [int, ...]} or {"id", "conversations": [...]}') from None
             if ids.ndim != 1 or ids.size < 2:
                 raise DatasetError(f"{where}: input_ids must be a list of at least 2 token ids")
+            if mask.shape != ids.shape or (mask.size and mask.max() > 1):
+                raise DatasetError(f"{where}: loss_mask must be 0/1, one per input id")
             if ids.min() < 0 or ids.max() >= vocab:
                 raise DatasetError(f"{where}: token id out of range [0, {vocab})")
             if max_len is not None and ids.size > max_len:
-                ids = ids[:max_len]
-            samples.append(ids)
-    if not samples:
+                data.truncated += 1
+                data.tokens_dropped += int(ids.size - max_len)
+                if len(data.truncated_where) < 3:
+                    data.truncated_where.append(where)
+                ids, mask = ids[:max_len], mask[:max_len]
+            data.ids.append(ids)
+            data.loss_masks.append(mask)
+    if not data.ids:
         raise DatasetError(f"{path}: no samples")
-    return samples
+    return data
+
+
+def load_dataset(path: str | Path, vocab: int, max_len: int | None = None) -> list[np.ndarray]:
+    """Token ids only (load_records without the masks)."""
+    return load_records(path, vocab, max_len).ids

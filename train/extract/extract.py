@@ -24,7 +24,7 @@ import os
 import shlex
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,16 +36,20 @@ from train.common.config import ConfigError, opt, parse_config
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.runtime import Runtime
-from train.extract.data import DatasetError, generate_synthetic, load_dataset
+from train.extract.data import DatasetError, TokenData, generate_synthetic, load_records, load_tokenizer
 from train.extract.shards import (
     HEAD,
     META,
     ShardEntry,
     ShardError,
+    bytes_per_token,
+    check_disk,
+    nonfinite,
     read_index,
     remove_tmp_files,
     shard_keys,
     shard_name,
+    verify_shard,
     write_index,
     write_shard,
 )
@@ -58,8 +62,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class ExtractConfig:
     preset: str = opt("tiny", help="the target's model shape (train/stage1/model.py)")
     init_from: str | None = opt(None, help="local transformers checkpoint dir of the target")
-    data: str | None = opt(None, help='jsonl, one {"id", "input_ids": [...]} per line '
-                                      "(default: <out>/data.jsonl, synthetic, made when absent)")
+    data: str | None = opt(None, help='jsonl, one {"id", "input_ids": [...]} or {"id", "conversations": [...]} '
+                                      "per line (default: <out>/data.jsonl, synthetic, made when absent)")
+    tokenizer: str | None = opt(None, help="local dir of the target's tokenizer + chat template, for "
+                                           "conversations (default: --init-from)")
     synthetic_samples: int = opt(160)
     out: str = opt(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/extract-local",
                    help="shard directory (default: $LAUNCH_JOB_DIR, else ./runs/extract-local)")
@@ -67,7 +73,8 @@ class ExtractConfig:
     n_layers: int = opt(5, help="without --layers: how many, spread over 1..L-3")
     token_budget: int = opt(8192, help="padded tokens per batch/shard (65536 on an H200)")
     max_len: int = opt(8192)
-    dtype: str = opt("bfloat16", choices=tuple(DTYPES), help="storage dtype of the hidden states")
+    dtype: str = opt("bfloat16", choices=tuple(DTYPES),
+                     help="storage dtype of the hidden states (bf16 halves fp32's ~24 KiB/token of the reference run)")
     seed: int = opt(0)
     sync_cmd: str | None = opt(None, help="shell template with {src} and {name}, run per finished shard")
     sync_check_cmd: str | None = opt(None, help="shell template with {name} printing the copy's sha256 first; "
@@ -191,6 +198,7 @@ class Extraction:
     base: torch.nn.Module
     capture: HiddenCapture
     samples: list[np.ndarray]
+    loss_masks: list[np.ndarray]
     lengths: np.ndarray
     plan: list[list[int]]
     mine: dict[str, ShardEntry]  # this rank's index
@@ -237,14 +245,20 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
         if dist_info.is_main and not data_path.exists():
             generate_synthetic(data_path, cfg.synthetic_samples, seed=cfg.seed, vocab=spec.vocab.base_vocab)
         rt.barrier()  # every rank reads the file rank 0 wrote
-    samples = load_dataset(data_path, vocab=model.config.vocab_size, max_len=cfg.max_len)
+    records = load_token_data(cfg, data_path, model.config.vocab_size)
+    samples = records.ids
+    if records.truncated:
+        rt.print(records.report(cfg.max_len))
     lengths = np.array([len(s) for s in samples])
     plan = plan_batches(lengths, cfg.token_budget)
+    # Before anything is written: the estimate, and a refusal when the filesystem lacks the space.
+    check_disk(out, disk_needed(out, plan, lengths, len(layers), model, cfg), rt.print)
     meta = {
         "preset": cfg.preset, "init_from": cfg.init_from, "layers": layers, "hidden_size": model.config.hidden_size,
         "vocab_size": model.config.vocab_size, "dtype": cfg.dtype, "data": str(data_path.resolve()),
         "samples": len(samples), "shards": len(plan), "token_budget": cfg.token_budget, "seed": cfg.seed,
         "plan_sha256": hashlib.sha256(json.dumps(plan).encode()).hexdigest(),
+        "truncated": records.truncated, "target_config": target_config(model),
     }
     if (out / META).exists():
         old = json.loads((out / META).read_text())
@@ -271,7 +285,8 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
     write_index(out, dist_info.rank, mine)
     rt.log.header({"preset": cfg.preset, "layers": layers, "samples": len(samples), "shards": len(plan),
                    "world": dist_info.world_size, "device": rt.device.type, "lm_head": "never called"})
-    return Extraction(cfg, model.model, HiddenCapture(model.model, layers), samples, lengths, plan, mine)
+    return Extraction(cfg, model.model, HiddenCapture(model.model, layers), samples, records.loss_masks, lengths,
+                      plan, mine)
 
 
 def already_done(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> bool:
@@ -279,7 +294,7 @@ def already_done(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> bool
     indexed (a crash after its rename: adopted)."""
     name, path = shard_name(k), rt.out / shard_name(k)
     entry = job.mine.get(name)
-    if entry is not None and (entry.location == "synced" or _whole(path, entry)):
+    if entry is not None and (entry.location == "synced" or _whole(path, entry, rt.print)):
         if entry.location == "local" and job.cfg.sync_cmd:
             entry.location = sync_shard(job.cfg, path, entry)
             write_index(rt.out, rt.dist.rank, job.mine)
@@ -302,10 +317,11 @@ def write_one(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> None:
     hidden, final = target_forward(job.base, job.capture, ids.to(rt.device))
     store = DTYPES[job.cfg.dtype]
     tensors = {
-        idx: {"input_ids": ids[r, :n].to(torch.int32),
+        idx: {"input_ids": ids[r, :n].to(torch.int32), "loss_mask": torch.from_numpy(job.loss_masks[idx]),
               "hidden": hidden[r, :n].to(store).cpu(), "final": final[r, :n].to(store).cpu()}
         for r, (idx, n) in enumerate(zip(batch, lens, strict=True))
     }
+    refuse_nonfinite(name, tensors)
     size, digest = write_shard(path, tensors, metadata={"samples": ",".join(map(str, batch))})
     entry = ShardEntry(batch, lens, size, digest)
     job.mine[name] = entry
@@ -339,9 +355,13 @@ def finish(job: Extraction, rt: Runtime) -> None:
         rt.print(f"# done: {json.dumps(summary)}")
 
 
-def _whole(path: Path, entry: ShardEntry) -> bool:
-    """An indexed local shard still there at its recorded size (else it is rewritten)."""
-    return path.is_file() and path.stat().st_size == entry.bytes
+def _whole(path: Path, entry: ShardEntry, say=print) -> bool:
+    """An indexed local shard still there with the size and sha256 it was written with (else it is
+    rewritten: a same-size bit flip shows only in the hash)."""
+    reason = verify_shard(path, entry)
+    if reason is not None and path.exists():
+        say(f"# rewriting {path.name}: {reason}")
+    return reason is None
 
 
 def _adoptable(path: Path, batch: list[int]) -> bool:
@@ -349,7 +369,53 @@ def _adoptable(path: Path, batch: list[int]) -> bool:
         keys = shard_keys(path)
     except ShardError:
         return False
-    return sorted({int(k.split(".")[0]) for k in keys}) == sorted(batch) and len(keys) == 3 * len(batch)
+    per_sample: dict[int, set[str]] = {}
+    for k in keys:
+        idx, _, name = k.partition(".")
+        per_sample.setdefault(int(idx), set()).add(name)
+    return sorted(per_sample) == sorted(batch) and all(v == set(SAMPLE_KEYS) for v in per_sample.values())
+
+
+SAMPLE_KEYS = ("input_ids", "loss_mask", "hidden", "final")
+
+
+def load_token_data(cfg: ExtractConfig, data_path: Path, vocab: int) -> TokenData:
+    """The dataset with its loss masks; the target's tokenizer is loaded only if the file has conversations."""
+    tokenizer_dir = cfg.tokenizer or cfg.init_from
+    try:
+        return load_records(data_path, vocab=vocab, max_len=cfg.max_len)
+    except DatasetError as exc:
+        if "needs the target's tokenizer" not in str(exc) or not tokenizer_dir:
+            raise
+    return load_records(data_path, vocab=vocab, max_len=cfg.max_len, tokenizer=load_tokenizer(tokenizer_dir))
+
+
+def target_config(model: torch.nn.Module) -> dict:
+    """The target's text config fields the drafter is shaped by (train.dflash.model.TargetShape)."""
+    from train.dflash.model import TargetShape
+
+    return asdict(TargetShape.from_config(getattr(model.config, "text_config", model.config)))
+
+
+def disk_needed(out: Path, plan: list[list[int]], lengths: np.ndarray, n_layers: int, model: torch.nn.Module,
+                cfg: ExtractConfig) -> int:
+    """Bytes still to write under `out`: bytes/token x tokens of the shards not yet indexed (with a
+    verified sync, shards are deleted once copied: only the largest is here at a time), plus the
+    target head if it is not there yet."""
+    done = read_index(out) if out.is_dir() else {}
+    per_token = bytes_per_token(n_layers, model.config.hidden_size, cfg.dtype)
+    sizes = [per_token * int(lengths[b].sum()) for k, b in enumerate(plan) if shard_name(k) not in done]
+    need = (max(sizes) if cfg.sync_check_cmd else sum(sizes)) if sizes else 0
+    if not (out / HEAD).exists():
+        need += 4 * (model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel())
+    return need
+
+
+def refuse_nonfinite(name: str, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
+    bad = [f"{i}.{k}" for i, t in tensors.items() for k in nonfinite(t)]
+    if bad:
+        raise ShardError(f"{name}: the target produced non-finite hidden states ({', '.join(bad[:3])}); "
+                         "nothing written (check --init-from and the dtype)")
 
 
 __all__ = ["ExtractConfig", "extract", "main"]

@@ -8,6 +8,7 @@ Layout of an extraction directory:
                                   "{i}.hidden"    [len, n_layers * hidden]  (captured layers, concatenated)
                                   "{i}.final"     [len, hidden]  (last layer after the final norm: the
                                                   verifier's input; lm_head is applied later, at anchors only)
+                                  "{i}.loss_mask" uint8 [len]  (1 = response token; anchors go there)
     index.00000.json          per writing rank: shard name -> samples, lengths, bytes, sha256, location
 
 A shard becomes visible only by an atomic rename after fsync, and enters the index (itself
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from toolkit.fsutil import atomic_write_bytes, atomic_write_text
+from toolkit.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
 
 META = "meta.json"
 HEAD = "target_head.safetensors"
@@ -79,6 +81,47 @@ def shard_keys(path: Path) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ShardError(f"{path}: corrupt shard ({exc}); delete it and re-run extraction to rewrite it") from None
     return [k for k in header if k != "__metadata__"]
+
+
+def verify_shard(path: Path, entry: ShardEntry) -> str | None:
+    """Why an indexed shard cannot be trusted, or None: present, its size and sha256 those the index
+    recorded when it was written, its header whole. A same-size bit flip shows only in the hash."""
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != entry.bytes:
+        return f"{size} bytes, index says {entry.bytes}"
+    digest = sha256_file(path)
+    if digest != entry.sha256:
+        return f"sha256 {digest[:12]}... differs from the index's {entry.sha256[:12]}... (the bytes changed on disk)"
+    try:
+        shard_keys(path)
+    except ShardError as exc:
+        return str(exc).split(": ", 1)[-1]
+    return None
+
+
+def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding NaN or inf."""
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def bytes_per_token(n_layers: int, hidden: int, dtype: str) -> int:
+    """Shard bytes per token: captured layers + final state in `dtype`, int32 id, uint8 loss mask."""
+    return (n_layers + 1) * hidden * BYTES[dtype] + 4 + 1
+
+
+def check_disk(root: Path, need: int, say) -> None:
+    """Print the estimate; ShardError when the filesystem holding `root` has less free space."""
+    free = shutil.disk_usage(root).free
+    say(f"# disk: {need / 2**30:.3f} GiB needed, {free / 2**30:.3f} GiB free on {root}")
+    if need > free:
+        raise ShardError(f"{root}: extraction needs {need / 2**30:.3f} GiB ({need} bytes) and the filesystem has "
+                         f"{free / 2**30:.3f} GiB free; free space, use another --out, or --sync-cmd with "
+                         "--sync-check-cmd so shards leave as they are written")
 
 
 def read_shard(path: Path, expect_bytes: int | None = None) -> dict[int, dict[str, torch.Tensor]]:

@@ -52,7 +52,7 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from train.common.codebooks import CODEBOOK_NAMES, CodebookConfig
-from train.common.packing import Document, ImageInput, Packer, collate
+from train.common.packing import Document, ImageInput, collate, layout_packer, rows_per_batch
 from train.stage1.tokenizer import Stage1Tokenizer
 from train.stage1.vision import BadImage
 
@@ -255,6 +255,7 @@ class DataConfig:
     max_bad_fraction: float = 0.01
     num_workers: int = 1
     prefetch_factor: int = 4
+    packing: str = "rows"  # rows: batch_rows rows of row_len; flat: one stream of batch_rows*row_len (packing.py)
 
 
 def build_batch(
@@ -281,16 +282,16 @@ def build_batch(
             docs_used += 1
             yield doc
 
-    packer = Packer(row_len=cfg.row_len, pad_id=tok.pad_id, long_doc="split")
+    packer = layout_packer(cfg.packing, cfg.row_len, cfg.batch_rows, pad_id=tok.pad_id, long_doc="split")
     rows = []
     for row in packer.pack(documents()):
         rows.append(row)
-        if len(rows) == cfg.batch_rows:
+        if len(rows) == rows_per_batch(cfg.packing, cfg.batch_rows):
             break
     batch: dict[str, Any] = collate(rows)
     batch.update(
         batch_index=batch_index, n_docs=docs_used, bad_records=bad,
-        packing_efficiency=sum(r.n_real_tokens for r in rows) / (cfg.row_len * len(rows)),
+        packing_efficiency=sum(r.n_real_tokens for r in rows) / sum(r.input_ids.numel() for r in rows),
     )
     return batch
 

@@ -37,9 +37,10 @@ from train.common.distributed import DistInfo, slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.hf_local import HFLocalError, has_vision_tower
+from train.common.levers import Levers, apply_levers
 from train.common.losses import LossImplError, select_loss_impl
 from train.common.metrics import compile_counts, peak_memory_mb
-from train.common.packing import IGNORE_INDEX, model_kwargs
+from train.common.packing import IGNORE_INDEX, model_kwargs, resolve_layout
 from train.common.profiler import StepProfiler, StepTiming, rank_spread
 from train.common.runtime import Runtime, pick_device
 from train.common.shapes import SHAPES, get_shape
@@ -98,6 +99,17 @@ class Stage1Config:
     asset_lengths: str | None = opt(None, help="codes per 3D asset SS,SHAPE,TEX, each a number or any "
                                     "(default: the shape's)")
     export: bool = opt(True, help="export the last checkpoint as a transformers checkpoint")
+    # Speed levers (train/common/levers.py, measured by bench/stage1_levers.py); auto: on CUDA, off on CPU.
+    compile: str = opt("auto", choices=("auto", "on", "off"),
+                       help="regional torch.compile of the decoder layers (auto: on CUDA, off on CPU)")
+    attention: str = opt("auto", choices=("auto", "varlen", "sdpa"),
+                         help="full-attention kernel: varlen per document, or sdpa with a block-diagonal mask "
+                              "(auto: varlen on CUDA, sdpa on CPU)")
+    act_ckpt: int = opt(0, help="decoder layers with activation checkpointing (0: none)")
+    packing: str = opt("auto", choices=("auto", "flat", "rows"),
+                       help="batch layout: flat (one stream of batch_rows x row_len) or rows (auto: flat on CUDA)")
+    conv_impl: str = opt("auto", choices=("auto", "causal-conv1d", "fla"),
+                         help="GDN short-conv kernel on CUDA (auto: causal-conv1d when installed, else fla's Triton)")
 
 
 def parse_args(argv: list[str] | None) -> Stage1Config:
@@ -114,8 +126,8 @@ def validate(cfg: Stage1Config) -> None:
     for name in ("steps", "batch_rows", "row_len", "log_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.ckpt_every < 0 or cfg.max_bad_steps < 0:
-        raise ConfigError("--ckpt-every and --max-bad-steps must be >= 0")
+    if cfg.ckpt_every < 0 or cfg.max_bad_steps < 0 or cfg.act_ckpt < 0:
+        raise ConfigError("--ckpt-every, --max-bad-steps and --act-ckpt must be >= 0")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.vision and SHAPES[cfg.shape].vision is None:
@@ -292,7 +304,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         rt.print(f"# generated synthetic data in {data_dir}: {counts}")
     rt.barrier()
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
-    kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path)
+    kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path, conv=cfg.conv_impl)
     dtype = torch.bfloat16 if rt.device.type == "cuda" else torch.float32
     # The tokenizer first: a checkpoint whose tokenizer does not fit fails before the model is built.
     tok = build_tokenizer(get_shape(cfg.shape), cfg.init_from, bool(cfg.vision), codebooks)
@@ -301,6 +313,8 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     if rt.dist.is_main:
         write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
     fastpath.install_kernels(model, kernels)
+    lever_lines = apply_levers(model, rt.device, Levers(cfg.compile, cfg.attention, cfg.act_ckpt))
+    packing = resolve_layout(cfg.packing, rt.device.type)
     loss_impl = select_loss_impl(rt.device, cfg.loss_impl)
     stepper = make_stepper(CausalLMObjective(model, loss_impl), model, cfg, rt.device, rt.dist, ds)
     _, latest = rt.checkpoints(cfg.keep_checkpoints, restart=cfg.restart)
@@ -310,7 +324,8 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         rt.print(f"# resumed from {latest} at step {rt.step}, next batch {data_state['next_batch']}")
     data = Stage1Data(
         DataConfig(str(data_dir), row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
-                   weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers),
+                   weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers,
+                   packing=packing),
         tok, rank=rt.dist.rank, start_batch=int(data_state["next_batch"]), report=rt.print,
     )
     flops_per_token, peak, peak_source = mfu_terms(model, cfg, rt.device)
@@ -323,6 +338,8 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         "optimizer": stepper.name, "vision_params": spec.n_vision_params,
     })
     rt.print("# " + kernels.header().replace("\n", "\n# "))
+    for line in [f"packing: {packing}", *lever_lines]:
+        rt.print(f"# {line}")
     model.train()
     return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), flops_per_token, peak)
 

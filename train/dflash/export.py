@@ -1,0 +1,140 @@
+"""A trained drafter as a directory serving engines load: config.json + model.safetensors.
+
+The layout is that of the published DFlash drafters (z-lab's `DFlashDraftModel`), which SGLang's
+DFlash loader (python/sglang/srt/models/dflash.py, config parsed by
+python/sglang/srt/speculative/dflash_utils.py `parse_dflash_draft_config`) and vLLM's
+(vllm/model_executor/models/qwen3_dflash.py, registry arch "DFlashDraftModel") read:
+  - config.json: a Qwen3 config (`model_type: qwen3`, architectures ["DFlashDraftModel"]) with the
+    drafter's shape (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+    head_dim, intermediate_size, rms_norm_eps, rope_parameters, max_position_embeddings,
+    vocab_size), `num_target_layers`, and `dflash_config` {target_layer_ids, block_size,
+    mask_token_id}; `eagle_aux_hidden_state_layer_ids` (= target_layer_ids + 1, vLLM's capture
+    points) for vLLM versions that read only that field;
+  - model.safetensors: layers.{i}.{input_layernorm, post_attention_layernorm}.weight,
+    layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
+    layers.{i}.mlp.{gate,up,down}_proj.weight, fc.weight, hidden_norm.weight, norm.weight. No
+    embedding and no lm_head: the engines use the target's.
+`load_export` is the project's own loader of that directory (tests reload through it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.fsutil import atomic_write_bytes, atomic_write_text, fsync_path
+from train.common.checkpoint import CheckpointError, CheckpointManager, step_dir_name, verify
+from train.dflash.model import Drafter, DrafterConfig
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+
+
+def hf_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The drafter's config.json (see the module docstring for who reads which field)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,  # engines that predate rope_parameters
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "is_causal": False,  # blocks attend bidirectionally (vLLM reads this per layer)
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "use_cache": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "num_target_layers": cfg.num_target_layers,
+        "block_size": cfg.block_size,
+        "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
+                          "mask_token_id": cfg.mask_token_id},
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+    }
+
+
+def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
+    dflash = data.get("dflash_config") or {}
+    rope = data.get("rope_parameters") or {}
+    return DrafterConfig(
+        hidden_size=int(data["hidden_size"]), target_layer_ids=[int(i) for i in dflash["target_layer_ids"]],
+        num_target_layers=int(data.get("num_target_layers") or dflash.get("num_target_layers")),
+        vocab_size=int(data["vocab_size"]), num_layers=int(data["num_hidden_layers"]),
+        num_heads=int(data["num_attention_heads"]), num_kv_heads=int(data["num_key_value_heads"]),
+        head_dim=int(data["head_dim"]), intermediate_size=int(data["intermediate_size"]),
+        block_size=int(dflash.get("block_size", data.get("block_size", 16))),
+        mask_token_id=int(dflash["mask_token_id"]), rope_theta=float(rope.get("rope_theta", data.get("rope_theta"))),
+        rms_eps=float(data["rms_norm_eps"]), max_position_embeddings=int(data["max_position_embeddings"]))
+
+
+def write_export(drafter: Drafter, out: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the directory atomically: a temp dir, each file fsynced, renamed into place."""
+    from safetensors.torch import save
+
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    atomic_write_bytes(tmp / WEIGHTS, save(weights, metadata={"format": "pt"}))
+    atomic_write_text(tmp / CONFIG, json.dumps(hf_config(drafter.cfg, name), indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    fsync_path(out.parent)
+    return out
+
+
+def load_export(path: str | Path, device: str | torch.device = "cpu") -> Drafter:
+    """The project's loader of an exported directory: config.json -> Drafter, weights strict."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        cfg = config_from_hf(json.loads((path / CONFIG).read_text()))
+        weights = load_file(str(path / WEIGHTS))
+    except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not an exported DFlash drafter ({type(exc).__name__}: {exc})") from None
+    drafter = Drafter(cfg)
+    drafter.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
+    return drafter.to(device)
+
+
+def export_checkpoint(job_dir: Path, step: int | None, out: Path | None) -> Path:
+    """`launch export JOB` for DFlash runs: the checkpoint at `step` (None: the latest) of the run
+    in `job_dir`, written to `out` (None: <job_dir>/export/step_XXXXXXXX). Returns the directory."""
+    job_dir = Path(job_dir)
+    ckpts = CheckpointManager(job_dir / "checkpoints")
+    if step is None:
+        ckpt = ckpts.latest()
+        if ckpt is None:
+            raise CheckpointError(f"{job_dir}: no checkpoints/ to export (has the run saved one yet?)")
+    else:
+        ckpt = job_dir / "checkpoints" / step_dir_name(step)
+        if not ckpt.is_dir():
+            have = sorted(p.name for p in (job_dir / "checkpoints").glob("step_*"))
+            raise CheckpointError(f"{ckpt}: no checkpoint at step {step} (there are: {', '.join(have) or 'none'})")
+        verify(ckpt)
+    state = torch.load(ckpt / "drafter.pt", map_location="cpu", weights_only=False)
+    drafter = Drafter(DrafterConfig(**state["drafter_config"]))
+    drafter.load_state_dict(state["model"])
+    return write_export(drafter, Path(out) if out else job_dir / "export" / ckpt.name)
+
+
+__all__ = ["export_checkpoint", "hf_config", "load_export", "write_export"]

@@ -1,0 +1,213 @@
+"""Regenerate the assistant turns of a conversation dataset with the target itself.
+
+The DFlash method trains the drafter on the target's own responses, so that the drafter learns
+what the target will say, not what the dataset's authors wrote. For each conversation, every
+assistant turn is replaced, in order, by the target's generation given the turns before it
+(earlier turns already regenerated), through transformers' batched `generate` with the sampling
+settings of the job spec (`--temperature`, `--top-p`, `--top-k`, `--max-new-tokens`).
+
+`python -m train.regen --init-from TARGET_DIR --data chat.jsonl` runs behind the Slurm guard;
+`main(argv, guard=False)` only for tests. The target (weights, tokenizer and chat template) is
+loaded from its local directory with transformers' Auto classes.
+
+Output under --out (default $LAUNCH_JOB_DIR):
+    part_00007.jsonl   one file per batch of --batch-size conversations (atomic: tmp, fsync,
+                       rename): `{"id", "conversations": [...], "regenerated": n_turns}` lines
+    data.jsonl         all parts in dataset order, written once every part exists: the input of
+                       `launch submit extract --arg data=...` and of online DFlash training
+    meta.json          the settings; a re-run with other settings in the same --out is refused
+A re-run resumes: a part whose lines parse and match its batch is kept, anything else rewritten.
+Sampling is seeded per part (seed, part), so a resumed part regenerates the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.fsutil import atomic_write_text
+from train.common.config import ConfigError, opt, parse_config
+from train.common.entrypoint import run_entrypoint
+from train.common.fastpath import FastPathError
+from train.extract.data import DatasetError, load_tokenizer
+
+ENTRYPOINT = "train.regen"
+META = "meta.json"
+
+
+@dataclass
+class RegenConfig:
+    init_from: str = opt("", help="the target's local checkpoint dir (weights, tokenizer, chat template)")
+    data: str = opt("", help='jsonl of {"id", "conversations": [...]}')
+    tokenizer: str | None = opt(None, help="the target's tokenizer dir (default: --init-from)")
+    out: str = opt(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/regen-local",
+                   help="output dir (default: $LAUNCH_JOB_DIR, else ./runs/regen-local)")
+    batch_size: int = opt(16, help="conversations per generate call (= per part file)")
+    max_new_tokens: int = opt(1024)
+    temperature: float = opt(0.7, help="0 = greedy")
+    top_p: float = opt(0.8)
+    top_k: int = opt(20)
+    seed: int = opt(0)
+    stop_after: int | None = opt(None, parse=int, help="write at most this many parts, then stop")
+    allow_slow_path: bool = opt(False)
+
+
+SETTINGS = ("init_from", "data", "batch_size", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+def parse_args(argv: list[str] | None) -> RegenConfig:
+    cfg = parse_config(RegenConfig, argv, "python -m train.regen", "regenerate assistant turns with the target")
+    if not cfg.init_from or not cfg.data:
+        raise ConfigError("needs --init-from <the target's checkpoint dir> and --data <conversations jsonl>")
+    if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or cfg.top_k < 0:
+        raise ConfigError("--batch-size and --max-new-tokens must be >= 1, --top-k >= 0")
+    if not (cfg.temperature >= 0 and math.isfinite(cfg.temperature)) or not 0 < cfg.top_p <= 1:
+        raise ConfigError("--temperature must be >= 0 and --top-p in (0, 1]")
+    return cfg
+
+
+def main(argv: list[str] | None = None, guard: bool = True) -> int:
+    return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=regen, guard=guard,
+                          run_errors=(DatasetError, FastPathError, ValueError, OSError))
+
+
+def read_conversations(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such dataset file")
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                turns = rec.get("conversations", rec.get("messages"))
+                if not isinstance(turns, list) or not all(isinstance(t, dict) and t.get("role") in
+                                                          ("system", "user", "assistant") for t in turns):
+                    raise ValueError('"conversations" must be a list of {"role", "content"} turns')
+                if not any(t["role"] == "assistant" for t in turns):
+                    raise ValueError("no assistant turn to regenerate")
+            except (json.JSONDecodeError, AttributeError, ValueError) as exc:
+                raise DatasetError(f"{path}:{n}: malformed conversation ({exc})") from None
+            out.append({"id": rec.get("id", n - 1), "conversations": turns})
+    if not out:
+        raise DatasetError(f"{path}: no conversations")
+    return out
+
+
+def part_name(k: int) -> str:
+    return f"part_{k:05d}.jsonl"
+
+
+def part_done(path: Path, batch: list[dict[str, Any]]) -> bool:
+    """A part written whole for this batch (same ids, in order, every line parsing)."""
+    if not path.is_file():
+        return False
+    try:
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except json.JSONDecodeError:
+        return False
+    return [r.get("id") for r in lines] == [r["id"] for r in batch]
+
+
+def load_target(cfg: RegenConfig, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    path = Path(cfg.init_from)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--init-from {path}: no config.json there; give the target's local checkpoint dir")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    return model.to(device).eval()
+
+
+def generate_turns(model, tok, prompts: list[list[dict[str, str]]], cfg: RegenConfig, seed: int,
+                   device: torch.device) -> list[str]:
+    """One batched generate: the assistant's next turn for each prompt (left padding)."""
+    texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    torch.manual_seed(seed)
+    sample = cfg.temperature > 0
+    kwargs: dict[str, Any] = {"do_sample": sample, "max_new_tokens": cfg.max_new_tokens,
+                              "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+    if sample:
+        kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    with torch.no_grad():
+        out = model.generate(**enc, **kwargs)
+    new = out[:, enc["input_ids"].shape[1]:]
+    return [tok.decode(row, skip_special_tokens=True) for row in new]
+
+
+def regenerate(model, tok, batch: list[dict[str, Any]], cfg: RegenConfig, seed: int, device: torch.device
+               ) -> list[dict[str, Any]]:
+    """Every assistant turn of every conversation in the batch, in order, batched across
+    conversations turn by turn (round r regenerates each conversation's r-th assistant turn)."""
+    convs = [[dict(t) for t in rec["conversations"]] for rec in batch]
+    slots = [[i for i, t in enumerate(c) if t["role"] == "assistant"] for c in convs]
+    for r in range(max(len(s) for s in slots)):
+        todo = [(c, s[r]) for c, s in enumerate(slots) if r < len(s)]
+        texts = generate_turns(model, tok, [convs[c][:i] for c, i in todo], cfg, seed * 1000 + r, device)
+        for (c, i), text in zip(todo, texts, strict=True):
+            convs[c][i]["content"] = text
+    return [{"id": rec["id"], "conversations": c, "regenerated": len(s)}
+            for rec, c, s in zip(batch, convs, slots, strict=True)]
+
+
+def regen(cfg: RegenConfig) -> int:
+    from train.common import fastpath
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)  # refuse a slow GPU path early
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: getattr(cfg, k) for k in SETTINGS}
+    settings["data"] = str(Path(cfg.data).resolve())
+    if (out / META).exists():
+        old = json.loads((out / META).read_text())
+        changed = [k for k in SETTINGS if old.get(k) != settings[k]]
+        if changed:
+            raise ConfigError(f"{out}: holds a regeneration with different {', '.join(changed)}; "
+                              "use a new --out or the same arguments as before")
+    else:
+        atomic_write_text(out / META, json.dumps(settings, indent=1) + "\n")
+    records = read_conversations(Path(cfg.data))
+    batches = [records[i:i + cfg.batch_size] for i in range(0, len(records), cfg.batch_size)]
+    tok = load_tokenizer(cfg.tokenizer or cfg.init_from)
+    model = load_target(cfg, device)
+    print(f"# regen: {len(records)} conversations, {len(batches)} parts, temperature={cfg.temperature} "
+          f"top_p={cfg.top_p} top_k={cfg.top_k} max_new_tokens={cfg.max_new_tokens} device={device.type}", flush=True)
+    t0, written, skipped = time.perf_counter(), 0, 0
+    for k, batch in enumerate(batches):
+        path = out / part_name(k)
+        if part_done(path, batch):
+            skipped += 1
+            continue
+        if cfg.stop_after is not None and written >= cfg.stop_after:
+            break
+        rows = regenerate(model, tok, batch, cfg, cfg.seed * 1_000_003 + k, device)
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+        written += 1
+        print(f"part {k + 1}/{len(batches)} | {len(batch)} conversations | "
+              f"{written * cfg.batch_size / (time.perf_counter() - t0):.2f} conv/s", flush=True)
+    complete = all(part_done(out / part_name(k), b) for k, b in enumerate(batches))
+    if complete:
+        atomic_write_text(out / "data.jsonl", "".join((out / part_name(k)).read_text() for k in range(len(batches))))
+    summary = {"parts": len(batches), "written": written, "skipped": skipped, "complete": complete,
+               "data": str((out / "data.jsonl").resolve()) if complete else None}
+    if complete:
+        atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    print(f"# done: {json.dumps(summary)}", flush=True)
+    return 0
+
+
+__all__ = ["RegenConfig", "main", "regen"]
