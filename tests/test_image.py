@@ -473,7 +473,8 @@ def test_container_from_the_template_has_gcc_python_dev_and_the_venv(built: dict
             "lxc_container_init_cmd": "/bin/sleep infinity",
             "lxc_container_template": str(manifest_path),
         }}}}},
-        "localhost_containers": {"hosts": {name: {"ct_cores": 1, "ct_memory_mb": 1024}}},
+        # The lxc backend makes privileged containers only (it says so unless told explicitly).
+        "localhost_containers": {"hosts": {name: {"ct_cores": 1, "ct_memory_mb": 1024, "ct_unprivileged": False}}},
     }}})
     playbook = tmp_path / "containers.yml"
     playbook.write_text(
@@ -541,7 +542,7 @@ def _flavour_container(tmp_path_factory: pytest.TempPathFactory, flavour: str):
             "lxc_container_backend": "lxc", "lxc_container_lxc_path": str(lxc_path),
             "lxc_container_template": str(manifest_path),
         }}}}},
-        "localhost_containers": {"hosts": {name: {"ct_cores": 2, "ct_memory_mb": 4096}}},
+        "localhost_containers": {"hosts": {name: {"ct_cores": 2, "ct_memory_mb": 4096, "ct_unprivileged": False}}},
     }}})
     playbook = tmp / "containers.yml"
     playbook.write_text("- name: Containers\n  hosts: container_hosts\n  gather_facts: false\n"
