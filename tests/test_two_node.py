@@ -145,6 +145,12 @@ def test_status_lists_both_nodes_and_up_refuses_other_resources(cluster: Embedde
     assert [ln.split()[:3] for ln in status.stdout.splitlines() if ln.startswith(NODES)][:2] == \
         [["node1", "debug*", "idle"], ["node2", "debug*", "idle"]]
     assert status.stdout.count(" running") == 6  # mariadb munged slurmdbd slurmctld 2x slurmd
+    as_json = launch(["cluster", "status", "--json", "--state-dir", str(cluster.state_dir)], cli_env)
+    assert as_json.returncode == 0, as_json.stdout + as_json.stderr
+    parsed = json.loads(as_json.stdout)
+    assert parsed["up"] and [d["running"] for d in parsed["daemons"]] == [True] * 6
+    assert [(n["name"], n["addr"], n["state"]) for n in parsed["nodes"]] == \
+        [("node1", "127.0.0.2", "idle"), ("node2", "127.0.0.3", "idle")]
 
     pids = cluster.running_daemons()
     other = launch(["cluster", "up", "--gpus", "3", "--state-dir", str(cluster.state_dir)], cli_env)

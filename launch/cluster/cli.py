@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from launch.cluster.embedded import EmbeddedCluster, default_state_dir
@@ -20,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epilog", help="Slurm Epilog executable")
     p.add_argument("--slurmd-timeout", type=positive_int, metavar="S",
                    help="seconds a silent node stays up before Slurm marks it DOWN (Slurm's default 300)")
+    p.add_argument("--json", action="store_true", help="status: one JSON object (daemons, nodes, GPUs)")
     p.add_argument("--state-dir", help=f"where configs, logs and data live (default {default_state_dir()})")
 
 
@@ -41,5 +43,9 @@ def run(args: argparse.Namespace) -> int:
         stopped = cluster.down(progress=lambda msg: print(f"[cluster] {msg}", flush=True))
         print("embedded cluster down" if stopped else f"no embedded cluster running in {cluster.state_dir}")
         return 0
+    if args.json:
+        status = cluster.status_dict()
+        print(json.dumps(status, indent=1))
+        return 0 if status["up"] else 1
     print(cluster.status_text())
     return 0 if cluster.is_up() else 1

@@ -599,6 +599,30 @@ class EmbeddedCluster:
             pass
 
     # ------------------------------------------------------------------ status
+    def status_dict(self) -> dict:
+        """What `status_text` shows, for `launch cluster status --json`: daemons, nodes (with
+        Slurm's own state for each), GPUs. `up` is False when no cluster was ever started here."""
+        state = self.read_state()
+        if state is None:
+            return {"state_dir": str(self.state_dir), "up": False, "daemons": [], "nodes": []}
+        running = self.running_daemons()
+        slurm_nodes: dict[str, dict] = {}
+        if "slurmctld" in running:
+            sinfo = self.slurm("sinfo", "-N", "-h", "-o", "%N|%P|%T|%c|%m|%G", check=False)
+            for line in sinfo.stdout.splitlines():
+                name, partition, node_state, cpus, mem, gres = (line.split("|") + [""] * 6)[:6]
+                slurm_nodes.setdefault(name, {"partitions": [], "state": node_state, "cpus": cpus,
+                                              "memory_mb": mem, "gres": gres})["partitions"].append(partition)
+        recorded = state.get("nodes", [])
+        return {
+            "state_dir": str(self.state_dir), "slurm_conf": str(self.slurm_conf), "up": self.is_up(),
+            "daemons": [{"name": n, "pid": state.get("pids", {}).get(n), "running": n in running}
+                        for n in self.daemon_names(state)],
+            "nodes": [{"name": n["name"], "addr": n.get("addr"), "port": n.get("port"),
+                       **slurm_nodes.get(n["name"], {"state": "unknown"})} for n in recorded],
+            "gpus_per_node": state.get("gpus"), "stand_in_gpus": bool(state.get("stand_in_gpus")),
+        }
+
     def status_text(self) -> str:
         state = self.read_state()
         if state is None:
