@@ -143,8 +143,10 @@ def test_infeasible_request_is_refused_in_one_line(launch_env):
 
 def test_follow_heartbeat_names_the_pending_reason_of_a_held_job(launch_env):
     blocker = _submit(launch_env, "--preset", "slow", "--no-preflight")
-    held = run_launch(["submit", "fixture", "--no-preflight", "--parsable", "--dependency", f"afterany:{blocker}"],
-                      launch_env)
+    # sleep=3: the job stays RUNNING across several of the follower's 1-s polls (a job that ends
+    # between two polls would go from PENDING straight to COMPLETED in what it prints).
+    held = run_launch(["submit", "fixture", "--no-preflight", "--parsable", "--arg", "sleep=3",
+                       "--dependency", f"afterany:{blocker}"], launch_env)
     assert held.returncode == 0, held.stderr
     job = held.stdout.strip()
     subprocess.run(["scontrol", "hold", job], env=launch_env, check=True, capture_output=True)
