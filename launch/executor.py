@@ -40,6 +40,9 @@ class SlurmOptions:
                                   ("exclude", self.exclude), ("dependency", self.dependency)) if v}
 
 
+INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
+
+
 def job_environment(job: ResolvedJob, folder: Path, scratch: str, extra_env: dict[str, str] | None = None) -> list[str]:
     """Shell lines for the sbatch script: where the job writes, its node-local caches, its env."""
     try:
@@ -47,6 +50,10 @@ def job_environment(job: ResolvedJob, folder: Path, scratch: str, extra_env: dic
     except ValueError as exc:
         raise LaunchError(f"--scratch: {exc}") from None
     lines = [
+        # A rendezvous left in the submitting shell (a torchrun or an in-process torch.distributed
+        # there) is not this job's: each job derives its own from its allocation. The spec's
+        # env and --env may still set them, below.
+        f"unset {' '.join(INHERITED_RENDEZVOUS)}",
         f"export LAUNCH_JOB_NAME={shlex.quote(job.spec.name)}",
         f'export LAUNCH_JOB_DIR={shlex.quote(str(folder))}/"${{SLURM_JOB_ID}}"',
         f"export LAUNCH_SCRATCH={scratch_word}",
