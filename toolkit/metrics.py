@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,30 +23,25 @@ from typing import Any
 def step_records(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Step records of a metrics.jsonl, sorted by step; the last record of a step wins (a resumed
     run logs its steps again), a torn line (a killed run) is skipped."""
-    by_step: dict[int, dict[str, Any]] = {}
-    with open(metrics) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get("event") == "step" and "step" in rec:
-                by_step[int(rec["step"])] = rec
+    by_step = {int(rec["step"]): rec for rec in _records(metrics, "step") if "step" in rec}
     return [by_step[s] for s in sorted(by_step)]
 
 
 def header_records(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The header records of a metrics.jsonl, in order: one per (re)start."""
-    out = []
+    return list(_records(metrics, "header"))
+
+
+def _records(metrics: str | os.PathLike[str], event: str) -> Iterator[dict[str, Any]]:
+    """The records of one event kind, in file order; a torn line (a killed run) is skipped."""
     with open(metrics) as f:
         for line in f:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(rec, dict) and rec.get("event") == "header":
-                out.append(rec)
-    return out
+            if isinstance(rec, dict) and rec.get("event") == event:
+                yield rec
 
 
 # --- the schema: what each trainer logs, how its console line reads, what `launch report` plots
