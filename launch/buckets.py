@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 
+from launch.values import int_range, nonneg_int
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", required=True, help="sample lengths: one per line, or a .npy array")
-    p.add_argument("--buckets", type=int, default=None, help="number of buckets (default: fewest within 3 points "
+    p.add_argument("--buckets", type=int_range(1, 4096), default=None, help="number of buckets (default: fewest within 3 points "
                    "of sorted batching)")
-    p.add_argument("--token-budget", type=int, default=None, help="padded tokens per batch (default 8 x longest)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-budget", type=int_range(1, 10**9), default=None, help="padded tokens per batch (default 8 x longest)")
+    p.add_argument("--seed", type=nonneg_int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:

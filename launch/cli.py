@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from launch.errors import LaunchError
+from launch.errors import LaunchError, debug
 
 # verb -> module that owns it. Each module exposes add_arguments(parser) and run(args) -> int.
 # Modules are imported only when their verb is built, so `launch --help` stays fast and a
@@ -88,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(runners[args.verb](args) or 0)
     except LaunchError as exc:
-        if os.environ.get("LAUNCH_DEBUG"):
+        if debug():
             raise
         print(f"launch {args.verb}: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -170,7 +170,10 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    jobs = registry.all_jobs()[-args.n:]
+    jobs, bad = registry.load()
+    jobs = jobs[-args.n:]
+    if bad:  # said, never silently dropped; the lines stay in the file
+        print(f"launch list: warning: {registry.unreadable_note(bad)}", file=sys.stderr)
     if not jobs:
         if args.json:
             print("[]")
@@ -314,6 +317,8 @@ def run_logs(args: argparse.Namespace) -> int:
     rec = registry.find(args.job_id)
     if args.from_start and not args.follow:
         raise LaunchError("--from-start goes with -f/--follow (without -f the whole log is shown)")
+    if not Path(rec.folder).is_dir():  # submitit makes it at submit time, so it was moved or deleted
+        raise LaunchError(f"job {rec.job_id}'s folder {rec.folder} is gone (moved or deleted?); its logs were there")
     if args.follow:
         return follow(rec, sys.stdout, from_start=args.from_start, task=args.task, all_tasks=args.all,
                       stderr_only=args.stderr, tail=args.tail or 0)
@@ -323,10 +328,13 @@ def run_logs(args: argparse.Namespace) -> int:
             continue
         found = True
         print(f"==> {path} <==")
-        with open(path, "rb") as f:
-            lines = (ln.decode(errors="replace").rstrip("\n") for ln in f)
-            for line in (deque(lines, maxlen=args.tail) if args.tail else lines):
-                print(prefix + line)
+        try:
+            with open(path, "rb") as f:
+                lines = (ln.decode(errors="replace").rstrip("\n") for ln in f)
+                for line in (deque(lines, maxlen=args.tail) if args.tail else lines):
+                    print(prefix + line)
+        except OSError as exc:
+            raise LaunchError(f"cannot read {path} ({exc.strerror})") from None
     if not found:
         st = job_state(rec.job_id, rec.slurm_env())
         print(f"no log yet for job {rec.job_id} (state {st['state']}); expected at {rec.stdout}")

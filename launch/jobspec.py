@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,9 +235,25 @@ class _SpecYAMLError(Exception):
     """A YAML construct job specs do not allow; carries the line it is on."""
 
 
+# PyYAML's int and float patterns without their base-60 forms (YAML 1.2 dropped them too).
+_PLAIN_NUMBERS = {
+    "tag:yaml.org,2002:int": re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    "tag:yaml.org,2002:float": re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?"
+                                          r"|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+}
+
+
+def _without_base60(resolvers: dict) -> dict:
+    return {first: [(tag, _PLAIN_NUMBERS.get(tag, regexp)) for tag, regexp in entries]
+            for first, entries in resolvers.items()}
+
+
 class _SpecLoader(yaml.SafeLoader):
     """safe_load that refuses duplicate keys (naming both lines) and aliases (an alias bomb
-    expands exponentially; specs have no use for them)."""
+    expands exponentially; specs have no use for them), and reads `2:00:00` as the text it is
+    (YAML 1.1 reads it as the base-60 integer 7200, which Slurm would take as 7200 minutes)."""
+
+    yaml_implicit_resolvers = _without_base60(yaml.SafeLoader.yaml_implicit_resolvers)
 
     def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
         if self.check_event(yaml.AliasEvent):
@@ -287,9 +304,14 @@ def load_spec(path: str | os.PathLike[str]) -> JobSpec:
     """Parse and validate one spec file."""
     source = Path(path)
     try:
-        raw = source.read_bytes()
+        # A FIFO or a device (/dev/zero) would block or never end: only a regular file, read bounded.
+        with open(source, "rb", buffering=0) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise LaunchError(f"{source}: not a regular file; a job spec is a .yaml file")
+            raw = f.read(MAX_SPEC_BYTES + 1)
+            raw += f.read(MAX_SPEC_BYTES + 1 - len(raw)) if len(raw) < MAX_SPEC_BYTES + 1 else b""
     except OSError as exc:
-        raise LaunchError(f"{source}: cannot read job spec ({exc.strerror})") from exc
+        raise LaunchError(f"{source}: cannot read job spec ({exc.strerror})") from None
     data = parse_yaml(raw, source)
     _check_mapping(data, SPEC_SCHEMA, "", source)
     resources = Resources(**_check_resources(data.get("resources", {}), "resources", source))
@@ -344,5 +366,9 @@ def find_spec(job: str) -> JobSpec:
         return load_spec(job)
     jobs = known_jobs()
     if job not in jobs:
-        raise LaunchError(f"unknown job '{job}' (known: {', '.join(jobs) or 'none'}; or give a path to a .yaml spec)")
+        # A LAUNCH_JOBS_PATH entry that is not a directory is the likely reason: say so.
+        odd = [p for p in os.environ.get("LAUNCH_JOBS_PATH", "").split(os.pathsep) if p and not Path(p).is_dir()]
+        where = f"; LAUNCH_JOBS_PATH names {', '.join(map(repr, odd))}, not a directory" if odd else ""
+        raise LaunchError(f"unknown job '{job}' (known: {', '.join(jobs) or 'none'}{where}; "
+                          "or give a path to a .yaml spec)")
     return load_spec(jobs[job])

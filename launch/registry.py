@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -12,6 +13,8 @@ from pathlib import Path
 
 from launch.errors import LaunchError
 from launch.fsutil import launch_home
+
+JOB_ID_RE = re.compile(r"\d{1,12}(_\d{1,6})?", re.ASCII)
 
 
 @dataclass
@@ -49,37 +52,110 @@ def registry_path() -> Path:
 
 def record(job: JobRecord) -> None:
     path = registry_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Appends of one line under an exclusive lock: concurrent submits never interleave.
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(json.dumps(asdict(job)) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Appends of one line under an exclusive lock: concurrent submits never interleave.
+        with open(path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(json.dumps(asdict(job)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise LaunchError(f"job {job.job_id} was queued but cannot be recorded in {path} ({exc.strerror}); "
+                          f"follow it with Slurm's own tools (squeue -j {job.job_id}, scancel {job.job_id})") from None
+
+
+def check_writable() -> None:
+    """Before queueing anything: the registry can take one more line (nothing is written)."""
+    path = registry_path()
+    target = path if path.exists() else path.parent
+    while not target.exists():
+        target = target.parent
+    if path.exists() and not path.is_file():
+        raise LaunchError(f"job registry {path} is not a file; move it aside, then submit again")
+    if not os.access(target, os.W_OK):
+        raise LaunchError(f"job registry {path} is not writable; fix its permissions or set LAUNCH_HOME")
+
+
+_KINDS = {"job_id": str, "name": str, "folder": str, "kind": str}
+
+
+def _record_problem(data: object) -> str | None:
+    """Why one parsed registry line is not a job record, or None."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not a record"
+    missing = [k for k, f in JobRecord.__dataclass_fields__.items()
+               if k not in data and f.default is dataclasses.MISSING]
+    if missing:
+        return f"no {', '.join(missing)}"
+    for key, kind in _KINDS.items():
+        if key in data and not isinstance(data[key], kind):
+            return f"{key} is not a string"
+    if not JOB_ID_RE.fullmatch(data["job_id"]):
+        return f"job_id {data['job_id']!r} is not a Slurm job id"
+    if any(data.get(k) is not None and not isinstance(data[k], str) for k in ("preset", "slurm_conf")):
+        return "preset or slurm_conf is not a string"
+    if isinstance(data["submitted_at"], bool) or not isinstance(data["submitted_at"], (int, float)):
+        return "submitted_at is not a time"
+    if not isinstance(data["argv"], list) or not all(isinstance(a, str) for a in data["argv"]):
+        return "argv is not a list of strings"
+    tasks, main = data.get("tasks", 1), data.get("main_task", 0)
+    if type(tasks) is not int or type(main) is not int or not 0 <= main < tasks:
+        return "tasks/main_task are not task counts"
+    return None
+
+
+def load() -> tuple[list[JobRecord], list[str]]:
+    """The records, oldest first, and one 'line N: why' for each line that is not one (a torn
+    last line from a crash, a hand edit). Nothing here rewrites the file."""
+    path = registry_path()
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return [], []
+    except OSError as exc:
+        raise LaunchError(f"cannot read the job registry {path} ({exc.strerror}); move it aside or set LAUNCH_HOME") from None
+    jobs, bad = [], []
+    known = set(JobRecord.__dataclass_fields__)
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            bad.append(f"line {n}: not UTF-8")
+            continue
+        except json.JSONDecodeError:
+            bad.append(f"line {n}: not JSON (torn or edited)")
+            continue
+        problem = _record_problem(data)
+        if problem:
+            bad.append(f"line {n}: {problem}")
+            continue
+        # A record from a newer launcher may carry fields this one does not know.
+        jobs.append(JobRecord(**{k: v for k, v in data.items() if k in known}))
+    return jobs, bad
 
 
 def all_jobs() -> list[JobRecord]:
-    path = registry_path()
-    if not path.exists():
-        return []
-    jobs = []
-    known = set(JobRecord.__dataclass_fields__)
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            data = json.loads(line)
-            # A record from a newer launcher may carry fields this one does not know.
-            jobs.append(JobRecord(**{k: v for k, v in data.items() if k in known}))
-        except (json.JSONDecodeError, TypeError, AttributeError):
-            continue  # a torn last line from a crash is skipped, not fatal
-    return jobs
+    return load()[0]
+
+
+def unreadable_note(bad: list[str]) -> str:
+    """'2 lines of ~/.launch/jobs.jsonl are not job records (line 3: not JSON, ...); left as they are'."""
+    first = ", ".join(bad[:2]) + (", ..." if len(bad) > 2 else "")
+    return f"{len(bad)} line(s) of {registry_path()} are not job records ({first}); left as they are"
 
 
 def find(job_id: str) -> JobRecord:
-    if not re.fullmatch(r"\d{1,12}(_\d{1,6})?", job_id):
+    if not JOB_ID_RE.fullmatch(job_id):
         raise LaunchError(f"'{job_id}' is not a Slurm job id (digits, e.g. 1234; see `launch list`)")
-    for job in reversed(all_jobs()):
+    jobs, bad = load()
+    for job in reversed(jobs):
         if job.job_id == job_id:
             return job
+    if bad:
+        raise LaunchError(f"job {job_id} is not in the registry, and {unreadable_note(bad)}")
     raise LaunchError(f"job {job_id} was not submitted from here (see `launch list`; registry {registry_path()})")
 
 

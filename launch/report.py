@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,16 @@ def resolve_metrics(job_or_dir: str) -> Path:
     )
 
 
-def read_steps(metrics: Path) -> list[dict[str, Any]]:
-    steps = step_records(metrics)
+def read_steps(metrics: Path, bad: list[str] | None = None) -> list[dict[str, Any]]:
+    """The step records; each line that is not one is named in `bad` ("line N: why")."""
+    bad = [] if bad is None else bad
+    try:
+        steps = step_records(metrics, bad)
+    except OSError as exc:
+        raise LaunchError(f"cannot read {metrics} ({exc.strerror})") from None
     if not steps:
-        raise LaunchError(f"{metrics} has no step records yet")
+        skipped = f" ({len(bad)} unreadable line(s): {', '.join(bad[:2])})" if bad else ""
+        raise LaunchError(f"{metrics} has no step records yet{skipped}")
     return steps
 
 
@@ -72,8 +79,29 @@ def run_title(metrics: Path, header: dict[str, Any] | None) -> str:
     return " ".join(str(x) for x in (job, preset, job_id) if x)
 
 
+def _number(x: Any) -> float | None:
+    """A finite number of a record, or None (absent, null, NaN, inf, text, true/false)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return None
+    return float(x)
+
+
 def _has_data(steps: list[dict[str, Any]], key: str) -> bool:
-    return any(isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) for r in steps)
+    return any(_number(r.get(key)) is not None for r in steps)
+
+
+def _task_losses(record: dict[str, Any]) -> dict[str, float]:
+    losses = record.get("task_loss")
+    if not isinstance(losses, dict):
+        return {}
+    return {str(t): v for t, v in ((t, _number(v)) for t, v in losses.items()) if v is not None}
+
+
+def _rank_times(record: dict[str, Any]) -> list[float]:
+    times = record.get("rank_fwd_ms")
+    if not isinstance(times, list) or not all(_number(t) is not None for t in times):
+        return []
+    return [float(t) for t in times]
 
 
 def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: Schema | None = None) -> list[Path]:
@@ -84,20 +112,26 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
     import matplotlib.pyplot as plt
 
     schema = schema or SCHEMAS["stage1"]
-    out_dir.mkdir(parents=True, exist_ok=True)
     x = [r["step"] for r in steps]
     written = []
 
     def save(fig: Any, name: str) -> None:
         path = out_dir / f"{name}.png"
         tmp = path.with_name(f".{path.name}.tmp")
-        fig.savefig(tmp, dpi=100, format="png")
-        plt.close(fig)
-        tmp.replace(path)  # atomic: a viewer never sees half a PNG
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            fig.savefig(tmp, dpi=100, format="png")
+            tmp.replace(path)  # atomic: a viewer never sees half a PNG
+        except OSError as exc:
+            if tmp.parent.is_dir():
+                tmp.unlink(missing_ok=True)
+            raise LaunchError(f"cannot write {path} ({exc.strerror}); give another --out directory") from None
+        finally:
+            plt.close(fig)
         written.append(path)
 
     def series(key: str, scale: float = 1.0) -> list[float]:
-        return [float(r[key]) * scale if isinstance(r.get(key), (int, float)) else float("nan") for r in steps]
+        return [v * scale if (v := _number(r.get(key))) is not None else float("nan") for r in steps]
 
     for plot in schema.plots:
         keys = [k for k in plot.keys if _has_data(steps, k)]
@@ -112,23 +146,24 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
         ax.grid(alpha=0.3)
         save(fig, plot.name)
 
-    tasks = sorted({t for r in steps for t in (r.get("task_loss") or {})})
+    task_losses = [_task_losses(r) for r in steps]
+    tasks = sorted({t for losses in task_losses for t in losses})
     if schema.per_task and tasks:
         fig, ax = plt.subplots(figsize=(7, 4))
         for task in tasks:
-            ax.plot(x, [(r.get("task_loss") or {}).get(task, float("nan")) for r in steps], lw=1.2, label=task)
+            ax.plot(x, [losses.get(task, float("nan")) for losses in task_losses], lw=1.2, label=task)
         ax.set(xlabel="step", ylabel="loss", title=f"{title}: loss per task")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         save(fig, "task_loss")
 
-    ranked = [r for r in steps if r.get("rank_fwd_ms")]
+    ranked = [(r["step"], times) for r in steps if (times := _rank_times(r))]
     if schema.per_rank and ranked:  # several ranks: each rank's forward time, where a straggler shows
         fig, ax = plt.subplots(figsize=(7, 4))
-        n_ranks = max(len(r["rank_fwd_ms"]) for r in ranked)
+        n_ranks = max(len(times) for _, times in ranked)
         for rank in range(n_ranks):
-            ax.plot([r["step"] for r in ranked],
-                    [r["rank_fwd_ms"][rank] if rank < len(r["rank_fwd_ms"]) else float("nan") for r in ranked],
+            ax.plot([step for step, _ in ranked],
+                    [times[rank] if rank < len(times) else float("nan") for _, times in ranked],
                     lw=1.0, label=f"rank {rank}")
         ax.set(xlabel="step", ylabel="forward ms", title=f"{title}: forward time per rank")
         if n_ranks <= 16:
@@ -140,14 +175,27 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
 
 def run(args: argparse.Namespace) -> int:
     metrics = resolve_metrics(args.job)
-    steps = read_steps(metrics)
+    bad: list[str] = []
+    steps = read_steps(metrics, bad)
     headers = header_records(metrics)
     header = headers[-1] if headers else None
     try:
         schema = schema_for(header)
     except ValueError as exc:
         raise LaunchError(f"{metrics}: {exc}") from None
+    if args.out is not None and not args.out.strip():
+        raise LaunchError("--out is empty; give a directory for the PNGs (default: <run dir>/plots)")
     out_dir = Path(args.out) if args.out else metrics.parent / "plots"
-    for path in write_plots(steps, out_dir, title=run_title(metrics, header), schema=schema):
+    if out_dir.exists() and not out_dir.is_dir():
+        raise LaunchError(f"{out_dir} is not a directory; give another --out")
+    if bad:  # the good records are drawn; the others are named, never silently dropped
+        more = f", and {len(bad) - 2} more" if len(bad) > 2 else ""
+        print(f"launch report: warning: {metrics}: skipped {', '.join(bad[:2])}{more}", file=sys.stderr)
+    written = write_plots(steps, out_dir, title=run_title(metrics, header), schema=schema)
+    if not written:  # an empty plot is no report
+        keys = sorted({k for plot in schema.plots for k in plot.keys})
+        raise LaunchError(f"{metrics}: none of its {len(steps)} step record(s) has a finite value for "
+                          f"{', '.join(keys)} (what a {schema.trainer} run logs); nothing drawn")
+    for path in written:
         print(path)
     return 0

@@ -86,6 +86,10 @@ def _first_meaningful(text: str) -> str:
 def run_slurm(argv: list[str], env_extra: dict[str, str] | None = None,
               timeout: float = 30) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **(env_extra if env_extra is not None else slurm_env())}
+    conf = env.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():
+        # Slurm's clients would wait for DNS SRV records of a controller, then give up in 30 s.
+        raise LaunchError(f"no Slurm reachable: tried SLURM_CONF={conf}, and that file does not exist; {UP_HINT}")
     try:
         return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError as exc:

@@ -81,8 +81,45 @@ def _apply_overrides(job: ResolvedJob, args: argparse.Namespace) -> None:
     for item in args.arg:
         key, sep, value = item.partition("=")
         if not sep or not values.SHELL_NAME_RE.fullmatch(key.replace("-", "_")):
-            raise LaunchError(f"--arg '{item}': expected KEY=VALUE with KEY an argument name (e.g. --arg steps=10)")
+            raise LaunchError(f"--arg {item!r}: expected KEY=VALUE with KEY an argument name (e.g. --arg steps=10)")
+        if "\0" in value:
+            raise LaunchError(f"--arg {item!r}: the value contains a NUL byte, which no command line can carry")
         job.args[key.replace("-", "_")] = value
+    for item in args.extra:
+        if "\0" in item:
+            raise LaunchError(f"argument {item!r} after --: contains a NUL byte, which no command line can carry")
+
+
+def _check_option_combinations(args: argparse.Namespace) -> None:
+    """Options that would be silently ignored together are errors."""
+    printed = [f for f, on in (("--follow", args.follow), ("--json", args.json), ("--parsable", args.parsable)) if on]
+    if args.dry_run and printed:
+        raise LaunchError(f"{printed[0]} is about a submitted job, and --dry-run submits none; drop one of them")
+    if args.list_presets:
+        ignored = [f"--{k.replace('_', '-')}" for k in ("preset", "nodes", "gpus_per_node", "cpus_per_task", "mem_gb",
+                                                        "time", "partition", "name", "scratch", "runs_dir")
+                   if getattr(args, k) is not None]
+        ignored += [f for f, on in (("--arg", args.arg), ("--env", args.env), ("--dry-run", args.dry_run),
+                                    ("--follow", args.follow), ("--parsable", args.parsable), ("--", args.extra)) if on]
+        if ignored:
+            raise LaunchError(f"--list-presets submits nothing, so {', '.join(ignored)} would do nothing; "
+                              "use it alone (or with --json)")
+
+
+def job_folder(args: argparse.Namespace, spec: JobSpec) -> Path:
+    """<runs dir>/<job name>: its path reaches the #SBATCH --output/--error lines, where a
+    newline would start a new #SBATCH line and Slurm expands '%' patterns."""
+    if args.runs_dir is not None and not args.runs_dir.strip():
+        raise LaunchError("--runs-dir is empty; give a directory (default $LAUNCH_HOME/runs)")
+    runs = Path(args.runs_dir or launch_home() / "runs").expanduser().resolve()
+    bad = sorted({c for c in str(runs) if ord(c) < 32 or c in "%\x7f"})
+    if bad:
+        raise LaunchError(f"runs directory {str(runs)!r} has {', '.join(map(repr, bad))}: Slurm's --output/--error "
+                          "lines cannot carry it; choose another --runs-dir or LAUNCH_HOME")
+    for path in (runs, runs / spec.name):
+        if path.exists() and not path.is_dir():
+            raise LaunchError(f"runs directory {path} exists and is not a directory; choose another --runs-dir")
+    return runs / spec.name
 
 
 def check_entrypoint_args(spec: JobSpec, argv: list[str]) -> None:
@@ -91,6 +128,13 @@ def check_entrypoint_args(spec: JobSpec, argv: list[str]) -> None:
     imported here (a login node without the `train` extra's torch), is checked in the job."""
     try:
         parse = entry_parser(spec.entrypoint)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (spec.entrypoint + ".").startswith(exc.name + "."):
+            raise LaunchError(f"{spec.source}: key 'entrypoint': there is no module {spec.entrypoint!r} here "
+                              f"({exc}); nothing submitted") from None
+        print(f"launch submit: note: arguments not checked here ({spec.entrypoint} does not import: {exc}); "
+              "the job checks them", file=sys.stderr)
+        return
     except ImportError as exc:
         print(f"launch submit: note: arguments not checked here ({spec.entrypoint} does not import: {exc}); "
               "the job checks them", file=sys.stderr)
@@ -134,6 +178,7 @@ def list_presets(spec: JobSpec, as_json: bool) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_option_combinations(args)
     spec = find_spec(args.job)
     if args.list_presets:
         return list_presets(spec, args.json)
@@ -141,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     _apply_overrides(job, args)
     argv = job.argv(args.extra)
     check_entrypoint_args(spec, argv)
-    folder = Path(args.runs_dir or launch_home() / "runs").resolve() / spec.name
+    folder = job_folder(args, spec)
     scratch = args.scratch or spec.scratch
     options = SlurmOptions(name=args.name, account=args.account, qos=args.qos, constraint=args.constraint,
                            exclude=args.exclude, dependency=args.dependency, env=dict(args.env))
@@ -157,7 +202,11 @@ def run(args: argparse.Namespace) -> int:
     # The in-job preflight finds the spec (its lock) by name when it is a known job, else by path.
     spec_ref = spec.name if known_jobs().get(spec.name) == spec.source else str(spec.source.resolve())
     runner = EntrypointRun(spec.entrypoint, argv, spec_ref, preflight=not args.no_preflight, main_task=job.main_task)
-    folder.mkdir(parents=True, exist_ok=True)
+    registry.check_writable()  # a job queued but not recorded could not be followed from here
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot create the job folder {folder} ({exc.strerror}); choose another --runs-dir") from None
     try:
         submitted = executor.submit(runner)
     except Exception as exc:  # submitit wraps sbatch failures in several exception types

@@ -31,7 +31,24 @@ SHELL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SLURM_VALUE_RE = re.compile(r"[A-Za-z0-9_.,:@+=%\-\[\]&|*()!]{1,256}")
 _DEP_TYPES = "after|afterany|afterok|afternotok|aftercorr|afterburstbuffer"
 _DEP_ONE = rf"(?:singleton|(?:{_DEP_TYPES})(?::\d+(?:\+\d+)?)+)"
-DEPENDENCY_RE = re.compile(rf"{_DEP_ONE}(?:[,?]{_DEP_ONE})*")
+DEPENDENCY_RE = re.compile(rf"{_DEP_ONE}(?:[,?]{_DEP_ONE})*", re.ASCII)
+# Variables the sbatch script sets from the launcher's own options, and those Slurm sets for the
+# job and each task (srun, submitit and the trainers' guard read them to find their allocation
+# and rank). A spec's env or --env may set neither; Slurm's input variables (SLURM_CPU_BIND ...)
+# stay allowed.
+LAUNCHER_VARS = {
+    "LAUNCH_JOB_DIR": "where the job writes: use --runs-dir",
+    "LAUNCH_JOB_NAME": "the spec's name: use --name for Slurm's",
+    "LAUNCH_SCRATCH": "use --scratch or the spec's scratch",
+    "LAUNCH_NODE_SCRATCH": "the node's own setting, read before the job's env applies: use --scratch",
+}
+SLURM_JOB_VARS = frozenset({
+    "SLURM_CONF", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_STEP_ID",
+    "SLURM_STEPID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS",
+    "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NODELIST", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST",
+    "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE",
+    "SLURM_SUBMIT_DIR", "SLURM_JOB_NAME",
+})
 # The variables a scratch path may expand on the node, and what a ${VAR:-default} may hold.
 SCRATCH_VARS = ("SLURM_JOB_ID", "LAUNCH_NODE_SCRATCH", "USER")
 _SAFE_DEFAULT_RE = re.compile(r"[A-Za-z0-9_./+,@%=-]*")
@@ -47,7 +64,8 @@ def parse_slurm_time(value: str | int) -> int:
         raise ValueError(f"time {value!r} is not a Slurm time")
     text = str(value).strip()
     grammar = "MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
-    m = re.fullmatch(r"(?:(?P<days>\d{1,3})-(?P<rest_d>\d{1,2}(?::\d{1,2}){0,2})|(?P<rest>\d{1,7}(?::\d{1,2}){0,2}))", text)
+    m = re.fullmatch(r"(?:(?P<days>\d{1,3})-(?P<rest_d>\d{1,2}(?::\d{1,2}){0,2})|(?P<rest>\d{1,7}(?::\d{1,2}){0,2}))", text,
+                     re.ASCII)
     if not m:
         raise ValueError(f"time '{text}' is not a Slurm time ({grammar})")
     if m["days"] is not None:
@@ -102,6 +120,11 @@ def check_name(value: str, what: str = "name") -> str:
 def check_env_key(key: str) -> str:
     if not isinstance(key, str) or not SHELL_NAME_RE.fullmatch(key):
         raise ValueError(f"environment key {key!r} is not a shell variable name ([A-Za-z_][A-Za-z0-9_]*)")
+    if key in LAUNCHER_VARS:
+        raise ValueError(f"environment key {key} is the launcher's own ({LAUNCHER_VARS[key]})")
+    if key in SLURM_JOB_VARS:
+        raise ValueError(f"environment key {key} is set by Slurm for each job and task; setting it would point srun, "
+                         "submitit or the trainers at another allocation or rank")
     return key
 
 
@@ -176,7 +199,7 @@ def _arg_type(check: Callable[[str], object], name: str) -> Callable[[str], obje
 def int_range(low: int, high: int) -> Callable[[str], object]:
     """An argparse type: a decimal integer in [low, high]."""
     def check(text: str) -> int:
-        if not re.fullmatch(r"[+-]?\d{1,12}", text.strip()):
+        if not re.fullmatch(r"[+-]?[0-9]{1,12}", text.strip()):
             raise ValueError(f"expected an integer, got {text!r}")
         value = int(text)
         if not low <= value <= high:

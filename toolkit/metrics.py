@@ -20,10 +20,18 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def step_records(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def step_records(metrics: str | os.PathLike[str], bad: list[str] | None = None) -> list[dict[str, Any]]:
     """Step records of a metrics.jsonl, sorted by step; the last record of a step wins (a resumed
-    run logs its steps again), a torn line (a killed run) is skipped."""
-    by_step = {int(rec["step"]): rec for rec in _records(metrics, "step") if "step" in rec}
+    run logs its steps again), a torn line (a killed run) or a record without a whole-number step
+    is skipped, and named in `bad` ("line N: why") when the caller passes a list."""
+    by_step = {}
+    for n, rec in _numbered(metrics, "step", bad):
+        step = rec.get("step")
+        if type(step) is not int or step < 0:
+            if bad is not None:
+                bad.append(f"line {n}: step {step!r} is not a whole number")
+            continue
+        by_step[step] = rec
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -34,14 +42,29 @@ def header_records(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def _records(metrics: str | os.PathLike[str], event: str) -> Iterator[dict[str, Any]]:
     """The records of one event kind, in file order; a torn line (a killed run) is skipped."""
-    with open(metrics) as f:
-        for line in f:
+    return (rec for _, rec in _numbered(metrics, event))
+
+
+def _numbered(metrics: str | os.PathLike[str], event: str, bad: list[str] | None = None
+              ) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) of one event kind; a line that is not a JSON object (torn, not
+    UTF-8) is skipped, and named in `bad` when given."""
+    with open(metrics, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+            except ValueError:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+                if bad is not None:
+                    bad.append(f"line {n}: not a JSON record (torn or corrupt)")
                 continue
-            if isinstance(rec, dict) and rec.get("event") == event:
-                yield rec
+            if not isinstance(rec, dict):
+                if bad is not None:
+                    bad.append(f"line {n}: a JSON {type(rec).__name__}, not a record")
+                continue
+            if rec.get("event") == event:
+                yield n, rec
 
 
 # --- the schema: what each trainer logs, how its console line reads, what `launch report` plots
@@ -152,7 +175,7 @@ SCHEMAS: dict[str, Schema] = {
 def schema_for(header: dict[str, Any] | None) -> Schema:
     """The schema a run's header names; stage-1's for files written before headers named one."""
     name = (header or {}).get("trainer", "stage1")
-    if name not in SCHEMAS:
+    if not isinstance(name, str) or name not in SCHEMAS:
         raise ValueError(f"unknown trainer {name!r} in the metrics header (known: {', '.join(SCHEMAS)})")
     return SCHEMAS[name]
 

@@ -6,7 +6,8 @@ import argparse
 import json
 import time
 
-from launch.cluster.embedded import EmbeddedCluster, default_state_dir
+from launch.cluster.embedded import EmbeddedCluster
+from launch.errors import LaunchError
 from launch.values import nonneg_int, positive_int
 
 
@@ -22,10 +23,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slurmd-timeout", type=positive_int, metavar="S",
                    help="seconds a silent node stays up before Slurm marks it DOWN (Slurm's default 300)")
     p.add_argument("--json", action="store_true", help="status: one JSON object (daemons, nodes, GPUs)")
-    p.add_argument("--state-dir", help=f"where configs, logs and data live (default {default_state_dir()})")
+    p.add_argument("--state-dir", help="where configs, logs and data live (default $LAUNCH_HOME/cluster)")
+
+
+UP_ONLY = ("nodes", "gpus", "cpus", "prolog", "epilog", "slurmd_timeout")
 
 
 def run(args: argparse.Namespace) -> int:
+    # An option the action does not read is an error, not silently dropped (`down --gpus 2`).
+    given = [f"--{k.replace('_', '-')}" for k in UP_ONLY if getattr(args, k) is not None]
+    if given and args.action != "up":
+        raise LaunchError(f"{' '.join(given)} go(es) with `cluster up`; `cluster {args.action}` takes no resources")
+    if args.json and args.action != "status":
+        raise LaunchError(f"--json goes with `cluster status`, not `cluster {args.action}`")
+    if args.state_dir is not None and not args.state_dir.strip():
+        raise LaunchError("--state-dir is empty; give a directory (default $LAUNCH_HOME/cluster)")
     cluster = EmbeddedCluster(args.state_dir)
     if args.action == "up":
         t0 = time.monotonic()

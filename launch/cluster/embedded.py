@@ -162,13 +162,27 @@ class EmbeddedCluster:
 
     # ------------------------------------------------------------------ queries
     def read_state(self) -> dict | None:
+        """What `up` recorded, or None when no cluster was started here. A state that cannot be
+        read is an error naming the file; it is never rewritten here (`down` moves it aside)."""
         try:
-            return json.loads(self.state_file.read_text())
+            raw = self.state_file.read_bytes()
         except FileNotFoundError:
             return None
+        except NotADirectoryError:
+            raise LaunchError(f"{self.state_dir} is not a directory: the embedded cluster keeps its state there; "
+                              "give another --state-dir or LAUNCH_HOME") from None
+        except OSError as exc:
+            raise LaunchError(f"{self.state_file}: cannot read the cluster state ({exc.strerror}); {UNREADABLE_HINT}") from None
+        try:
+            state = json.loads(raw.decode("utf-8"))
+            problem = _state_problem(state)
+        except UnicodeDecodeError as exc:
+            problem = f"byte 0x{raw[exc.start]:02x} at offset {exc.start} is not UTF-8"
         except json.JSONDecodeError as exc:
-            raise LaunchError(f"{self.state_file}: unreadable cluster state ({exc}); "
-                              "run `launch cluster down` to clean up") from exc
+            problem = f"not JSON: {exc}"
+        if problem:
+            raise LaunchError(f"{self.state_file}: unreadable cluster state ({problem}); {UNREADABLE_HINT}")
+        return state
 
     def _marker(self) -> bytes:
         return f"{MARKER_VAR}={self.state_dir}".encode()
@@ -529,7 +543,12 @@ class EmbeddedCluster:
     def down(self, progress: Progress | None = None, timeout: float = 20) -> list[str]:
         """Stop what `up` started. Returns the names of the daemons that were stopped."""
         say = progress or (lambda _msg: None)
-        state = self.read_state()
+        try:
+            state = self.read_state()
+        except LaunchError:
+            if not self.state_file.exists():
+                raise
+            return self._down_unreadable(say, timeout)
         if state is None:
             return []
         running = self.running_daemons()
@@ -560,6 +579,22 @@ class EmbeddedCluster:
             self._pid_file(name).unlink(missing_ok=True)
         self.state_file.unlink(missing_ok=True)
         return stopped
+
+    def _down_unreadable(self, say: Progress, timeout: float) -> list[str]:
+        """`down` without a readable state: every process started from this state dir carries
+        its marker, so they are found without it; the state file is kept, moved aside."""
+        stopped = []
+        for pid in self._marked_processes():
+            self._terminate(pid, timeout)
+            stopped.append(f"pid {pid}")
+            say(f"stopped process {pid} of this cluster")
+        aside = self.state_file.with_name(f"{self.state_file.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+        try:
+            self.state_file.rename(aside)
+        except OSError as exc:
+            raise LaunchError(f"{self.state_file}: cannot move the unreadable state aside ({exc.strerror})") from None
+        say(f"moved the unreadable state to {aside}")
+        return stopped or [f"state moved to {aside}"]
 
     def _marked_processes(self) -> list[int]:
         pids = []
@@ -649,6 +684,24 @@ class EmbeddedCluster:
             lines.append(f"\n{', '.join(dead)} not running: `launch cluster up` restarts only those, "
                          "with the first `up`'s configuration")
         return "\n".join(lines)
+
+
+UNREADABLE_HINT = "`launch cluster down` stops the processes started from it and moves the file aside"
+
+
+def _state_problem(state: object) -> str | None:
+    """What is wrong with a parsed cluster.json, or None: the fields readers index into."""
+    if not isinstance(state, dict):
+        return f"expected a JSON object, got {type(state).__name__}"
+    pids = state.get("pids", {})
+    if not isinstance(pids, dict) or not all(isinstance(k, str) and type(v) is int and v > 0 for k, v in pids.items()):
+        return "'pids' is not a mapping of daemon names to process ids"
+    nodes = state.get("nodes", [])
+    if not isinstance(nodes, list) or not all(isinstance(n, dict) and isinstance(n.get("name"), str) for n in nodes):
+        return "'nodes' is not a list of nodes with names"
+    if not isinstance(state.get("config", {}), dict):
+        return "'config' is not a mapping"
+    return None
 
 
 def _answers(node_state: str) -> bool:

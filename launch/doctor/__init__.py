@@ -18,6 +18,7 @@ from launch.doctor.checks import fast_subset, run_checks
 from launch.doctor.job import load_job
 from launch.doctor.remote import run_on_cluster
 from launch.doctor.results import CheckResult, Status, has_failure, render_table, to_json
+from launch.doctor.versions import parse_lock_file
 from launch.errors import LaunchError
 
 __all__ = ["CheckResult", "Status", "add_arguments", "fast_subset", "run", "run_checks"]
@@ -38,8 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.lock is not None and not args.lock.is_file():
-        raise LaunchError(f"--lock {args.lock}: no such file")
+    if args.lock is not None:
+        if not args.lock.is_file():
+            raise LaunchError(f"--lock {args.lock}: {'not a file' if args.lock.exists() else 'no such file'}")
+        parse_lock_file(args.lock)  # a bad lock is one line here, not a crashed check in the table
     if args.nodes != 1 and not args.on_cluster:
         raise LaunchError("--nodes needs --on-cluster")
     if args.on_cluster:

@@ -19,7 +19,7 @@ from launch.doctor.kernels import check_kernels
 from launch.doctor.results import CheckResult, Status, failure_message, has_failure, render_table
 from launch.doctor.slurm_context import check_slurm
 from launch.doctor.versions import check_versions
-from launch.errors import LaunchError
+from launch.errors import LaunchError, debug
 
 
 def _check_groups() -> list[tuple[str, Callable]]:
@@ -59,7 +59,7 @@ def run_checks(
         except Exception as exc:  # a doctor bug must not read as a healthy node
             results.append(CheckResult(group, Status.FAIL, f"check crashed: {type(exc).__name__}: {exc}",
                                        "report this as a launch doctor bug (LAUNCH_DEBUG=1 shows the traceback)"))
-            if os.environ.get("LAUNCH_DEBUG"):
+            if debug():
                 raise
     return results
 

@@ -93,9 +93,12 @@ def parse_lock_mapping(lock: dict[str, str], source: str) -> list[LockLine]:
 
 def parse_lock_file(path: Path) -> list[LockLine]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise LaunchError(f"cannot read lock file {path}: {exc.strerror}; give an existing file with --lock") from None
+    except UnicodeDecodeError as exc:
+        raise LaunchError(f"lock file {path} is not UTF-8 text (byte offset {exc.start}); a lock is requirement "
+                          "lines such as 'torch>=2.5'") from None
     lines = []
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()

@@ -247,9 +247,16 @@ def read_lengths(path: str | Path) -> np.ndarray:
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     if path.suffix == ".npy":
-        return _as_lengths(np.load(path))
+        try:
+            return _as_lengths(np.load(path))  # allow_pickle stays False: a length file never needs objects
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"{path}: not a .npy array of lengths ({str(exc).split('. ')[0]})") from None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text (one length per line) and not a .npy array") from None
     values = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 values.append(int(line))
