@@ -317,13 +317,14 @@ def run_logs(args: argparse.Namespace) -> int:
     rec = registry.find(args.job_id)
     if args.from_start and not args.follow:
         raise LaunchError("--from-start goes with -f/--follow (without -f the whole log is shown)")
-    if not Path(rec.folder).is_dir():  # submitit makes it at submit time, so it was moved or deleted
-        raise LaunchError(f"job {rec.job_id}'s folder {rec.folder} is gone (moved or deleted?); its logs were there")
     if args.follow:
         return follow(rec, sys.stdout, from_start=args.from_start, task=args.task, all_tasks=args.all,
                       stderr_only=args.stderr, tail=args.tail or 0)
+    paths = _log_paths(rec, args.task, args.all, args.stderr)
+    if not Path(rec.folder).is_dir():  # submitit makes it at submit time, so it was moved or deleted
+        raise LaunchError(f"job {rec.job_id}'s folder {rec.folder} is gone (moved or deleted?); its logs were there")
     found = False
-    for path, prefix in _log_paths(rec, args.task, args.all, args.stderr):
+    for path, prefix in paths:
         if not path.exists():
             continue
         found = True

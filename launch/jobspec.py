@@ -305,11 +305,11 @@ def load_spec(path: str | os.PathLike[str]) -> JobSpec:
     source = Path(path)
     try:
         # A FIFO or a device (/dev/zero) would block or never end: only a regular file, read bounded.
-        with open(source, "rb", buffering=0) as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise LaunchError(f"{source}: not a regular file; a job spec is a .yaml file")
             raw = f.read(MAX_SPEC_BYTES + 1)
-            raw += f.read(MAX_SPEC_BYTES + 1 - len(raw)) if len(raw) < MAX_SPEC_BYTES + 1 else b""
     except OSError as exc:
         raise LaunchError(f"{source}: cannot read job spec ({exc.strerror})") from None
     data = parse_yaml(raw, source)

@@ -81,3 +81,29 @@ def test_cli_error_is_one_line(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
     assert "--nodes" in out.stderr and "must be between 1 and" in out.stderr
+
+
+def test_down_with_an_unreadable_state_stops_the_clusters_processes_and_keeps_the_file(tmp_path: Path) -> None:
+    """The state file that `status` and `up` refuse is never rewritten: `down` finds the
+    cluster's processes by their marker (a real child here, as a daemon of `up` carries it),
+    stops them and moves the file aside with its bytes intact."""
+    from launch.cluster.embedded import MARKER_VAR
+
+    cluster = EmbeddedCluster(tmp_path / "c")
+    cluster.state_dir.mkdir()
+    garbage = b'{"pids": {"slurmctld": \xff'
+    cluster.state_file.write_bytes(garbage)
+    daemon = subprocess.Popen(["sleep", "60"], env={**os.environ, MARKER_VAR: str(cluster.state_dir)})
+    try:
+        with pytest.raises(LaunchError, match="unreadable cluster state"):
+            cluster.status_text()
+        stopped = cluster.down()
+        assert stopped == [f"pid {daemon.pid}"]
+        assert not cluster._marked_processes()  # `down` waited for it (and reaped its own child)
+    finally:
+        daemon.kill()
+        daemon.wait()
+    assert not cluster.state_file.exists()
+    [aside] = cluster.state_dir.glob("cluster.json.unreadable-*")
+    assert aside.read_bytes() == garbage
+    assert cluster.read_state() is None  # a fresh `up` can start from here

@@ -145,3 +145,12 @@ def test_log_tail_starts_at_the_end_keeps_partial_lines(tmp_path):
         f.write(b"tial\nnext")
     assert tail.read() == ["[task 1] partial"]  # the unfinished "next" waits for its newline
     assert LogTail(path, "", start_at_end=False).read() == ["a", "b", "c", "partial"]
+
+
+def test_unquoted_times_are_slurm_times_not_base60_integers(tmp_path):
+    """YAML 1.1 reads `time: 2:00:00` as the integer 7200, which Slurm would take as 7200 minutes
+    (five days); a spec reads it as the text it is: two hours, as sbatch --time reads it."""
+    spec = load_spec(_spec(tmp_path, GOOD.replace('time: "01:30:00"', "time: 2:00:00")))
+    assert spec.resources.time == "2:00:00" and spec.resources.time_minutes == 120
+    spec = load_spec(_spec(tmp_path, GOOD.replace('time: "01:30:00"', "time: 90")))
+    assert spec.resources.time_minutes == 90  # a plain number stays minutes

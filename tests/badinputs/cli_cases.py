@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 from tests.badinputs import Case, spec
 
 GOOD_SPEC = """name: demo
@@ -15,6 +19,32 @@ presets:
 
 SPEC = "{tmp}/job.yaml"
 SUBMIT = ["submit", "fixture", "--dry-run"]
+STATE = "home/cluster/cluster.json"
+REGISTRY = "home/jobs.jsonl"
+METRICS = "run/metrics.jsonl"
+REPORT = ["report", "{tmp}/run"]
+HEADER = json.dumps({"event": "header", "trainer": "stage1"}) + "\n"
+
+
+def _step(step: object, **fields: object) -> str:
+    return json.dumps({"event": "step", "step": step, "loss": 1.0, **fields}) + "\n"
+
+
+def _mkdir(rel: str):  # noqa: ANN202 - a Case.setup
+    return lambda tmp: (tmp / rel).mkdir(parents=True)
+
+
+def _record_with(**fields: object):  # noqa: ANN202 - a Case.setup: a registry line of job 1 with these fields
+    def setup(tmp: Path) -> None:
+        (tmp / "home").mkdir(parents=True, exist_ok=True)
+        (tmp / REGISTRY).write_text(json.dumps({
+            "job_id": "1", "name": "fixture", "preset": None, "folder": str(tmp / "runs" / "1"), "submitted_at": 0.0,
+            "slurm_conf": str(tmp / "no-slurm.conf"), "argv": [], **fields}) + "\n")
+    return setup
+
+
+def _job_folder_with_log_dir(tmp: Path) -> None:
+    (tmp / "runs" / "1" / "1_0_log.out").mkdir(parents=True)
 
 CASES = [
     # ---- command-line values
@@ -84,6 +114,115 @@ CASES = [
     Case("cli", "embedded-half-down", ["submit", "fixture"],
          r"the embedded cluster in .* is partly down \(not running: mariadb, munged, slurmdbd, slurmctld, slurmd\); "
          r"bring it back with `launch cluster up`", embedded_half_down=True),
+    # ---- `cluster up | down | status`: values, options that the action does not read, its state file
+    Case("cli", "cluster-nodes-zero", ["cluster", "up", "--nodes", "0"], r"argument --nodes: must be between 1"),
+    Case("cli", "cluster-nodes-word", ["cluster", "up", "--nodes", "two"], r"argument --nodes: expected an integer, got 'two'"),
+    Case("cli", "cluster-nodes-huge", ["cluster", "up", "--nodes", "100000"], r"--nodes 100000: the embedded cluster has at most"),
+    Case("cli", "cluster-gpus-word", ["cluster", "up", "--gpus", "lots"], r"argument --gpus: expected an integer, got 'lots'"),
+    Case("cli", "cluster-prolog-missing", ["cluster", "up", "--prolog", "{tmp}/nope"], r"--prolog .*/nope: not an executable file"),
+    Case("cli", "cluster-down-with-gpus", ["cluster", "down", "--gpus", "2"], r"--gpus go\(es\) with `cluster up`"),
+    Case("cli", "cluster-up-json", ["cluster", "up", "--json"], r"--json goes with `cluster status`, not `cluster up`"),
+    Case("cli", "cluster-home-is-file", ["cluster", "status"], r"LAUNCH_HOME=.*/afile is not a directory",
+         {"afile": "x"}, env={"LAUNCH_HOME": "{tmp}/afile"}),
+    Case("cli", "cluster-state-dir-is-file", ["cluster", "status", "--state-dir", "{tmp}/afile"],
+         r"afile is not a directory: the embedded cluster keeps its state there", {"afile": "x"}),
+    Case("cli", "cluster-state-garbage", ["cluster", "status"],
+         r"cluster.json: unreadable cluster state \(not JSON: .*\); `launch cluster down` stops", {STATE: "{not json"}),
+    Case("cli", "cluster-state-not-utf8", ["cluster", "up"], r"unreadable cluster state \(byte 0xff at offset 0 is not UTF-8\)",
+         {STATE: b"\xff\xfe{}"}),
+    Case("cli", "cluster-state-list", ["cluster", "up"], r"unreadable cluster state \(expected a JSON object, got list\)",
+         {STATE: "[1, 2]"}),
+    Case("cli", "cluster-state-pids", ["cluster", "status", "--json"], r"'pids' is not a mapping of daemon names to process ids",
+         {STATE: '{"pids": {"slurmctld": "abc"}}'}),
+    Case("cli", "cluster-state-is-dir", ["cluster", "status"], r"cannot read the cluster state \(Is a directory\)",
+         setup=_mkdir(STATE)),
+    Case("cli", "submit-state-garbage", ["submit", "fixture"], r"unreadable cluster state \(not JSON", {STATE: "{"},
+         env={"SLURM_CONF": ""}),
+    # ---- the job registry ($LAUNCH_HOME/jobs.jsonl): never rewritten, its bad lines named
+    Case("cli", "registry-garbage-list", ["list"], r"1 line\(s\) of .*jobs.jsonl are not job records \(line 1: not JSON "
+         r"\(torn or edited\)\); left as they are", {REGISTRY: "garbage\n"}, outcome="counted"),
+    Case("cli", "registry-garbage-status", ["status", "1"], r"job 1 is not in the registry, and 2 line\(s\) of .* are not "
+         r"job records \(line 1: not JSON", {REGISTRY: 'garbage\n{"job_id": "1", "na'}),
+    Case("cli", "registry-not-utf8", ["logs", "1"], r"line 1: not UTF-8", {REGISTRY: b"\xff\xfe\n"}),
+    Case("cli", "registry-record-types", ["logs", "1"], r"line 1: tasks/main_task are not task counts",
+         setup=_record_with(tasks="many")),
+    Case("cli", "registry-record-id", ["cancel", "1"], r"line 1: job_id is not a string", setup=_record_with(job_id=1)),
+    Case("cli", "registry-is-dir", ["list"], r"cannot read the job registry .*jobs.jsonl \(Is a directory\)",
+         setup=_mkdir(REGISTRY)),
+    Case("cli", "status-no-cluster", ["status", "1"], r"no Slurm reachable: tried SLURM_CONF=.*no-slurm.conf, and that file "
+         r"does not exist", job_record=True),
+    Case("cli", "list-no-cluster", ["list", "--json"], r"no Slurm reachable: tried SLURM_CONF=", job_record=True),
+    Case("cli", "logs-folder-gone", ["logs", "1"], r"job 1's folder .*runs/1 is gone \(moved or deleted\?\)", job_record=True),
+    Case("cli", "logs-log-is-dir", ["logs", "1"], r"cannot read .*1_0_log.out \(Is a directory\)", job_record=True,
+         setup=_job_folder_with_log_dir),
+    # ---- the launcher's environment variables
+    Case("cli", "debug-zero", ["status", "abc"], r"'abc' is not a Slurm job id", env={"LAUNCH_DEBUG": "0"}),
+    Case("cli", "home-newline", ["list"], r"LAUNCH_HOME='.*a\\nb' has a control character", env={"LAUNCH_HOME": "{tmp}/a\nb"}),
+    Case("cli", "jobs-path-is-a-spec", ["submit", "fixture", "--dry-run"],
+         r"unknown job 'fixture' \(known: .*LAUNCH_JOBS_PATH names '.*fixture.yaml', not a directory",
+         {"fixture.yaml": "name: x\n"}, env={"LAUNCH_JOBS_PATH": "{tmp}/fixture.yaml"}),
+    # ---- `launch report`: what each trainer logs, and nothing empty
+    Case("cli", "report-missing", ["report", "{tmp}/nope"], r"no run found for '.*/nope'"),
+    Case("cli", "report-no-metrics", REPORT, r"run has no metrics.jsonl; the trainer writes it", setup=_mkdir("run")),
+    Case("cli", "report-empty", REPORT, r"metrics.jsonl has no step records yet", {METRICS: ""}),
+    Case("cli", "report-garbage", REPORT, r"no step records yet \(2 unreadable line\(s\): line 1: not a JSON record",
+         {METRICS: "garbage\n\x00\x01\n"}),
+    Case("cli", "report-torn-last-line", REPORT, r"skipped line 4: not a JSON record \(torn or corrupt\)",
+         {METRICS: HEADER + _step(1) + _step(2) + '{"event": "step", "st'}, outcome="counted"),
+    Case("cli", "report-not-utf8-line", REPORT, r"skipped line 2: not a JSON record",
+         {METRICS: HEADER.encode() + b'{"event": "step", "step": 9, "loss": \xff}\n' + _step(1).encode()},
+         outcome="counted"),
+    Case("cli", "report-unknown-trainer", REPORT, r"unknown trainer 'gpt9' in the metrics header",
+         {METRICS: '{"event": "header", "trainer": "gpt9"}\n' + _step(1)}),
+    Case("cli", "report-trainer-list", REPORT, r"unknown trainer \[1\] in the metrics header",
+         {METRICS: '{"event": "header", "trainer": [1]}\n' + _step(1)}),
+    Case("cli", "report-step-word", REPORT, r"line 2: step 'x' is not a whole number", {METRICS: HEADER + _step("x")}),
+    Case("cli", "report-nothing-to-draw", REPORT, r"none of its 1 step record\(s\) has a finite value for loss, mfu, .* "
+         r"\(what a stage1 run logs\); nothing drawn", {METRICS: HEADER + '{"event": "step", "step": 1, "lr": 0.1}\n'}),
+    Case("cli", "report-only-nan", REPORT, r"nothing drawn", {METRICS: HEADER + _step(1, loss=float("nan"))}),
+    Case("cli", "report-other-schema", REPORT, r"finite value for acc, .* \(what a dflash run logs\); nothing drawn",
+         {METRICS: '{"event": "header", "trainer": "dflash"}\n{"event": "step", "step": 1, "mfu": 0.4}\n'}),
+    Case("cli", "report-out-is-file", [*REPORT, "--out", "{tmp}/afile"], r"afile is not a directory; give another --out",
+         {METRICS: HEADER + _step(1), "afile": "x"}),
+    Case("cli", "report-png-is-dir", [*REPORT, "--out", "{tmp}/o"], r"cannot write .*/o/loss.png \(Is a directory\)",
+         {METRICS: HEADER + _step(1)}, setup=_mkdir("o/loss.png")),
+    # ---- `launch submit`: the job's environment, its folder, options that cannot go together
+    Case("cli", "env-slurm-job-id", [*SUBMIT, "--env", "SLURM_JOB_ID=7"],
+         r"environment key SLURM_JOB_ID is set by Slurm for each job and task"),
+    Case("cli", "env-slurm-conf", [*SUBMIT, "--env", "SLURM_CONF=/x"], r"environment key SLURM_CONF is set by Slurm"),
+    Case("cli", "env-launch-job-dir", [*SUBMIT, "--env", "LAUNCH_JOB_DIR=/x"],
+         r"environment key LAUNCH_JOB_DIR is the launcher's own \(where the job writes: use --runs-dir\)"),
+    Case("cli", "runs-dir-newline", [*SUBMIT, "--runs-dir", "{tmp}/x\n#SBATCH --wrap=touch"],
+         r"runs directory '.*/x\\n#SBATCH --wrap=touch' has '\\n': Slurm's --output/--error lines cannot carry it"),
+    Case("cli", "runs-dir-percent", [*SUBMIT, "--runs-dir", "{tmp}/100%j"], r"runs directory '.*/100%j' has '%'"),
+    Case("cli", "runs-dir-is-file", [*SUBMIT, "--runs-dir", "{tmp}/afile"], r"afile exists and is not a directory",
+         {"afile": "x"}),
+    Case("cli", "runs-dir-empty", [*SUBMIT, "--runs-dir", ""], r"--runs-dir is empty"),
+    Case("cli", "dry-run-and-follow", [*SUBMIT, "--follow"], r"--follow is about a submitted job, and --dry-run submits none"),
+    Case("cli", "dry-run-and-json", [*SUBMIT, "--json"], r"--json is about a submitted job"),
+    Case("cli", "list-presets-and-preset", ["submit", "fixture", "--list-presets", "--preset", "slow"],
+         r"--list-presets submits nothing, so --preset would do nothing"),
+    Case("cli", "arg-nul", [*SUBMIT, "--arg", "mode=ok\x00x"], r"--arg 'mode=ok\\x00x': the value contains a NUL byte"),
+    Case("cli", "passthrough-nul", [*SUBMIT, "--", "--mode", "ok\x00"], r"argument 'ok\\x00' after --: contains a NUL byte"),
+    Case("cli", "arg-key-newline", [*SUBMIT, "--arg", "mo\nde=ok"], r"--arg 'mo\\nde=ok': expected KEY=VALUE"),
+    Case("cli", "nodes-arabic-digit", [*SUBMIT, "--nodes", "\u0661"], r"argument --nodes: expected an integer, got '\u0661'"),
+    Case("cli", "time-arabic-digit", [*SUBMIT, "--time", "\u0661\u0660"], r"is not a Slurm time"),
+    Case("cli", "dependency-arabic-digit", [*SUBMIT, "--dependency", "afterok:\u0661"], r"is not TYPE:JOBID"),
+    # ---- `launch doctor` and `launch buckets`
+    Case("cli", "doctor-lock-not-utf8", ["doctor", "--lock", "{tmp}/lock.txt"], r"lock.txt is not UTF-8 text",
+         {"lock.txt": b"torch\xff>=2\n"}),
+    Case("cli", "doctor-lock-bad-line", ["doctor", "--lock", "{tmp}/lock.txt"], r"lock.txt:2: not a requirement line",
+         {"lock.txt": "torch>=2\ntorch >>> 3\n"}),
+    Case("cli", "doctor-lock-dir", ["doctor", "--lock", "{tmp}"], r"--lock .*: not a file"),
+    Case("cli", "doctor-preset-no-job", ["doctor", "--preset", "tiny"], r"--preset needs --job"),
+    Case("cli", "doctor-nodes-no-cluster", ["doctor", "--nodes", "2"], r"--nodes needs --on-cluster"),
+    Case("cli", "buckets-zero", ["buckets", "--lengths", "{tmp}/l.txt", "--buckets", "0"],
+         r"argument --buckets: must be between 1", {"l.txt": "5\n3\n"}),
+    Case("cli", "buckets-budget-zero", ["buckets", "--lengths", "{tmp}/l.txt", "--token-budget", "0"],
+         r"argument --token-budget: must be between 1", {"l.txt": "5\n3\n"}),
+    Case("cli", "buckets-not-utf8", ["buckets", "--lengths", "{tmp}/l.txt"], r"l.txt: not UTF-8 text", {"l.txt": b"\xff\n"}),
+    Case("cli", "buckets-npy-pickle", ["buckets", "--lengths", "{tmp}/l.npy"], r"l.npy: not a .npy array of lengths",
+         {"l.npy": "not an array"}),
     # ---- job specs
     Case("job-spec", "yaml-duplicate-key", ["submit", SPEC, "--dry-run"], r"duplicate key 'name' at lines 1 and 7",
          spec(GOOD_SPEC + "name: other\n")),
@@ -133,6 +272,42 @@ CASES = [
     Case("job-spec", "spec-unknown-resource", ["submit", SPEC, "--dry-run"], r"unknown key 'presets.small.resources.gpu'",
          spec(GOOD_SPEC.replace("{args: {sleep: 0}}", "{resources: {gpu: 1}}"))),
     Case("job-spec", "spec-missing", ["submit", "{tmp}/absent.yaml", "--dry-run"], r"absent.yaml: cannot read job spec"),
+
+    Case("job-spec", "spec-is-dir", ["submit", SPEC, "--dry-run"], r"job.yaml: cannot read job spec \(Is a directory\)",
+         setup=_mkdir("job.yaml")),
+    Case("job-spec", "spec-symlink-loop", ["submit", SPEC, "--dry-run"], r"cannot read job spec \(Too many levels of symbolic",
+         setup=lambda tmp: os.symlink("job.yaml", tmp / "job.yaml")),
+    Case("job-spec", "spec-fifo", ["submit", SPEC, "--dry-run"], r"job.yaml: not a regular file",
+         setup=lambda tmp: os.mkfifo(tmp / "job.yaml")),
+    Case("job-spec", "spec-dev-zero", ["submit", "/dev/zero", "--dry-run"], r"/dev/zero: not a regular file"),
+    Case("job-spec", "spec-utf16", ["submit", SPEC, "--dry-run"], r"not UTF-8 text \(byte 0xff at line 1\)",
+         {"job.yaml": GOOD_SPEC.encode("utf-16")}),
+    Case("job-spec", "spec-tab-indent", ["submit", SPEC, "--dry-run"], r"invalid YAML at line 6: found character '\\t'",
+         spec(GOOD_SPEC.replace("  small", "\tsmall"))),
+    Case("job-spec", "spec-two-documents", ["submit", SPEC, "--dry-run"], r"invalid YAML at line 7: but found another document",
+         spec(GOOD_SPEC + "---\nname: x\n")),
+    Case("job-spec", "spec-deep-nesting", ["submit", SPEC, "--dry-run"], r"YAML nested too deeply",
+         spec("a: " + "[" * 3000 + "]" * 3000 + "\n")),
+    Case("job-spec", "spec-unhashable-key", ["submit", SPEC, "--dry-run"], r"invalid YAML at line 7: found unhashable key",
+         spec(GOOD_SPEC + "? [a, b]\n: 2\n")),
+    # YAML 1.1 reads an unquoted 6:00:00:00 as the base-60 integer 1296000 (900 days); specs read it as text
+    Case("job-spec", "spec-time-base60", ["submit", SPEC, "--dry-run"], r"key 'resources.time': time '6:00:00:00' is not a Slurm time",
+         spec(GOOD_SPEC.replace('"00:05:00"', "6:00:00:00"))),
+    Case("job-spec", "spec-preset-time", ["submit", SPEC, "--dry-run"], r"key 'presets.small.resources.time': time '1:99:99'",
+         spec(GOOD_SPEC.replace("{args: {sleep: 0}}", '{resources: {time: "1:99:99"}}'))),
+    Case("job-spec", "spec-env-null", ["submit", SPEC, "--dry-run"], r"key 'env': expected dict, got NoneType",
+         spec(GOOD_SPEC.replace('env: {A: "1"}', "env:"))),
+    Case("job-spec", "spec-env-slurm", ["submit", SPEC, "--dry-run"],
+         r"key 'env.SLURM_PROCID': environment key SLURM_PROCID is set by Slurm",
+         spec(GOOD_SPEC.replace('A: "1"', 'SLURM_PROCID: "3"'))),
+    Case("job-spec", "spec-env-launch-scratch", ["submit", SPEC, "--dry-run"],
+         r"key 'presets.small.env.LAUNCH_SCRATCH': environment key LAUNCH_SCRATCH is the launcher's own",
+         spec(GOOD_SPEC.replace("{args: {sleep: 0}}", '{env: {LAUNCH_SCRATCH: "/x"}}'))),
+    Case("job-spec", "spec-entrypoint-absent", ["submit", SPEC, "--dry-run"],
+         r"key 'entrypoint': there is no module 'no_such_module_xyz' here",
+         spec(GOOD_SPEC.replace("entrypoint: fixture_entry", "entrypoint: no_such_module_xyz"))),
+    Case("job-spec", "spec-env-value-nul", ["submit", SPEC, "--dry-run"], r"key 'env.A': environment value of A contains a NUL",
+         spec(GOOD_SPEC.replace('A: "1"', 'A: "x\\0y"'))),
 ]
 
 
