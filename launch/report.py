@@ -20,6 +20,7 @@ from typing import Any
 
 from launch.errors import LaunchError
 from launch.fsutil import launch_home
+from launch.registry import JOB_ID_RE
 from toolkit.metrics import SCHEMAS, Schema, header_records, schema_for, step_records
 
 
@@ -36,7 +37,7 @@ def resolve_metrics(job_or_dir: str) -> Path:
         return path / "metrics.jsonl"
     if path.is_dir():
         raise LaunchError(f"{path} has no metrics.jsonl; the trainer writes it in its run directory once it starts")
-    if "/" not in job_or_dir:
+    if JOB_ID_RE.fullmatch(job_or_dir):  # a job id, never a pattern: `report '*'` must not pick a run
         found = sorted(launch_home().glob(f"runs/*/{job_or_dir}/metrics.jsonl"))
         if len(found) == 1:
             return found[0]

@@ -58,10 +58,20 @@ def entry_module(module: str, run_main_module: bool = True) -> ModuleType:
 
 def entry_parser(module: str):  # -> Callable[[list[str]], object] | None
     """The entrypoint's `parse_args(argv)`: next to its `main` (where main is defined), or None."""
+    return _entry_function(module, "parse_args")
+
+
+def entry_task_check(module: str):  # -> Callable[[object, int], None] | None
+    """The entrypoint's optional `check_tasks(parsed_args, tasks)`: does the job's task count fit
+    what its arguments ask for (DFlash online: k target ranks + 1 drafter)? Raises ValueError."""
+    return _entry_function(module, "check_tasks")
+
+
+def _entry_function(module: str, name: str):  # -> Callable | None
     entry = entry_module(module, run_main_module=False)
     main = getattr(entry, "main", None)
     home = sys.modules.get(getattr(main, "__module__", "") or "", entry)
-    return getattr(home, "parse_args", None) or getattr(entry, "parse_args", None)
+    return getattr(home, name, None) or getattr(entry, name, None)
 
 
 def task_outcome_path(job_dir: Path, task: int) -> Path:

@@ -23,7 +23,7 @@ from launch.executor import SlurmOptions, make_executor, sbatch_failure, sbatch_
 from launch.fsutil import launch_home
 from launch.jobs_cli import follow
 from launch.jobspec import JobSpec, ResolvedJob, find_spec, known_jobs
-from launch.runner import EntrypointRun, entry_parser
+from launch.runner import EntrypointRun, entry_parser, entry_task_check
 from launch.slurmenv import describe_slurm, require_cluster, slurm_env
 
 
@@ -92,6 +92,8 @@ def _apply_overrides(job: ResolvedJob, args: argparse.Namespace) -> None:
 
 def _check_option_combinations(args: argparse.Namespace) -> None:
     """Options that would be silently ignored together are errors."""
+    if args.preset is not None and not args.preset.strip():
+        raise LaunchError("--preset is empty; name one (`launch submit JOB --list-presets`) or leave it out for the default")
     printed = [f for f, on in (("--follow", args.follow), ("--json", args.json), ("--parsable", args.parsable)) if on]
     if args.dry_run and printed:
         raise LaunchError(f"{printed[0]} is about a submitted job, and --dry-run submits none; drop one of them")
@@ -122,7 +124,7 @@ def job_folder(args: argparse.Namespace, spec: JobSpec) -> Path:
     return runs / spec.name
 
 
-def check_entrypoint_args(spec: JobSpec, argv: list[str]) -> None:
+def check_entrypoint_args(spec: JobSpec, argv: list[str], tasks: int | None = None) -> None:
     """Parse the job's command line with the entrypoint's own `parse_args(argv)`, here and now:
     no model is built, nothing is queued. An entrypoint without one, or one that cannot be
     imported here (a login node without the `train` extra's torch), is checked in the job."""
@@ -144,7 +146,10 @@ def check_entrypoint_args(spec: JobSpec, argv: list[str]) -> None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            parse(list(argv))
+            parsed = parse(list(argv))
+            check_tasks = entry_task_check(spec.entrypoint) if tasks is not None else None
+            if check_tasks is not None:
+                check_tasks(parsed, tasks)
     except SystemExit as exc:  # an argparse parser: its message went to stderr
         if exc.code in (0, None):  # --help in the passthrough: nothing to submit
             raise LaunchError(f"the arguments for {spec.name} ask for help (`python -m {spec.entrypoint} --help`)") from None
@@ -185,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     job = spec.resolve(args.preset)
     _apply_overrides(job, args)
     argv = job.argv(args.extra)
-    check_entrypoint_args(spec, argv)
+    check_entrypoint_args(spec, argv, job.resources.total_tasks)
     folder = job_folder(args, spec)
     scratch = args.scratch or spec.scratch
     options = SlurmOptions(name=args.name, account=args.account, qos=args.qos, constraint=args.constraint,

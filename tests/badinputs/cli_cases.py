@@ -208,6 +208,12 @@ CASES = [
     Case("cli", "nodes-arabic-digit", [*SUBMIT, "--nodes", "\u0661"], r"argument --nodes: expected an integer, got '\u0661'"),
     Case("cli", "time-arabic-digit", [*SUBMIT, "--time", "\u0661\u0660"], r"is not a Slurm time"),
     Case("cli", "dependency-arabic-digit", [*SUBMIT, "--dependency", "afterok:\u0661"], r"is not TYPE:JOBID"),
+    Case("cli", "dflash-topology-tasks", ["submit", "dflash", "--preset", "tiny-online", "--gpus-per-node", "2", "--dry-run"],
+         r"dflash does not accept these arguments: --topology 2-1 needs 3 ranks, this job has 2; .*nothing submitted"),
+    Case("cli", "preset-empty", [*SUBMIT, "--preset", ""], r"--preset is empty"),
+    # a pattern is not a job id: with one run under $LAUNCH_HOME/runs it used to be picked silently
+    Case("cli", "report-pattern", ["report", "*"], r"no run found for '\*'",
+         {"home/runs/fixture/5/metrics.jsonl": HEADER + _step(1)}),
     # ---- `launch doctor` and `launch buckets`
     Case("cli", "doctor-lock-not-utf8", ["doctor", "--lock", "{tmp}/lock.txt"], r"lock.txt is not UTF-8 text",
          {"lock.txt": b"torch\xff>=2\n"}),

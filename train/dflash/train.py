@@ -278,9 +278,14 @@ def train(cfg: DFlashConfig) -> int:
     return 0
 
 
-def check_layout(cfg: DFlashConfig, rt: Runtime) -> int:
+def check_tasks(cfg: DFlashConfig, tasks: int) -> None:
+    """`launch submit` calls this with the job's task count before anything is queued."""
+    check_layout(cfg, world=tasks)
+
+
+def check_layout(cfg: DFlashConfig, rt: Runtime | None = None, world: int | None = None) -> int:
     """The number of target ranks (0 offline); the job's task count must fit the topology."""
-    world = rt.dist.world_size
+    world = rt.dist.world_size if world is None else world
     if cfg.mode != "online":
         if world > 1:
             raise ConfigError(f"--mode offline trains one drafter on one rank; this job has {world} "
