@@ -173,7 +173,7 @@ def run_list(args: argparse.Namespace) -> int:
     jobs, bad = registry.load()
     jobs = jobs[-args.n:]
     if bad:  # said, never silently dropped; the lines stay in the file
-        print(f"launch list: warning: {registry.unreadable_note(bad)}", file=sys.stderr)
+        print(f"launch: warning: {registry.unreadable_note(bad)}", file=sys.stderr)
     if not jobs:
         if args.json:
             print("[]")
