@@ -78,13 +78,22 @@ def _apply_overrides(job: ResolvedJob, args: argparse.Namespace) -> None:
             r.mem_gb = values.check_mem_gb(args.mem_gb)
         except ValueError as exc:
             raise LaunchError(f"--mem-gb: {exc}") from None
+    given: dict[str, str] = {}
     for item in args.arg:
         key, sep, value = item.partition("=")
         if not sep or not values.SHELL_NAME_RE.fullmatch(key.replace("-", "_")):
             raise LaunchError(f"--arg {item!r}: expected KEY=VALUE with KEY an argument name (e.g. --arg steps=10)")
         if "\0" in value:
             raise LaunchError(f"--arg {item!r}: the value contains a NUL byte, which no command line can carry")
-        job.args[key.replace("-", "_")] = value
+        key = key.replace("-", "_")
+        if given.get(key, value) != value:
+            raise LaunchError(f"--arg {key} given twice ({given[key]!r}, then {value!r}); give it once")
+        given[key] = job.args[key] = value
+    env: dict[str, str] = {}
+    for key, value in args.env:
+        if env.get(key, value) != value:
+            raise LaunchError(f"--env {key} given twice ({env[key]!r}, then {value!r}); give it once")
+        env[key] = value
     for item in args.extra:
         if "\0" in item:
             raise LaunchError(f"argument {item!r} after --: contains a NUL byte, which no command line can carry")

@@ -214,6 +214,9 @@ CASES = [
     # a pattern is not a job id: with one run under $LAUNCH_HOME/runs it used to be picked silently
     Case("cli", "report-pattern", ["report", "*"], r"no run found for '\*'",
          {"home/runs/fixture/5/metrics.jsonl": HEADER + _step(1)}),
+    Case("cli", "arg-twice", [*SUBMIT, "--arg", "sleep=1", "--arg", "sleep=2"], r"--arg sleep given twice \('1', then '2'\)"),
+    Case("cli", "env-twice", [*SUBMIT, "--env", "X=1", "--env", "X=2"], r"--env X given twice \('1', then '2'\)"),
+    Case("cli", "cluster-state-dir-empty", ["cluster", "status", "--state-dir", ""], r"--state-dir is empty"),
     # ---- `launch doctor` and `launch buckets`
     Case("cli", "doctor-lock-not-utf8", ["doctor", "--lock", "{tmp}/lock.txt"], r"lock.txt is not UTF-8 text",
          {"lock.txt": b"torch\xff>=2\n"}),
