@@ -101,10 +101,17 @@ def run(args: argparse.Namespace) -> int:
         from launch.keepalive import hooks
 
         timeout = args.timeout
-        if timeout is None:
-            default = hooks.DEFAULT_PROLOG_TIMEOUT_S if cmd == "prolog" else hooks.DEFAULT_EPILOG_TIMEOUT_S
-            timeout = _env_seconds("LAUNCH_KEEPALIVE_TIMEOUT", default)
-        seconds(timeout, f"--timeout {timeout:g}")
+        try:
+            if timeout is None:
+                default = hooks.DEFAULT_PROLOG_TIMEOUT_S if cmd == "prolog" else hooks.DEFAULT_EPILOG_TIMEOUT_S
+                timeout = _env_seconds("LAUNCH_KEEPALIVE_TIMEOUT", default)
+            seconds(timeout, f"--timeout {timeout:g}")
+        except LaunchError as exc:
+            if cmd == "prolog":
+                raise
+            # A failing epilog drains the node: it logs the line and exits 0, as for any epilog error.
+            hooks.hook_logger(_hook_log(args.log)).error("epilog: %s", exc)
+            return 0
         hook = hooks.run_prolog if cmd == "prolog" else hooks.run_epilog
         return hook(socket_path(args.socket), timeout, _hook_log(args.log))
     if cmd == "hooks":

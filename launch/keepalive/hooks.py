@@ -35,7 +35,7 @@ DEFAULT_EPILOG_TIMEOUT_S = 60.0
 DEFAULT_HOOK_LOG = Path("/var/log/launch-keepalive/hooks.log")
 
 
-def _hook_logger(log_path: Path | None) -> logging.Logger:
+def hook_logger(log_path: Path | None) -> logging.Logger:
     logger = logging.getLogger("launch.keepalive.hooks")
     logger.handlers.clear()
     logger.setLevel(logging.INFO)
@@ -76,7 +76,7 @@ def _job_and_gpus(env: Mapping[str, str], hook: str) -> tuple[str, list[int]]:
 
 def run_prolog(socket: Path, timeout: float, log_path: Path | None,
                env: Mapping[str, str] = os.environ) -> int:
-    logger = _hook_logger(log_path)
+    logger = hook_logger(log_path)
     job, gpus = _job_and_gpus(env, "prolog")
     if not gpus:
         logger.info("prolog job=%s: no GPUs allocated; nothing to release", job)
@@ -99,7 +99,7 @@ def run_prolog(socket: Path, timeout: float, log_path: Path | None,
 
 def run_epilog(socket: Path, timeout: float, log_path: Path | None,
                env: Mapping[str, str] = os.environ) -> int:
-    logger = _hook_logger(log_path)
+    logger = hook_logger(log_path)
     try:
         job, gpus = _job_and_gpus(env, "epilog")
     except LaunchError as exc:

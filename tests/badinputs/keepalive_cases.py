@@ -160,6 +160,9 @@ CASES = [
          env=prolog("abc", "0"), outcome="counted"),
     Case("keepalive", "epilog-gpus-garbage", ["keepalive", "epilog"], r"epilog: SLURM_JOB_GPUS: bad GPU list '0,x'",
          env=prolog("12", "0,x"), outcome="counted"),
+    Case("keepalive", "epilog-timeout-env-word", ["keepalive", "epilog"],
+         r"epilog: LAUNCH_KEEPALIVE_TIMEOUT='soon' is not a number of seconds",
+         env=prolog("12", "0", LAUNCH_KEEPALIVE_TIMEOUT="soon"), outcome="counted"),
     # ---- hooks / unit
     Case("keepalive", "hooks-dir-is-a-file", ["keepalive", "hooks", "--dir", "{tmp}/afile", "--socket", "{tmp}/k.sock"],
          r"cannot write the hook wrappers in .*/afile: not a directory", files={"afile": "x\n"}),
