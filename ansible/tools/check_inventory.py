@@ -290,7 +290,8 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     for name in ("ct_unprivileged", "ct_scratch_allow_rootfs_storage", "ct_scratch_allow_network_fs"):
         if name in hv:
             _bool(host, name, hv[name])
-    _hostname(host, "ct_hostname", hv.get("ct_hostname", host))
+    # Without ct_hostname the inventory name is the container's host name (and its Slurm NodeName).
+    _hostname(host, "ct_hostname" if "ct_hostname" in hv else "ct_hostname (the inventory name)", hv.get("ct_hostname", host))
     if "ct_net0" in hv:
         _net(host, "ct_net0", hv["ct_net0"])
     _int(host, "ct_cores", hv.get("ct_cores", 0), 0, 8192)  # Proxmox's cores range, 0: no limit
