@@ -89,11 +89,6 @@ def _apply_overrides(job: ResolvedJob, args: argparse.Namespace) -> None:
         if given.get(key, value) != value:
             raise LaunchError(f"--arg {key} given twice ({given[key]!r}, then {value!r}); give it once")
         given[key] = job.args[key] = value
-    env: dict[str, str] = {}
-    for key, value in args.env:
-        if env.get(key, value) != value:
-            raise LaunchError(f"--env {key} given twice ({env[key]!r}, then {value!r}); give it once")
-        env[key] = value
     for item in args.extra:
         if "\0" in item:
             raise LaunchError(f"argument {item!r} after --: contains a NUL byte, which no command line can carry")
@@ -103,6 +98,11 @@ def _check_option_combinations(args: argparse.Namespace) -> None:
     """Options that would be silently ignored together are errors."""
     if args.preset is not None and not args.preset.strip():
         raise LaunchError("--preset is empty; name one (`launch submit JOB --list-presets`) or leave it out for the default")
+    env: dict[str, str] = {}
+    for key, value in args.env:
+        if env.get(key, value) != value:
+            raise LaunchError(f"--env {key} given twice ({env[key]!r}, then {value!r}); give it once")
+        env[key] = value
     printed = [f for f, on in (("--follow", args.follow), ("--json", args.json), ("--parsable", args.parsable)) if on]
     if args.dry_run and printed:
         raise LaunchError(f"{printed[0]} is about a submitted job, and --dry-run submits none; drop one of them")
