@@ -351,10 +351,14 @@ def load_spec(path: str | os.PathLike[str]) -> JobSpec:
     return spec
 
 
+def _job_dirs() -> list[Path]:
+    """The bundled specs, then each directory of LAUNCH_JOBS_PATH (colon-separated)."""
+    return [JOBS_DIR] + [Path(p) for p in os.environ.get("LAUNCH_JOBS_PATH", "").split(os.pathsep) if p]
+
+
 def known_jobs() -> dict[str, Path]:
-    dirs = [JOBS_DIR] + [Path(p) for p in os.environ.get("LAUNCH_JOBS_PATH", "").split(os.pathsep) if p]
     jobs: dict[str, Path] = {}
-    for d in dirs:
+    for d in _job_dirs():
         for f in sorted(d.glob("*.yaml")):
             jobs.setdefault(f.stem, f)
     return jobs
@@ -371,4 +375,10 @@ def find_spec(job: str) -> JobSpec:
         where = f"; LAUNCH_JOBS_PATH names {', '.join(map(repr, odd))}, not a directory" if odd else ""
         raise LaunchError(f"unknown job '{job}' (known: {', '.join(jobs) or 'none'}{where}; "
                           "or give a path to a .yaml spec)")
+    # The first directory wins a name; a second spec of that name is a user's copy that would
+    # be silently ignored.
+    twins = [d / f"{job}.yaml" for d in _job_dirs() if (d / f"{job}.yaml").is_file() and d / f"{job}.yaml" != jobs[job]]
+    if twins:
+        raise LaunchError(f"job '{job}' is defined by {jobs[job]} and by {', '.join(map(str, twins))}; "
+                          f"rename your copy, or submit it by path (`launch submit {twins[0]}`)")
     return load_spec(jobs[job])

@@ -161,6 +161,9 @@ CASES = [
     Case("cli", "jobs-path-is-a-spec", ["submit", "fixture", "--dry-run"],
          r"unknown job 'fixture' \(known: .*LAUNCH_JOBS_PATH names '.*fixture.yaml', not a directory",
          {"fixture.yaml": "name: x\n"}, env={"LAUNCH_JOBS_PATH": "{tmp}/fixture.yaml"}),
+    Case("cli", "jobs-path-shadowed", ["submit", "stage1", "--preset", "tiny", "--dry-run"],
+         r"job 'stage1' is defined by .*launch/jobs/stage1.yaml and by .*/specs/stage1.yaml; rename your copy",
+         {"specs/stage1.yaml": "name: stage1\nentrypoint: fixture_entry\n"}, env={"LAUNCH_JOBS_PATH": "{tmp}/specs"}),
     # ---- `launch report`: what each trainer logs, and nothing empty
     Case("cli", "report-missing", ["report", "{tmp}/nope"], r"no run found for '.*/nope'"),
     Case("cli", "report-no-metrics", REPORT, r"run has no metrics.jsonl; the trainer writes it", setup=_mkdir("run")),
