@@ -255,17 +255,21 @@ class EmbeddedCluster:
         return True
 
     def _start_fresh(self, asked: dict, say: Progress, timeout: float) -> None:
-        self._check_prerequisites()
         n = asked.get("nodes", 1)
         names = [socket.gethostname().split(".")[0]] if n == 1 else [f"node{i}" for i in range(1, n + 1)]
         # One node keeps 127.0.0.1; several get their own loopback addresses, so each slurmd
         # is reached at an address of its own, as on a real cluster, and nothing leaves the host.
         addrs = ["127.0.0.1"] if n == 1 else [f"127.0.0.{i + 1}" for i in range(1, n + 1)]
         spools = [self.state_dir / "spool" / "d"] if n == 1 else [self.state_dir / "spool" / "d" / m for m in names]
-        for d in (self.etc, self.run_dir, self.log_dir, self.dev_dir, self.state_dir / "spool" / "ctld",
-                  *spools, self.state_dir / "munge", self.state_dir / "mysql"):
-            d.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.state_dir, 0o755)
+        try:
+            for d in (self.etc, self.run_dir, self.log_dir, self.dev_dir, self.state_dir / "spool" / "ctld",
+                      *spools, self.state_dir / "munge", self.state_dir / "mysql"):
+                d.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.state_dir, 0o755)
+        except OSError as exc:
+            raise LaunchError(f"cannot create the cluster's state in {self.state_dir} ({exc.strerror}: {exc.filename}); "
+                              "give a writable --state-dir or LAUNCH_HOME") from None
+        self._check_prerequisites()
 
         gpu_files, stand_in = self._gpu_files(names, asked.get("gpus"))
         config = ClusterConfig(nodes=n, gpus=len(gpu_files[0]), cpus=asked.get("cpus") or os.cpu_count() or 1,
@@ -314,7 +318,8 @@ class EmbeddedCluster:
                 and (self.state_dir / "mysql" / "mysql").exists())
 
     def _refuse_other_resources(self, state: dict, asked: dict) -> None:
-        config = ClusterConfig(**state["config"])
+        known = set(ClusterConfig.__dataclass_fields__)  # a newer launcher's state may record more
+        config = ClusterConfig(**{k: v for k, v in state["config"].items() if k in known})
         recorded = asdict(config)
         differ = {k: v for k, v in asked.items() if recorded.get(k) != v}
         if not differ:

@@ -136,6 +136,9 @@ CASES = [
          {STATE: '{"pids": {"slurmctld": "abc"}}'}),
     Case("cli", "cluster-state-is-dir", ["cluster", "status"], r"cannot read the cluster state \(Is a directory\)",
          setup=_mkdir(STATE)),
+    Case("cli", "cluster-state-dir-unwritable", ["cluster", "up", "--state-dir", "/proc/launch-nope"],
+         r"cannot create the cluster's state in /proc/launch-nope \(No such file or directory: /proc/launch-nope\); "
+         r"give a writable --state-dir"),
     Case("cli", "submit-state-garbage", ["submit", "fixture"], r"unreadable cluster state \(not JSON", {STATE: "{"},
          env={"SLURM_CONF": ""}),
     # ---- the job registry ($LAUNCH_HOME/jobs.jsonl): never rewritten, its bad lines named
