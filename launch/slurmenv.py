@@ -148,6 +148,14 @@ def job_states(job_ids: list[str], env_extra: dict[str, str] | None = None) -> d
     ids = ",".join(job_ids)
     out: dict[str, dict[str, str]] = {}
     q = run_slurm(["squeue", "-h", "-j", ids, "-o", "%i|%T|%M|%N|%r"], env_extra)
+    if q.returncode != 0 and "fatal:" in q.stderr:
+        # The client could not start at all (an unreadable slurm.conf): no job's state is known,
+        # and UNKNOWN rows would hide why. ("Invalid job id" is an error:, not a fatal:.)
+        lines = [ln.strip() for ln in q.stderr.splitlines() if ln.strip()]
+        fatal = next(ln for ln in lines if "fatal:" in ln)
+        cause = next((ln for ln in lines if "error:" in ln and "dns_srv" not in ln.lower()), None)
+        conf = (env_extra or {}).get("SLURM_CONF") or os.environ.get("SLURM_CONF") or "the system's slurm.conf"
+        raise LaunchError(f"Slurm's clients cannot run with {conf}: {fatal}" + (f" ({cause})" if cause else ""))
     if q.returncode == 0:
         for line in q.stdout.splitlines():
             jid, state, elapsed, nodes, reason = (line.split("|") + [""] * 5)[:5]

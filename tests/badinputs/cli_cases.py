@@ -39,7 +39,8 @@ def _record_with(**fields: object):  # noqa: ANN202 - a Case.setup: a registry l
         (tmp / "home").mkdir(parents=True, exist_ok=True)
         (tmp / REGISTRY).write_text(json.dumps({
             "job_id": "1", "name": "fixture", "preset": None, "folder": str(tmp / "runs" / "1"), "submitted_at": 0.0,
-            "slurm_conf": str(tmp / "no-slurm.conf"), "argv": [], **fields}) + "\n")
+            "slurm_conf": str(tmp / "no-slurm.conf"), "argv": [],
+            **{k: v.replace("{tmp}", str(tmp)) if isinstance(v, str) else v for k, v in fields.items()}}) + "\n")
     return setup
 
 
@@ -155,6 +156,9 @@ CASES = [
     Case("cli", "status-no-cluster", ["status", "1"], r"no Slurm reachable: tried SLURM_CONF=.*no-slurm.conf, and that file "
          r"does not exist", job_record=True),
     Case("cli", "list-no-cluster", ["list", "--json"], r"no Slurm reachable: tried SLURM_CONF=", job_record=True),
+    Case("cli", "status-slurm-conf-garbage", ["status", "1"], r"Slurm's clients cannot run with .*bad.conf: squeue: fatal: "
+         r"Unable to process configuration file \(squeue: error: .*garbage\)",
+         {"bad.conf": "garbage = = =\n"}, setup=_record_with(slurm_conf="{tmp}/bad.conf")),
     Case("cli", "logs-folder-gone", ["logs", "1"], r"job 1's folder .*runs/1 is gone \(moved or deleted\?\)", job_record=True),
     Case("cli", "logs-log-is-dir", ["logs", "1"], r"cannot read .*1_0_log.out \(Is a directory\)", job_record=True,
          setup=_job_folder_with_log_dir),
