@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.extra = passthrough
     if not args.verb:
         parser.print_help()
+        print(f"launch: error: no verb given (one of: {', '.join(runners)})", file=sys.stderr)
         return 2
     try:
         return int(runners[args.verb](args) or 0)

@@ -94,6 +94,8 @@ CASES = [
     Case("cli", "preset-unknown", [*SUBMIT, "--preset", "huge"], r"unknown preset 'huge' for job 'fixture' \(known: "),
     Case("cli", "job-unknown", ["submit", "nosuchjob", "--dry-run"], r"unknown job 'nosuchjob'"),
     Case("cli", "job-missing", ["submit"], r"the following arguments are required: job"),
+    Case("cli", "verb-missing", [], r"launch: error: no verb given \(one of: cluster, submit, "),
+    Case("cli", "report-out-empty", [*REPORT, "--out", ""], r"--out is empty", {METRICS: HEADER + _step(1)}),
     Case("cli", "verb-unknown", ["sumbit", "fixture"], r"invalid choice: 'sumbit'"),
     Case("cli", "follow-and-json", ["submit", "fixture", "--follow", "--json"], r"not allowed with argument"),
     Case("cli", "list-n-zero", ["list", "-n", "0"], r"argument -n: must be between 1"),
