@@ -98,6 +98,22 @@ def _task_losses(record: dict[str, Any]) -> dict[str, float]:
     return {str(t): v for t, v in ((t, _number(v)) for t, v in losses.items()) if v is not None}
 
 
+def malformed_fields(steps: list[dict[str, Any]]) -> list[str]:
+    """'step N: task_loss ...' for each per-task or per-rank field that is not what trainers log
+    (its non-numbers are left out of the plot; the rest of the record is drawn)."""
+    def numbers(xs: Any) -> bool:  # NaN is a number here: a skipped non-finite step logs it
+        return all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
+
+    bad = []
+    for r in steps:
+        losses, times = r.get("task_loss"), r.get("rank_fwd_ms")
+        if losses is not None and not (isinstance(losses, dict) and numbers(losses.values())):
+            bad.append(f"step {r['step']}: task_loss is not a mapping of task to loss")
+        if times is not None and not (isinstance(times, list) and numbers(times)):
+            bad.append(f"step {r['step']}: rank_fwd_ms is not a list of times")
+    return bad
+
+
 def _rank_times(record: dict[str, Any]) -> list[float]:
     times = record.get("rank_fwd_ms")
     if not isinstance(times, list) or not all(_number(t) is not None for t in times):
@@ -189,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else metrics.parent / "plots"
     if out_dir.exists() and not out_dir.is_dir():
         raise LaunchError(f"{out_dir} is not a directory; give another --out")
+    bad += malformed_fields(steps)
     if bad:  # the good records are drawn; the others are named, never silently dropped
         more = f", and {len(bad) - 2} more" if len(bad) > 2 else ""
         print(f"launch report: warning: {metrics}: skipped {', '.join(bad[:2])}{more}", file=sys.stderr)
