@@ -242,6 +242,16 @@ def mixed(tmp: Path) -> None:
     _write_index(root, index)
 
 
+def foreign_unindexed(tmp: Path) -> None:
+    """Shard 1 of the other extraction where this one's shard 1 was, not in the index: what a crash
+    between a shard's rename and its index write leaves, had the shard been this extraction's."""
+    root = _shards(tmp)
+    shutil.copy(built(*OTHER) / "shards" / shard(1), root / shard(1))
+    index = _index(root)
+    del index["shards"][shard(1)]
+    _write_index(root, index)
+
+
 def empty_dir(tmp: Path) -> None:
     (tmp / "empty").mkdir()
 
@@ -429,6 +439,8 @@ CASES: list[Case] = [
     extract("resume-over-truncated", truncated, rf"rewriting {shard(1)}: \d+ bytes, index says", RESUME,
             outcome="counted"),
     extract("resume-over-zero-length", zero_length, rf"rewriting {shard(2)}: 0 bytes", RESUME, outcome="counted"),
+    extract("resume-over-foreign-unindexed-shard", foreign_unindexed,
+            rf"rewriting {shard(1)}: written by another extraction", RESUME, outcome="counted"),
     extract("out-holds-a-regeneration", out_holds_regen, r"out/meta\.json: not an extraction", syn()),
     extract("out-meta-not-json", out_meta_not_json, r"out/meta\.json: not JSON", syn()),
     extract("out-is-a-file", data_file("x", "out"), r"out: .*not a directory", syn()),

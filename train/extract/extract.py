@@ -49,7 +49,7 @@ from train.extract.shards import (
     nonfinite,
     read_index,
     remove_tmp_files,
-    shard_keys,
+    shard_header,
     shard_name,
     verify_shard,
     write_index,
@@ -309,7 +309,7 @@ def already_done(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> bool
             write_index(rt.out, rt.dist.rank, job.mine)
         job.skipped += 1
         return True
-    if entry is None and path.exists() and _adoptable(path, batch):
+    if entry is None and path.exists() and _adoptable(path, batch, job.ident, rt.print):
         job.mine[name] = ShardEntry(batch, [int(job.lengths[i]) for i in batch], path.stat().st_size,
                                     sha256_file(path))
         write_index(rt.out, rt.dist.rank, job.mine)
@@ -374,10 +374,14 @@ def _whole(path: Path, entry: ShardEntry, say=print) -> bool:
     return reason is None
 
 
-def _adoptable(path: Path, batch: list[int]) -> bool:
+def _adoptable(path: Path, batch: list[int], ident: str, say=print) -> bool:
+    """A whole shard of this extraction holding exactly this batch's samples (else it is rewritten)."""
     try:
-        keys = shard_keys(path)
+        keys, metadata = shard_header(path)
     except ShardError:
+        return False
+    if metadata.get("extraction", ident) != ident:
+        say(f"# rewriting {path.name}: written by another extraction (id {metadata['extraction']}, this one's {ident})")
         return False
     per_sample: dict[int, set[str]] = {}
     for k in keys:

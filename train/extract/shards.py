@@ -66,6 +66,11 @@ def write_shard(path: Path, samples: dict[int, dict[str, torch.Tensor]], metadat
 
 def shard_keys(path: Path) -> list[str]:
     """Tensor names in a shard's header; ShardError if the file is not a whole safetensors file."""
+    return list(shard_header(path)[0])
+
+
+def shard_header(path: Path) -> tuple[list[str], dict[str, str]]:
+    """(tensor names, metadata) of a shard's header; ShardError if the file is not a whole safetensors file."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -81,7 +86,8 @@ def shard_keys(path: Path) -> list[str]:
             raise ValueError(f"truncated: {size} bytes, header says {8 + n + end}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ShardError(f"{path}: corrupt shard ({exc}); delete it and re-run extraction to rewrite it") from None
-    return [k for k in header if k != "__metadata__"]
+    metadata = header.get("__metadata__")
+    return [k for k in header if k != "__metadata__"], metadata if isinstance(metadata, dict) else {}
 
 
 def verify_shard(path: Path, entry: ShardEntry) -> str | None:
