@@ -406,6 +406,8 @@ CASES: list[Case] = [
     dflash("index-lengths-mismatch", lengths_mismatch, rf"index\.00000\.json: .*{shard(1)}: 3 samples but 2 lengths"),
     dflash("meta-not-json", meta_not_json, r"meta\.json: not JSON"),
     dflash("meta-no-samples", _edit_meta(lambda m: m.pop("samples")), r"meta\.json: .*samples"),
+    dflash("meta-samples-not-a-number", _edit_meta(lambda m: m.update(samples="twelve")),
+           r"meta\.json: samples, hidden_size and layers must be non-negative integers"),
     dflash("meta-hidden-size-differs", _edit_meta(lambda m: m.update(hidden_size=128)),
            r"hidden.*128|128.*hidden"),
     dflash("meta-more-layers-than-shards", _edit_meta(lambda m: m.update(layers=[1, 2, 3])),

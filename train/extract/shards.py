@@ -235,10 +235,21 @@ def load_meta(path: Path, keys: tuple[str, ...] = META_KEYS) -> dict[str, Any]:
 
 
 def read_meta(root: Path) -> dict[str, Any]:
+    """An extraction's meta.json, its sample count, layers and hidden size of the right types."""
     path = root / META
     if not path.is_file():
         raise ShardError(f"{root}: no {META}; is this an extraction output directory?")
-    return load_meta(path)
+    meta = load_meta(path)
+
+    def count(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    layers = meta["layers"]
+    if not (count(meta["samples"]) and count(meta["hidden_size"]) and isinstance(layers, list)
+            and all(count(i) for i in layers)):
+        raise ShardError(f"{path}: samples, hidden_size and layers must be non-negative integers (a list for "
+                         f"layers), got {meta['samples']!r}, {meta['hidden_size']!r}, {layers!r}")
+    return meta
 
 
 def extraction_id(meta: dict[str, Any]) -> str:
