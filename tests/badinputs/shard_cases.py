@@ -485,9 +485,9 @@ CASES: list[Case] = [
     regen("conversations-empty", regen_data("\n\n"), r"chat\.jsonl: no conversations"),
     regen("target-not-a-checkpoint", not_a_checkpoint, r"--init-from .*target.*config\.json"),
     regen("target-without-tokenizer", target_without("tokenizer*.json", "chat_template.jinja"),
-          r"target.*no tokenizer"),
+          r"--init-from: checkpoint .*target: no tokenizer"),
     regen("target-without-chat-template", target_without("chat_template.jinja"),
-          r"no chat template"),
+          r"--init-from .*target: the tokenizer has no chat template"),
     regen("target-without-weights", target_without("*.safetensors"), r"--init-from .*target: .*model\.safetensors"),
     regen("target-config-garbage", target_config_garbage, r"--init-from .*target: .*no-such-model"),
 ]

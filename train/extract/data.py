@@ -68,18 +68,19 @@ class TokenData:
                 f"({self.tokens_dropped} tokens dropped; first: {where})")
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, flag: str = "--tokenizer"):
     """The target's tokenizer (with its chat template) from a local directory, through the same
-    loader as stage-1 (train.common.hf_local); DatasetError (one line) if it is absent."""
+    loader as stage-1 (train.common.hf_local); DatasetError (one line, naming `flag`: the option
+    the directory came from) if it is absent."""
     from train.common.hf_local import HFLocalError
     from train.common.hf_local import load_tokenizer as load_local
 
     try:
         tok = load_local(path)
     except HFLocalError as exc:
-        raise DatasetError(f"--tokenizer: {exc}") from None
+        raise DatasetError(f"{flag}: {exc}") from None
     if not getattr(tok, "chat_template", None):
-        raise DatasetError(f"--tokenizer {path}: the tokenizer has no chat template; conversations need one")
+        raise DatasetError(f"{flag} {path}: the tokenizer has no chat template; conversations need one")
     return tok
 
 

@@ -401,7 +401,7 @@ def load_token_data(cfg: ExtractConfig, data_path: Path, vocab: int) -> TokenDat
     except DatasetError as exc:
         if "needs the target's tokenizer" not in str(exc) or not tokenizer_dir:
             raise
-    return load_records(data_path, vocab=vocab, max_len=cfg.max_len, tokenizer=load_tokenizer(tokenizer_dir))
+    return load_records(data_path, vocab=vocab, max_len=cfg.max_len, tokenizer=load_tokenizer(tokenizer_dir, "--tokenizer" if cfg.tokenizer else "--init-from"))
 
 
 def target_config(model: torch.nn.Module) -> dict:

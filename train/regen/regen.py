@@ -193,7 +193,7 @@ def regen(cfg: RegenConfig) -> int:
     records = read_conversations(Path(cfg.data))
     batches = [records[i:i + cfg.batch_size] for i in range(0, len(records), cfg.batch_size)]
     check_target_dir(cfg)
-    tok = load_tokenizer(cfg.tokenizer or cfg.init_from)
+    tok = load_tokenizer(cfg.tokenizer or cfg.init_from, "--tokenizer" if cfg.tokenizer else "--init-from")
     model = load_target(cfg, device)
     # Written once the inputs have loaded: a run refused for a bad input leaves no settings behind.
     if not (out / META).exists():
