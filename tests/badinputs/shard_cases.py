@@ -252,6 +252,15 @@ def foreign_unindexed(tmp: Path) -> None:
     _write_index(root, index)
 
 
+def synced_away(tmp: Path) -> None:
+    """Shard 2 copied to another store by --sync-cmd and deleted here, as the index records."""
+    root = _shards(tmp)
+    index = _index(root)
+    index["shards"][shard(2)]["location"] = "synced"
+    _write_index(root, index)
+    (root / shard(2)).unlink()
+
+
 def empty_dir(tmp: Path) -> None:
     (tmp / "empty").mkdir()
 
@@ -339,6 +348,11 @@ def regen_data(text: str | bytes):
     return setup
 
 
+def regen_out_file(tmp: Path) -> None:
+    target_dir(tmp)
+    (tmp / "regen").write_text("an earlier run's notes\n")
+
+
 def not_a_checkpoint(tmp: Path) -> None:
     (tmp / "target").mkdir()
     (tmp / "target" / "README.md").write_text("my notes\n")
@@ -393,6 +407,7 @@ CASES: list[Case] = [
     dflash("truncated", truncated, rf"{shard(1)}: corrupt shard"),
     dflash("zero-length", zero_length, rf"{shard(2)}: corrupt shard \(0 bytes"),
     dflash("missing-indexed-shard", missing, rf"{shard(3)}: .*missing"),
+    dflash("synced-away", synced_away, rf"{shard(2)}: shard was synced to another store"),
     dflash("extra-unindexed-files", extra_files, rf"{shard(17)}.*not in the index", outcome="counted"),
     dflash("index-missing", no_index, r"index\.\*\.json"),
     dflash("index-not-json", index_not_json, r"index\.00000\.json: unreadable index"),
@@ -456,6 +471,8 @@ CASES: list[Case] = [
     extract("max-len-below-shortest", data_file(GOOD_IDS), r"truncated 3 of 3 samples to --max-len 8",
             syn(max_len="8"), outcome="counted"),
     extract("data-not-jsonl", data_file("id,input_ids\n1,2 3 4\n"), r"data\.jsonl:1: malformed record", syn()),
+    extract("data-is-a-directory", empty_dir, r"empty: no such dataset file",
+            [*syn(), "--data", "{tmp}/empty"]),
     extract("data-empty", data_file(""), r"data\.jsonl: no samples", syn()),
     extract("data-wrong-keys", data_file('{"id": 1, "tokens": [40, 41, 42]}\n'), r"data\.jsonl:1: malformed record",
             syn()),
@@ -483,6 +500,7 @@ CASES: list[Case] = [
     regen("conversations-not-a-list", regen_data('{"id": 1, "conversations": "hi"}\n'),
           r"chat\.jsonl:1: malformed conversation"),
     regen("conversations-empty", regen_data("\n\n"), r"chat\.jsonl: no conversations"),
+    regen("out-is-a-file", regen_out_file, r"--out .*regen: a file, not a directory"),
     regen("target-not-a-checkpoint", not_a_checkpoint, r"--init-from .*target.*config\.json"),
     regen("target-without-tokenizer", target_without("tokenizer*.json", "chat_template.jinja"),
           r"--init-from: checkpoint .*target: no tokenizer"),

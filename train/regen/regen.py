@@ -178,6 +178,8 @@ def regen(cfg: RegenConfig) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)  # refuse a slow GPU path early
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: a file, not a directory; give the regeneration's directory")
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(cfg, k) for k in SETTINGS}
     settings["data"] = str(Path(cfg.data).resolve())
