@@ -33,6 +33,7 @@ from toolkit.fsutil import atomic_write_text
 from toolkit.metrics import Schema
 from toolkit.outcome import write_outcome
 from train.common.checkpoint import CheckpointManager
+from train.common.config import ConfigError
 from train.common.distributed import DistInfo, init_distributed, shutdown_distributed
 from train.common.metrics import MetricsLogger
 
@@ -75,6 +76,8 @@ class Runtime:
               force_group: bool = False, log_rank: int | None = 0, max_bad_steps: int = 0,
               tensorboard: bool = True, wandb_project: str | None = None) -> Iterator[Runtime]:
         """log_rank=None: the last rank logs (DFlash's drafter)."""
+        if Path(out).exists() and not Path(out).is_dir():
+            raise ConfigError(f"--out {out}: a file, not a directory; give the run's directory")
         device = pick_device()
         dist_info = init_distributed(device, force_group=force_group)
         if device.type == "cuda":

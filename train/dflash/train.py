@@ -30,6 +30,7 @@ from toolkit.metrics import SCHEMAS
 from train.common.bucketing import BucketedSampler
 from train.common.checkpoint import CheckpointManager
 from train.common.config import ConfigError, opt, parse_config
+from train.common.distributed import slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.runtime import Runtime
@@ -100,6 +101,8 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
     for name in ("steps", "anchors", "token_budget", "ckpt_every", "log_every", "queue_depth"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.block_size < 2:
+        raise ConfigError(f"--block-size must be >= 2 (the anchor and at least one token to predict), got {cfg.block_size}")
     if not 0.0 <= cfg.max_bad_fraction <= 1.0:
         raise ConfigError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
@@ -189,7 +192,28 @@ def make_drafter_config(cfg: DFlashConfig, target: TargetShape, layers: list[int
                         ) -> DrafterConfig:
     """`--drafter auto`: tiny for the tiny target, the published 5-layer target-shaped one otherwise."""
     spec = default_drafter(target_preset) if cfg.drafter == "auto" else cfg.drafter
-    return drafter_config(spec, target, layers, cfg.block_size)
+    dcfg = drafter_config(spec, target, layers, cfg.block_size)
+    # A JSON file may set any field; these must be the data's, or the first step fails on shapes.
+    given = {"target_layer_ids": (dcfg.target_layer_ids, list(layers)), "hidden_size": (dcfg.hidden_size,
+             target.hidden_size), "vocab_size": (dcfg.vocab_size, target.vocab_size)}
+    for name, (got, want) in given.items():
+        if got != want:
+            raise ConfigError(f"--drafter {cfg.drafter}: {name} {got}, but the target's hidden states have "
+                              f"{want}; leave it out of the file (it is taken from the target)")
+    return dcfg
+
+
+def check_lengths(cfg: DFlashConfig, lengths: np.ndarray, say) -> None:
+    """A block needs an anchor with a context state before it and --block-size - 1 tokens after:
+    refuse a block size no sample can hold; say so when --anchors exceeds what the longest offers."""
+    longest = int(lengths.max()) if len(lengths) else 0
+    room = longest - cfg.block_size  # anchor positions 1 .. len - block_size
+    if room < 1:
+        raise ConfigError(f"--block-size {cfg.block_size}: the longest sample has {longest} tokens, so no "
+                          f"anchor fits (a block needs {cfg.block_size + 1}); lower --block-size")
+    if cfg.anchors > room:
+        say(f"# --anchors {cfg.anchors}: the longest sample offers at most {room} anchor positions "
+            f"(--block-size {cfg.block_size}); each row takes what its response tokens offer")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,11 +257,12 @@ class DrafterRun:
 def train(cfg: DFlashConfig) -> int:
     """setup -> steps -> finish on the shared runtime; online target ranks only produce batches."""
     online = cfg.mode == "online"
+    n_targets = check_layout(cfg, slurm_layout()[1])  # before a process group is formed for a wrong layout
     with Runtime.start(ENTRYPOINT, SCHEMAS["dflash"], cfg.out, force_group=online, log_rank=None,
                        tensorboard=False, max_bad_steps=cfg.max_bad_steps) as rt:
-        n_targets = check_layout(cfg, rt)
         wire = rt.device if rt.dist.backend == "nccl" else torch.device("cpu")  # where sent tensors live
         src = load_source(cfg, rt)
+        check_lengths(cfg, src.lengths, rt.print)
         sampler = BucketedSampler(src.lengths, cfg.token_budget, seed=cfg.seed)
         _, latest = rt.checkpoints(keep=2, restart=cfg.restart)
         start = int(latest.name.split("_")[1]) if latest is not None else 0
@@ -280,12 +305,11 @@ def train(cfg: DFlashConfig) -> int:
 
 def check_tasks(cfg: DFlashConfig, tasks: int) -> None:
     """`launch submit` calls this with the job's task count before anything is queued."""
-    check_layout(cfg, world=tasks)
+    check_layout(cfg, tasks)
 
 
-def check_layout(cfg: DFlashConfig, rt: Runtime | None = None, world: int | None = None) -> int:
-    """The number of target ranks (0 offline); the job's task count must fit the topology."""
-    world = rt.dist.world_size if world is None else world
+def check_layout(cfg: DFlashConfig, world: int) -> int:
+    """The number of target ranks (0 offline); the job's task count (`world`) must fit the topology."""
     if cfg.mode != "online":
         if world > 1:
             raise ConfigError(f"--mode offline trains one drafter on one rank; this job has {world} "
@@ -303,8 +327,10 @@ def load_source(cfg: DFlashConfig, rt: Runtime) -> Source:
     if cfg.mode != "online":
         data = ShardDataset(cfg.data, cfg.max_bad_fraction, report=rt.print)
         embed_w, head_w = data.head_weights()
-        return Source(data.lengths, data.layers, data.hidden_size, embed_w, head_w,
-                      data.target_shape(embed_w.shape[0]), data.meta.get("preset"), data=data)
+        target = data.target_shape(embed_w.shape[0])
+        data.check_target(target)
+        return Source(data.lengths, data.layers, data.hidden_size, embed_w, head_w, target, data.meta.get("preset"),
+                      data=data)
     target, spec, layers, capture = build_target(cfg, rt.device)
     records = load_online_dataset(cfg, spec.vocab.base_vocab, target.config.vocab_size, rt.dist.is_main,
                                   rt.barrier)

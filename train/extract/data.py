@@ -19,6 +19,7 @@ drafter conditioned on the target's hidden states can learn to continue it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,18 +68,19 @@ class TokenData:
                 f"({self.tokens_dropped} tokens dropped; first: {where})")
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, flag: str = "--tokenizer"):
     """The target's tokenizer (with its chat template) from a local directory, through the same
-    loader as stage-1 (train.common.hf_local); DatasetError (one line) if it is absent."""
+    loader as stage-1 (train.common.hf_local); DatasetError (one line, naming `flag`: the option
+    the directory came from) if it is absent."""
     from train.common.hf_local import HFLocalError
     from train.common.hf_local import load_tokenizer as load_local
 
     try:
         tok = load_local(path)
     except HFLocalError as exc:
-        raise DatasetError(f"--tokenizer: {exc}") from None
+        raise DatasetError(f"{flag}: {exc}") from None
     if not getattr(tok, "chat_template", None):
-        raise DatasetError(f"--tokenizer {path}: the tokenizer has no chat template; conversations need one")
+        raise DatasetError(f"{flag} {path}: the tokenizer has no chat template; conversations need one")
     return tok
 
 
@@ -116,6 +118,17 @@ def tokenize_conversation(tok: Any, messages: list[dict[str, str]]) -> tuple[np.
     return np.asarray(ids, dtype=np.int64), mask
 
 
+def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 text file; DatasetError naming file:line for bytes that are not UTF-8."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"{path}:{n}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                                   "a dataset is JSON lines") from None
+
+
 def load_records(path: str | Path, vocab: int, max_len: int | None = None, tokenizer: Any = None) -> TokenData:
     """Samples and their loss masks, in file order; DatasetError naming file:line on a bad record.
 
@@ -125,42 +138,41 @@ def load_records(path: str | Path, vocab: int, max_len: int | None = None, token
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
     data = TokenData([], [])
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(line)
-                turns = rec.get("conversations", rec.get("messages")) if isinstance(rec, dict) else None
-                if turns is not None:
-                    if tokenizer is None:
-                        raise DatasetError(f"{where}: a conversation record needs the target's tokenizer "
-                                           "(--tokenizer DIR, the target checkpoint's directory)")
-                    ids, mask = tokenize_conversation(tokenizer, turns)
-                else:
-                    ids = np.asarray(rec["input_ids"], dtype=np.int64)
-                    mask = (np.asarray(rec["loss_mask"], dtype=np.uint8) if "loss_mask" in rec
-                            else np.ones(ids.shape, dtype=np.uint8))
-            except DatasetError:
-                raise
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise DatasetError(f"{where}: malformed record ({type(exc).__name__}: {exc}); expected "
-                                   '{"id", "input_ids": [int, ...]} or {"id", "conversations": [...]}') from None
-            if ids.ndim != 1 or ids.size < 2:
-                raise DatasetError(f"{where}: input_ids must be a list of at least 2 token ids")
-            if mask.shape != ids.shape or (mask.size and mask.max() > 1):
-                raise DatasetError(f"{where}: loss_mask must be 0/1, one per input id")
-            if ids.min() < 0 or ids.max() >= vocab:
-                raise DatasetError(f"{where}: token id out of range [0, {vocab})")
-            if max_len is not None and ids.size > max_len:
-                data.truncated += 1
-                data.tokens_dropped += int(ids.size - max_len)
-                if len(data.truncated_where) < 3:
-                    data.truncated_where.append(where)
-                ids, mask = ids[:max_len], mask[:max_len]
-            data.ids.append(ids)
-            data.loss_masks.append(mask)
+    for n, line in numbered_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            rec = json.loads(line)
+            turns = rec.get("conversations", rec.get("messages")) if isinstance(rec, dict) else None
+            if turns is not None:
+                if tokenizer is None:
+                    raise DatasetError(f"{where}: a conversation record needs the target's tokenizer "
+                                       "(--tokenizer DIR, the target checkpoint's directory)")
+                ids, mask = tokenize_conversation(tokenizer, turns)
+            else:
+                ids = np.asarray(rec["input_ids"], dtype=np.int64)
+                mask = (np.asarray(rec["loss_mask"], dtype=np.uint8) if "loss_mask" in rec
+                        else np.ones(ids.shape, dtype=np.uint8))
+        except DatasetError:
+            raise
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise DatasetError(f"{where}: malformed record ({type(exc).__name__}: {exc}); expected "
+                               '{"id", "input_ids": [int, ...]} or {"id", "conversations": [...]}') from None
+        if ids.ndim != 1 or ids.size < 2:
+            raise DatasetError(f"{where}: input_ids must be a list of at least 2 token ids")
+        if mask.shape != ids.shape or (mask.size and mask.max() > 1):
+            raise DatasetError(f"{where}: loss_mask must be 0/1, one per input id")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise DatasetError(f"{where}: token id out of range [0, {vocab})")
+        if max_len is not None and ids.size > max_len:
+            data.truncated += 1
+            data.tokens_dropped += int(ids.size - max_len)
+            if len(data.truncated_where) < 3:
+                data.truncated_where.append(where)
+            ids, mask = ids[:max_len], mask[:max_len]
+        data.ids.append(ids)
+        data.loss_masks.append(mask)
     if not data.ids:
         raise DatasetError(f"{path}: no samples")
     return data

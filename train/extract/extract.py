@@ -44,10 +44,12 @@ from train.extract.shards import (
     ShardError,
     bytes_per_token,
     check_disk,
+    extraction_id,
+    load_meta,
     nonfinite,
     read_index,
     remove_tmp_files,
-    shard_keys,
+    shard_header,
     shard_name,
     verify_shard,
     write_index,
@@ -85,8 +87,9 @@ class ExtractConfig:
 
 def parse_args(argv: list[str] | None) -> ExtractConfig:
     cfg = parse_config(ExtractConfig, argv, "python -m train.extract", "hidden-state extraction to shards")
-    if cfg.token_budget < 2 or cfg.max_len < 2 or cfg.n_layers < 1:
-        raise ConfigError("--token-budget and --max-len must be >= 2, --n-layers >= 1")
+    for name, low in (("token_budget", 2), ("max_len", 2), ("n_layers", 1)):
+        if getattr(cfg, name) < low:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(cfg, name)}")
     if cfg.max_len > cfg.token_budget:
         raise ConfigError(f"--max-len {cfg.max_len} exceeds --token-budget {cfg.token_budget}: a long sample "
                           "would not fit a batch; raise the budget or lower --max-len")
@@ -105,9 +108,13 @@ def parse_layers(text: str | None, num_layers: int, n: int) -> list[int]:
     if not text:
         return default_layers(num_layers, n)
     try:
-        layers = sorted({int(x) for x in text.split(",") if x.strip()})
+        given = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"--layers must be comma-separated integers, got {text!r}") from None
+    twice = sorted({i for i in given if given.count(i) > 1})
+    if twice:
+        raise ConfigError(f"--layers {text!r}: layer {', '.join(map(str, twice))} given twice")
+    layers = sorted(given)
     bad = [i for i in layers if not 0 <= i < num_layers]
     if not layers or bad:
         raise ConfigError(f"--layers {text!r}: indices must lie in [0, {num_layers - 1}] for this target")
@@ -202,6 +209,7 @@ class Extraction:
     lengths: np.ndarray
     plan: list[list[int]]
     mine: dict[str, ShardEntry]  # this rank's index
+    ident: str  # the extraction's identity, in every shard's metadata (shards.extraction_id)
     t0: float = field(default_factory=time.perf_counter)
     written: int = 0
     skipped: int = 0
@@ -260,8 +268,8 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
         "plan_sha256": hashlib.sha256(json.dumps(plan).encode()).hexdigest(),
         "truncated": records.truncated, "target_config": target_config(model),
     }
-    if (out / META).exists():
-        old = json.loads((out / META).read_text())
+    old = load_meta(out / META, ("preset", "layers", "samples", "plan_sha256")) if (out / META).exists() else None
+    if old is not None:
         changed = [k for k in ("preset", "layers", "samples", "plan_sha256", "dtype", "init_from") if old.get(k) != meta[k]]
         if changed:
             raise ConfigError(f"{out}: holds an extraction with different {', '.join(changed)}; "
@@ -273,6 +281,7 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
         atomic_write_bytes(out / HEAD, save(head))
         atomic_write_text(out / META, json.dumps(meta, indent=1) + "\n")
 
+    ident = extraction_id(old or meta)  # a resume keeps the identity its shards were written with
     if dist_info.is_main:
         for tmp in remove_tmp_files(out):
             rt.print(f"# removed {tmp.name}: a write cut short by an earlier crash")
@@ -286,7 +295,7 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
     rt.log.header({"preset": cfg.preset, "layers": layers, "samples": len(samples), "shards": len(plan),
                    "world": dist_info.world_size, "device": rt.device.type, "lm_head": "never called"})
     return Extraction(cfg, model.model, HiddenCapture(model.model, layers), samples, records.loss_masks, lengths,
-                      plan, mine)
+                      plan, mine, ident)
 
 
 def already_done(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> bool:
@@ -300,7 +309,7 @@ def already_done(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> bool
             write_index(rt.out, rt.dist.rank, job.mine)
         job.skipped += 1
         return True
-    if entry is None and path.exists() and _adoptable(path, batch):
+    if entry is None and path.exists() and _adoptable(path, batch, job.ident, rt.print):
         job.mine[name] = ShardEntry(batch, [int(job.lengths[i]) for i in batch], path.stat().st_size,
                                     sha256_file(path))
         write_index(rt.out, rt.dist.rank, job.mine)
@@ -322,7 +331,8 @@ def write_one(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> None:
         for r, (idx, n) in enumerate(zip(batch, lens, strict=True))
     }
     refuse_nonfinite(name, tensors)
-    size, digest = write_shard(path, tensors, metadata={"samples": ",".join(map(str, batch))})
+    size, digest = write_shard(path, tensors, metadata={"samples": ",".join(map(str, batch)),
+                                                                "extraction": job.ident})
     entry = ShardEntry(batch, lens, size, digest)
     job.mine[name] = entry
     write_index(rt.out, rt.dist.rank, job.mine)
@@ -364,10 +374,14 @@ def _whole(path: Path, entry: ShardEntry, say=print) -> bool:
     return reason is None
 
 
-def _adoptable(path: Path, batch: list[int]) -> bool:
+def _adoptable(path: Path, batch: list[int], ident: str, say=print) -> bool:
+    """A whole shard of this extraction holding exactly this batch's samples (else it is rewritten)."""
     try:
-        keys = shard_keys(path)
+        keys, metadata = shard_header(path)
     except ShardError:
+        return False
+    if metadata.get("extraction", ident) != ident:
+        say(f"# rewriting {path.name}: written by another extraction (id {metadata['extraction']}, this one's {ident})")
         return False
     per_sample: dict[int, set[str]] = {}
     for k in keys:
@@ -387,7 +401,7 @@ def load_token_data(cfg: ExtractConfig, data_path: Path, vocab: int) -> TokenDat
     except DatasetError as exc:
         if "needs the target's tokenizer" not in str(exc) or not tokenizer_dir:
             raise
-    return load_records(data_path, vocab=vocab, max_len=cfg.max_len, tokenizer=load_tokenizer(tokenizer_dir))
+    return load_records(data_path, vocab=vocab, max_len=cfg.max_len, tokenizer=load_tokenizer(tokenizer_dir, "--tokenizer" if cfg.tokenizer else "--init-from"))
 
 
 def target_config(model: torch.nn.Module) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import struct
 from dataclasses import dataclass
@@ -65,6 +66,11 @@ def write_shard(path: Path, samples: dict[int, dict[str, torch.Tensor]], metadat
 
 def shard_keys(path: Path) -> list[str]:
     """Tensor names in a shard's header; ShardError if the file is not a whole safetensors file."""
+    return list(shard_header(path)[0])
+
+
+def shard_header(path: Path) -> tuple[list[str], dict[str, str]]:
+    """(tensor names, metadata) of a shard's header; ShardError if the file is not a whole safetensors file."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -80,7 +86,8 @@ def shard_keys(path: Path) -> list[str]:
             raise ValueError(f"truncated: {size} bytes, header says {8 + n + end}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ShardError(f"{path}: corrupt shard ({exc}); delete it and re-run extraction to rewrite it") from None
-    return [k for k in header if k != "__metadata__"]
+    metadata = header.get("__metadata__")
+    return [k for k in header if k != "__metadata__"], metadata if isinstance(metadata, dict) else {}
 
 
 def verify_shard(path: Path, entry: ShardEntry) -> str | None:
@@ -154,29 +161,100 @@ class ShardEntry:
     location: str = "local"  # local | synced (copied elsewhere, verified, deleted here)
 
 
+INDEX_VERSION = 1
+SHARD_NAME = re.compile(r"shard_\d{5}\.safetensors")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"{key} listed twice")
+        seen[key] = value
+    return seen
+
+
+def _entry(name: str, raw: Any) -> ShardEntry:
+    """An index entry whose fields have the types and counts a reader relies on (ValueError if not)."""
+    if not SHARD_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a shard name (shard_NNNNN.safetensors in this directory)")
+    entry = ShardEntry(**raw)
+    ints = [*entry.samples, *entry.lengths, entry.bytes]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints):
+        raise ValueError(f"{name}: samples, lengths and bytes must be non-negative integers")
+    if len(entry.samples) != len(entry.lengths):
+        raise ValueError(f"{name}: {len(entry.samples)} samples but {len(entry.lengths)} lengths")
+    return entry
+
+
 def read_index(root: Path) -> dict[str, ShardEntry]:
-    """All ranks' index files merged: shard name -> entry."""
+    """All ranks' index files merged: shard name -> entry; ShardError naming the index file for
+    one that is not JSON, of another version, names a file outside the directory, or lists a
+    shard twice (in one file or in two)."""
     merged: dict[str, ShardEntry] = {}
+    where: dict[str, str] = {}
     for path in sorted(root.glob("index.*.json")):
         try:
-            data = json.loads(path.read_text())
-            for name, entry in data["shards"].items():
-                merged[name] = ShardEntry(**entry)
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            data = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
+            version = data.get("version", INDEX_VERSION)  # indexes written before versions: 1
+            if version != INDEX_VERSION:
+                raise ValueError(f"index version {version}, this reader knows version {INDEX_VERSION}")
+            for name, raw in data["shards"].items():
+                if name in merged:
+                    raise ValueError(f"{name} listed twice (also in {where[name]})")
+                merged[name], where[name] = _entry(name, raw), path.name
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ShardError(f"{path}: unreadable index ({exc}); restore it or delete it to re-verify shards") from None
     return merged
 
 
 def write_index(root: Path, rank: int, entries: dict[str, ShardEntry]) -> None:
-    data = {"shards": {name: e.__dict__ for name, e in sorted(entries.items())}}
+    data = {"version": INDEX_VERSION, "shards": {name: e.__dict__ for name, e in sorted(entries.items())}}
     atomic_write_text(root / index_name(rank), json.dumps(data) + "\n")
 
 
+# What a reader of the shards needs from meta.json.
+META_KEYS = ("samples", "layers", "hidden_size")
+# The fields that make an extraction: shards of two extractions that agree on them are the same
+# bytes (extraction is deterministic); any other mix is refused by the reader.
+IDENTITY_KEYS = ("preset", "init_from", "layers", "hidden_size", "vocab_size", "dtype", "data", "samples",
+                 "token_budget", "seed", "plan_sha256")
+
+
+def load_meta(path: Path, keys: tuple[str, ...] = META_KEYS) -> dict[str, Any]:
+    """meta.json as a dict; ShardError naming the file if it is not JSON or lacks one of `keys`."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ShardError(f"{path}: not JSON ({exc}); restore it or use a new directory") from None
+    missing = [k for k in keys if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ShardError(f"{path}: not an extraction's meta.json (no {', '.join(missing)}); "
+                         "use a new directory for extraction")
+    return meta
+
+
 def read_meta(root: Path) -> dict[str, Any]:
+    """An extraction's meta.json, its sample count, layers and hidden size of the right types."""
     path = root / META
     if not path.is_file():
         raise ShardError(f"{root}: no {META}; is this an extraction output directory?")
-    return json.loads(path.read_text())
+    meta = load_meta(path)
+
+    def count(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    layers = meta["layers"]
+    if not (count(meta["samples"]) and count(meta["hidden_size"]) and isinstance(layers, list)
+            and all(count(i) for i in layers)):
+        raise ShardError(f"{path}: samples, hidden_size and layers must be non-negative integers (a list for "
+                         f"layers), got {meta['samples']!r}, {meta['hidden_size']!r}, {layers!r}")
+    return meta
+
+
+def extraction_id(meta: dict[str, Any]) -> str:
+    """What shard files carry in their metadata ("extraction") to say which extraction wrote them."""
+    return hashlib.sha256(json.dumps([meta.get(k) for k in IDENTITY_KEYS]).encode()).hexdigest()[:16]
 
 
 def remove_tmp_files(root: Path) -> list[Path]:

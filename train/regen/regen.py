@@ -36,7 +36,8 @@ from toolkit.fsutil import atomic_write_text
 from train.common.config import ConfigError, opt, parse_config
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
-from train.extract.data import DatasetError, load_tokenizer
+from train.common.hf_local import _one_line as one_line  # transformers errors in one line
+from train.extract.data import DatasetError, load_tokenizer, numbered_lines
 
 ENTRYPOINT = "train.regen"
 META = "meta.json"
@@ -82,21 +83,20 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                turns = rec.get("conversations", rec.get("messages"))
-                if not isinstance(turns, list) or not all(isinstance(t, dict) and t.get("role") in
-                                                          ("system", "user", "assistant") for t in turns):
-                    raise ValueError('"conversations" must be a list of {"role", "content"} turns')
-                if not any(t["role"] == "assistant" for t in turns):
-                    raise ValueError("no assistant turn to regenerate")
-            except (json.JSONDecodeError, AttributeError, ValueError) as exc:
-                raise DatasetError(f"{path}:{n}: malformed conversation ({exc})") from None
-            out.append({"id": rec.get("id", n - 1), "conversations": turns})
+    for n, line in numbered_lines(path):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            turns = rec.get("conversations", rec.get("messages"))
+            if not isinstance(turns, list) or not all(isinstance(t, dict) and t.get("role") in
+                                                      ("system", "user", "assistant") for t in turns):
+                raise ValueError('"conversations" must be a list of {"role", "content"} turns')
+            if not any(t["role"] == "assistant" for t in turns):
+                raise ValueError("no assistant turn to regenerate")
+        except (json.JSONDecodeError, AttributeError, ValueError) as exc:
+            raise DatasetError(f"{path}:{n}: malformed conversation ({exc})") from None
+        out.append({"id": rec.get("id", n - 1), "conversations": turns})
     if not out:
         raise DatasetError(f"{path}: no conversations")
     return out
@@ -117,14 +117,23 @@ def part_done(path: Path, batch: list[dict[str, Any]]) -> bool:
     return [r.get("id") for r in lines] == [r["id"] for r in batch]
 
 
+def check_target_dir(cfg: RegenConfig) -> None:
+    path = Path(cfg.init_from)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--init-from {path}: no config.json there; give the target's local checkpoint dir")
+
+
 def load_target(cfg: RegenConfig, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     path = Path(cfg.init_from)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"--init-from {path}: no config.json there; give the target's local checkpoint dir")
+    check_target_dir(cfg)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' messages run to paragraphs
+        first = one_line(exc).split(". ")[0]  # the reason, not transformers' upgrade advice
+        raise ConfigError(f"--init-from {path}: the target does not load ({first})") from None
     return model.to(device).eval()
 
 
@@ -169,21 +178,28 @@ def regen(cfg: RegenConfig) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)  # refuse a slow GPU path early
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: a file, not a directory; give the regeneration's directory")
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(cfg, k) for k in SETTINGS}
     settings["data"] = str(Path(cfg.data).resolve())
     if (out / META).exists():
-        old = json.loads((out / META).read_text())
-        changed = [k for k in SETTINGS if old.get(k) != settings[k]]
+        try:
+            old = json.loads((out / META).read_text())
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ConfigError(f"{out / META}: not JSON ({exc}); use a new --out") from None
+        changed = [k for k in SETTINGS if not isinstance(old, dict) or old.get(k) != settings[k]]
         if changed:
             raise ConfigError(f"{out}: holds a regeneration with different {', '.join(changed)}; "
                               "use a new --out or the same arguments as before")
-    else:
-        atomic_write_text(out / META, json.dumps(settings, indent=1) + "\n")
     records = read_conversations(Path(cfg.data))
     batches = [records[i:i + cfg.batch_size] for i in range(0, len(records), cfg.batch_size)]
-    tok = load_tokenizer(cfg.tokenizer or cfg.init_from)
+    check_target_dir(cfg)
+    tok = load_tokenizer(cfg.tokenizer or cfg.init_from, "--tokenizer" if cfg.tokenizer else "--init-from")
     model = load_target(cfg, device)
+    # Written once the inputs have loaded: a run refused for a bad input leaves no settings behind.
+    if not (out / META).exists():
+        atomic_write_text(out / META, json.dumps(settings, indent=1) + "\n")
     print(f"# regen: {len(records)} conversations, {len(batches)} parts, temperature={cfg.temperature} "
           f"top_p={cfg.top_p} top_k={cfg.top_k} max_new_tokens={cfg.max_new_tokens} device={device.type}", flush=True)
     t0, written, skipped = time.perf_counter(), 0, 0
