@@ -10,6 +10,7 @@ registry record. Add a case by adding a row to a module in tests/badinputs/.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -80,6 +81,30 @@ def _in_process(entry: str, argv: list[str]) -> int | str | None:
     return main(argv, guard=False)
 
 
+class _CurrentStderr:
+    """Whatever sys.stderr is when a record is written: the running case's, as in a process."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _release_streams(root_handlers: list[logging.Handler], streams: tuple[object, object]) -> None:
+    """After an in-process case, as if its process had ended: root handlers it added (a
+    basicConfig) go, and a library handler made during it (transformers' binds the sys.stderr
+    of its first use, and its flush) follows the next case's stderr, not this closed one."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if h not in root_handlers]:
+        root.removeHandler(handler)
+    loggers = [root, *(lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger))]
+    for handler in (h for lg in loggers for h in lg.handlers):
+        if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in streams:
+            handler.setStream(_CurrentStderr())
+            vars(handler).pop("flush", None)
+
+
 def _run(case: Case, argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int | str | None, str, str]:
     if case.entry in ("inventory", "launch-process"):
         command = ([sys.executable, str(REPO / "ansible" / "tools" / "check_inventory.py")] if case.entry == "inventory"
@@ -90,10 +115,13 @@ def _run(case: Case, argv: list[str], capsys: pytest.CaptureFixture[str]) -> tup
         except subprocess.TimeoutExpired as exc:
             return "timeout", str(exc.stdout or ""), f"still running after {CHILD_TIMEOUT_S} s: accepted"
         return proc.returncode, proc.stdout, proc.stderr
+    handlers, streams = list(logging.getLogger().handlers), (sys.stdout, sys.stderr)
     try:
         rc = _in_process(case.entry, argv)
     except SystemExit as exc:  # argparse's exit; anything else escaping is a traceback for the user
         rc = exc.code
+    finally:
+        _release_streams(handlers, streams)
     out, err = capsys.readouterr()
     return rc, out, err
 
