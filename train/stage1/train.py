@@ -46,7 +46,7 @@ from train.common.runtime import Runtime, pick_device
 from train.common.shapes import SHAPES, get_shape
 from train.common.stepper import Stepper, make_adamw, zero2_config
 from train.stage1 import model as stage1_model  # stage1_model.build_model: tests wrap it
-from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data
+from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data, check_data_dir, check_weights
 from train.stage1.export import ExportError, export_checkpoint, write_model_files
 from train.stage1.objective import CausalLMObjective, ModelInputError
 from train.stage1.synthetic import generate_synthetic
@@ -135,6 +135,13 @@ def validate(cfg: Stage1Config) -> None:
         raise ConfigError("--ckpt-every, --max-bad-steps and --act-ckpt must be >= 0")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
+    if not 0 <= cfg.max_bad_fraction <= 1:  # nan fails too: it would tolerate every bad record
+        raise ConfigError(f"--max-bad-fraction must be between 0 and 1, got {cfg.max_bad_fraction}")
+    if cfg.weights is not None:
+        try:
+            check_weights(cfg.weights)
+        except DataError as exc:
+            raise ConfigError(f"--weights: {exc}") from None
     if cfg.vision and SHAPES[cfg.shape].vision is None:
         raise ConfigError(f"model shape {cfg.shape!r} has no vision tower; use --vision off")
     codebook_config(cfg)
@@ -309,6 +316,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
                                     codebooks=codebooks)
         rt.print(f"# generated synthetic data in {data_dir}: {counts}")
     rt.barrier()
+    check_data_dir(data_dir)  # before the model is built: a wrong --data-dir fails in a second
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
     kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path, conv=cfg.conv_impl)
     dtype = torch.bfloat16 if rt.device.type == "cuda" else torch.float32
