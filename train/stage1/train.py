@@ -131,6 +131,8 @@ def validate(cfg: Stage1Config) -> None:
     for name in ("steps", "batch_rows", "row_len", "log_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.keep_checkpoints < 1:
+        raise ConfigError(f"--keep-checkpoints must be >= 1, got {cfg.keep_checkpoints}")
     if cfg.ckpt_every < 0 or cfg.max_bad_steps < 0 or cfg.act_ckpt < 0:
         raise ConfigError("--ckpt-every, --max-bad-steps and --act-ckpt must be >= 0")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
@@ -332,7 +334,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     _, latest = rt.checkpoints(cfg.keep_checkpoints, restart=cfg.restart)
     data_state: dict[str, Any] = {"next_batch": 0}
     if latest is not None:
-        rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist)
+        rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist, report=rt.print)
         rt.print(f"# resumed from {latest} at step {rt.step}, next batch {data_state['next_batch']}")
     if rt.dist.is_main:  # after the resume: a run refused over others' checkpoints leaves their files alone
         write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
@@ -440,17 +442,28 @@ def save_checkpoint(run: Stage1Run, rt: Runtime) -> None:
     rt.save(write)
 
 
-def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: DistInfo) -> tuple[int, dict[str, Any]]:
+# What the model is made of (a change cannot resume) and what the batches are made of (a change
+# resumes, but batch k is then not the batch k of the original run: said in one line).
+MODEL_ARGS = ("shape", "vision", "codebook_sizes")
+DATA_ARGS = ("row_len", "batch_rows", "seed", "weights", "packing", "asset_lengths")
+
+
+def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: DistInfo,
+                    report: Callable[[str], None] = print) -> tuple[int, dict[str, Any]]:
     trainer_file = path / f"trainer_rank{dist_info.rank:05d}.pt"
     if not trainer_file.is_file():
         raise CheckpointError(f"{trainer_file} is missing: checkpoint {path} was written by a different world size")
     trainer = torch.load(trainer_file, weights_only=False)
     saved = trainer.get("config") or {}
-    for key in ("shape", "vision"):  # other shape changes: Stepper.load names the first mismatch
+    for key in MODEL_ARGS:  # other shape changes: Stepper.load names the first mismatch
         if key in saved and saved[key] != getattr(cfg, key):
             raise CheckpointError(f"checkpoint {path} was written with --{key.replace('_', '-')} {saved[key]}, this "
                                   f"run has {getattr(cfg, key)}: resume with the same model arguments, or use a "
                                   "new --out or --restart")
+    for key in DATA_ARGS:
+        if key in saved and saved[key] != getattr(cfg, key):
+            report(f"# resuming with --{key.replace('_', '-')} {getattr(cfg, key)} where checkpoint {path} has "
+                   f"{saved[key]}: batches from {trainer['data']['next_batch']} on differ from the original run's")
     stepper.load(path)
     set_rng_state(trainer["rng"])
     return int(trainer["step"]), trainer["data"]
