@@ -24,6 +24,8 @@ def resume(out: str = "{tmp}/run", *extra: str) -> list[str]:
 
 
 RESUME = resume()
+# The newest checkpoint damaged: --steps 1, so the resume from step 1 is all the run does.
+FROM_1 = [*RESUME, "--steps", "1"]
 STEP1, STEP2 = "step_00000001", "step_00000002"
 
 
@@ -140,28 +142,28 @@ NO_CKPT_VERIFIES = r"no checkpoint in \S*run/checkpoints verifies \(--restart st
 CASES = [
     # ---- resume with other model arguments
     Case("checkpoint", "resume-other-codebook-sizes", [*RESUME, "--codebook-sizes", "128"],
-         rf"checkpoint \S*{STEP2} was written with --codebook-sizes None, this run has 128: resume with the same "
+         rf"checkpoint \S*{STEP2} was written with --codebook-sizes unset, this run has 128: resume with the same "
          "model arguments", entry="stage1", setup=broken()),
     Case("checkpoint", "resume-vision-off", [*RESUME, "--vision", "off"],
-         rf"checkpoint \S*{STEP2} was written with --vision True, this run has False", entry="stage1", setup=broken()),
+         rf"checkpoint \S*{STEP2} was written with --vision on, this run has off", entry="stage1", setup=broken()),
     Case("checkpoint", "resume-other-row-len", [*RESUME, "--row-len", "64", "--steps", "3"],
          rf"(?s)# resuming with --row-len 64 where checkpoint \S*{STEP2} has 128: batches from 2 on differ.*"
          r"step +3 \|", entry="stage1", outcome="counted", setup=broken()),
     # ---- the newest checkpoint damaged: resume from the one before, saying so
-    Case("checkpoint", "newest-bit-flipped", RESUME,
+    Case("checkpoint", "newest-bit-flipped", FROM_1,
          rf"(?s){SKIPPED}\S*{STEP2}/model\.pt is corrupt .*{RESUMED_1}", entry="stage1", outcome="counted",
          setup=broken(flip(STEP2, "model.pt"))),
-    Case("checkpoint", "newest-truncated", RESUME, rf"(?s){SKIPPED}\S*{STEP2}/optim\.pt is corrupt.*{RESUMED_1}",
+    Case("checkpoint", "newest-truncated", FROM_1, rf"(?s){SKIPPED}\S*{STEP2}/optim\.pt is corrupt.*{RESUMED_1}",
          entry="stage1", outcome="counted", setup=broken(truncate(STEP2, "optim.pt"))),
-    Case("checkpoint", "newest-file-deleted", RESUME,
+    Case("checkpoint", "newest-file-deleted", FROM_1,
          rf"(?s){SKIPPED}\S*{STEP2}/trainer_rank00000\.pt is missing from checkpoint.*{RESUMED_1}", entry="stage1",
          outcome="counted", setup=broken(delete(STEP2, "trainer_rank00000.pt"))),
-    Case("checkpoint", "newest-manifest-missing", RESUME, rf"(?s){SKIPPED}\S*{STEP2}/MANIFEST\.json is missing.*{RESUMED_1}",
+    Case("checkpoint", "newest-manifest-missing", FROM_1, rf"(?s){SKIPPED}\S*{STEP2}/MANIFEST\.json is missing.*{RESUMED_1}",
          entry="stage1", outcome="counted", setup=broken(delete(STEP2, "MANIFEST.json"))),
-    Case("checkpoint", "newest-manifest-garbage", RESUME,
+    Case("checkpoint", "newest-manifest-garbage", FROM_1,
          rf"(?s){SKIPPED}\S*{STEP2}/MANIFEST\.json is unreadable.*{RESUMED_1}", entry="stage1", outcome="counted",
          setup=broken(write(f"{STEP2}/MANIFEST.json", b"{\x00\xff garbage"))),
-    Case("checkpoint", "newest-manifest-wrong-sha", RESUME, rf"(?s){SKIPPED}\S*{STEP2}/model\.pt is corrupt.*{RESUMED_1}",
+    Case("checkpoint", "newest-manifest-wrong-sha", FROM_1, rf"(?s){SKIPPED}\S*{STEP2}/model\.pt is corrupt.*{RESUMED_1}",
          entry="stage1", outcome="counted", setup=broken(wrong_sha(STEP2))),
     # ---- the `latest` pointer: whatever it says, the newest that verifies
     Case("checkpoint", "latest-dangling", RESUME,
@@ -179,6 +181,12 @@ CASES = [
     Case("checkpoint", "deepspeed-checkpoint-resumed-plain", [*RESUME, "--deepspeed", "off"],
          rf"checkpoint \S*{STEP2} was written by DeepSpeed \(deepspeed/\), this run is plain torch: resume with "
          "--deepspeed on", entry="stage1", setup=broken(as_deepspeed_layout(STEP2))),
+    Case("checkpoint", "deepspeed-config-missing", [*RESUME, "--deepspeed-config", "{tmp}/nope.json"],
+         r"--deepspeed-config \S*nope\.json: not a readable DeepSpeed config \(No such file or directory\)",
+         entry="stage1", setup=broken()),
+    Case("checkpoint", "deepspeed-config-garbage", [*RESUME, "--deepspeed-config", "{tmp}/ds.json"],
+         r"--deepspeed-config \S*ds\.json: not a readable DeepSpeed config \(Expecting value", entry="stage1",
+         files={"ds.json": "zero_optimization: 2\n"}, setup=broken()),
     # ---- where checkpoints go
     Case("checkpoint", "checkpoints-dir-is-a-file", RESUME, r"\S*run/checkpoints is not a directory", entry="stage1",
          setup=_checkpoints_a_file),

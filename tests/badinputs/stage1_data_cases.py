@@ -26,7 +26,7 @@ DATA = "{tmp}/data"
 RUN = ["--shape", "tiny", "--batch-rows", "1", "--row-len", "128", "--num-workers", "0", "--lr", "3e-3",
        "--warmup", "1", "--steps", "1", "--ckpt-every", "0", "--export", "off", "--out", "{tmp}/run",
        "--data-dir", DATA]
-COUNTED = [*RUN, "--steps", "2", "--max-bad-fraction", "0.9"]
+COUNTED = [*RUN, "--max-bad-fraction", "0.9"]
 STRICT = [*RUN, "--max-bad-fraction", "0"]
 UND = ["--weights", '{"und": 1}']
 IMG = ["--weights", '{"replay_img": 1}']
@@ -223,6 +223,12 @@ CASES = [
          setup=_unknown_files),
     Case("stage1-data", "data-dir-is-a-file", RUN, r"data directory \S*data is not a directory", entry="stage1",
          setup=_data_is_file),
+    Case("stage1-data", "manifest-is-a-directory", RUN, r"\S*data/und\.jsonl is not a file", entry="stage1",
+         setup=data(lambda d: ((d / "und.jsonl").unlink(), (d / "und.jsonl").mkdir()))),
+    Case("stage1-data", "synthetic-samples-zero", [*RUN[:-2], "--synthetic-samples", "0"],
+         r"--synthetic-samples must be >= 1, got 0", entry="stage1"),
+    Case("stage1-data", "num-workers-negative", [*RUN, "--num-workers", "-1"], r"--num-workers must be >= 0, got -1",
+         entry="stage1"),
     # ---- manifest lines: counted below --max-bad-fraction, refused above
     Case("stage1-data", "jsonl-not-utf8-counted", COUNTED, r"malformed record: \S*und\.jsonl:10: invalid JSON",
          entry="stage1", outcome="counted", setup=data(append_line("und", b"\xff\xfe{\"id\": \x80}"))),

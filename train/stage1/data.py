@@ -131,6 +131,8 @@ def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -
         man.records[task] = []
         if not path.exists():
             continue
+        if not path.is_file():
+            raise DataError(f"{path} is not a file")
         with open(path, encoding="utf-8", errors="replace") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
