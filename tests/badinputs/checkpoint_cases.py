@@ -137,7 +137,8 @@ def _destination_with(files: dict[str, str]) -> Callable[[Path], None]:
 SKIPPED = r"# skipping a newer checkpoint that does not verify: "
 RESUMED_1 = rf"# resumed from \S*{STEP1} at step 1"
 EXPORT = ["export", "{tmp}/run", "--job", "stage1"]
-NO_CKPT_VERIFIES = r"no checkpoint in \S*run/checkpoints verifies \(--restart starts over and keeps them aside\)"
+NO_CKPT_VERIFIES = (rf"no checkpoint in \S*run/checkpoints verifies \(nor do {STEP1}\) "
+                    r"\(--restart starts over and keeps them aside\)")
 
 CASES = [
     # ---- resume with other model arguments

@@ -150,7 +150,8 @@ class CheckpointManager:
                 self.report(f"# {pointer} names {named!r}; resuming from {path.name}, the newest that verifies")
             return path
         if problems:
-            raise CheckpointError(f"{problems[0]}; no checkpoint in {self.root} verifies "
+            older = f" (nor do {', '.join(p.name for p in dirs[-2::-1])})" if len(dirs) > 1 else ""
+            raise CheckpointError(f"{problems[0]}; no checkpoint in {self.root} verifies{older} "
                                   "(--restart starts over and keeps them aside)")
         return None
 
