@@ -22,4 +22,4 @@ provision-syntax: venv
 	done
 
 provision-lint: venv
-	cd $(ANSIBLE_DIR) && ../$(ANSIBLE_LINT) -q
+	cd $(ANSIBLE_DIR) && $(abspath $(ANSIBLE_LINT)) -q

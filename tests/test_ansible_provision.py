@@ -112,6 +112,31 @@ def test_unparsable_inventory_is_one_line(tmp_path: Path) -> None:
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
+def test_check_reads_a_vaulted_munge_key_and_refuses_a_plain_one(tmp_path: Path) -> None:
+    """The documented place of the munge key, an ansible-vault file in group_vars: the check reads
+    it with the password file Ansible's own config names, says how when none is given, and
+    refuses the key in plain text. Real ansible-vault encryption."""
+    inventory = _kpro6_with(tmp_path)
+    secrets = tmp_path / "group_vars" / "gpu_containers" / "vault.yml"
+    secrets.parent.mkdir(parents=True)
+    secrets.write_text("slurm_munge_key_b64: c2VjcmV0\n")
+    password = tmp_path / "vault-password"
+    password.write_text("correct horse\n")
+    subprocess.run([ansible_bin("ansible-vault"), "encrypt", "--vault-password-file", str(password), str(secrets)],
+                   check=True, capture_output=True, timeout=60)
+    assert secrets.read_bytes().startswith(b"$ANSIBLE_VAULT")
+    env = {**os.environ, "ANSIBLE_VAULT_PASSWORD_FILE": str(password)}
+    ok = subprocess.run([sys.executable, str(CHECK_INVENTORY), str(inventory)], capture_output=True, text=True,
+                        timeout=120, env=env)
+    assert ok.returncode == 0, ok.stderr
+    no_password = check_inventory(inventory)
+    assert no_password.returncode == 2 and "set ANSIBLE_VAULT_PASSWORD_FILE" in no_password.stderr
+    assert len(no_password.stderr.strip().splitlines()) == 1
+    secrets.write_text("slurm_munge_key_b64: c2VjcmV0\n")  # the same key, not encrypted
+    plain = check_inventory(inventory)
+    assert plain.returncode == 2 and "slurm_munge_key_b64 is a secret in plain text (vault.yml line 1)" in plain.stderr
+
+
 def test_playbook_refuses_a_bad_inventory_before_touching_hosts(tmp_path: Path) -> None:
     inventory = _kpro6_with(tmp_path, ct_vmid=None)
     proc, recap = run_playbook(inventory, "--limit", "kpro6:kpro6_containers", timeout=300)

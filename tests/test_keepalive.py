@@ -438,3 +438,19 @@ def test_holder_leaves_a_world_writable_directory_alone(world_dir: Path) -> None
         assert (shared.stat().st_mode & 0o7777) == 0o1777
     assert not ok.socket.parent.exists()  # the directory it made, gone with it
     assert (shared.stat().st_mode & 0o7777) == 0o1777
+
+
+def test_holder_never_replaces_a_file_at_its_socket_path(world_dir: Path) -> None:
+    """Only a stale socket (or a link) at the socket path is removed: `--socket /etc/x` names
+    someone's file, which stays as it was, and no GPU is held meanwhile."""
+    devices = make_standin_gpus(world_dir / "dev", 1)
+    victim = world_dir / "ctl" / "precious"
+    victim.parent.mkdir(mode=0o700)
+    victim.write_text("keep me\n")
+    daemon = KeepaliveDaemon({0: LockHolder(0, devices[0])}, victim, world_dir / "state.json",
+                             query_allocations=None, reconcile_interval=0)
+    with pytest.raises(LaunchError, match="exists and is not a socket; refusing to replace it"):
+        daemon.start()
+    assert victim.read_text() == "keep me\n" and not daemon.started
+    assert not devices[0].with_name("nvidia0.lock").exists()  # refused before any GPU was held
+    assert not (world_dir / "state.json").exists()

@@ -1,5 +1,6 @@
 """Faults against the real stage-1 trainer: a missing `latest` pointer, a changed model shape,
-a non-finite loss, SIGTERM. Each ends in one line (or a resume) and loses no checkpoint."""
+a non-finite loss, SIGTERM, SIGKILL during a checkpoint write. Each ends in one line (or a resume)
+and loses no checkpoint."""
 
 from __future__ import annotations
 
@@ -150,3 +151,56 @@ def test_a_non_finite_step_is_not_applied_and_max_bad_steps_bounds_the_skips(tmp
     rt.step, rt.last_checkpoint = 9, tmp_path / "step_00000008"
     with pytest.raises(NonFiniteStep, match=r"step 9: loss nan.*last good checkpoint: .*step_00000008"):
         rt.check_finite(float("nan"), float("nan"), True)
+
+
+def _kill_during_a_checkpoint_write(proc: subprocess.Popen[str], checkpoints: Path, min_step: int,
+                                    timeout: float = 300) -> str:
+    """SIGKILL the trainer the moment a checkpoint of step >= min_step is being written (its
+    .tmp-step_* directory exists); return that directory's name. Killed, not asked: no cleanup runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            writing = [e.name for e in os.scandir(checkpoints)
+                       if e.name.startswith(".tmp-step_") and int(e.name[len(".tmp-step_"):]) >= min_step]
+        except FileNotFoundError:
+            writing = []
+        if writing:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate(timeout=60)
+            return writing[0]
+        time.sleep(0.0005)
+    proc.kill()
+    raise AssertionError(f"no checkpoint write seen (rc {proc.poll()}): {proc.communicate()[1][-2000:]}")
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_write_recomputes_only_the_steps_since_the_last_one(
+        tmp_path: Path, data: Path) -> None:
+    """kill -9 while step N's checkpoint is half written: the rerun resumes from the newest
+    complete checkpoint, recomputes only the steps after it, on the same batches, with bitwise-equal
+    losses to a run that was never killed; no checkpoint is lost."""
+    steps = 8
+    straight = tmp_path / "straight"
+    assert run(straight, data, steps, "--ckpt-every", "0") == 0
+    out = tmp_path / "killed"
+    killed_at = _kill_during_a_checkpoint_write(_trainer(out, data, steps, "--ckpt-every", "1", "--keep-checkpoints",
+                                                         "100"), out / "checkpoints", min_step=3)
+    half_written = int(killed_at.removeprefix(".tmp-step_"))
+    assert 3 <= half_written <= steps
+    complete = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    # What was complete survives (a checkpoint past the kill would mean the kill came too late).
+    assert complete == [f"step_{s:08d}" for s in range(1, half_written)], (killed_at, complete)
+    logged_before = len((out / "metrics.jsonl").read_text().splitlines())
+
+    assert run(out, data, steps, "--ckpt-every", "1", "--keep-checkpoints", "100") == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()[logged_before:]
+    rerun = [r for r in map(json.loads, lines) if r.get("event") == "step"]
+    assert [r["step"] for r in rerun] == list(range(half_written, steps + 1))  # only what the kill lost
+    want = {r["step"]: r for r in step_records(straight)}
+    for got in rerun:
+        ref = want[got["step"]]
+        assert (got["batch_index"], got["batch_digest"]) == (ref["batch_index"], ref["batch_digest"])
+        assert got["loss"] == ref["loss"], (got["step"], got["loss"], ref["loss"])  # bitwise, not approximately
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [
+        f"step_{s:08d}" for s in range(1, steps + 1)]
+    assert not list((out / "checkpoints").glob(".tmp-step_*"))  # the half-written one was cleaned up

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import ipaddress
 import os
 import re
 import sys
@@ -25,16 +26,102 @@ class InventoryError(Exception):
     """One problem in the inventory, phrased as `host: what is wrong; what to do`."""
 
 
-def load_hostvars(inventory_path: str) -> tuple[dict[str, list[str]], dict[str, dict]]:
-    """Groups and each host's raw inventory variables, through Ansible's own inventory loader."""
+def _strict_loader() -> type:
+    """A YAML SafeLoader that refuses a key given twice in one mapping (YAML's last-wins would
+    silently drop the first value) and reads Ansible's own tags as plain scalars."""
     import yaml
 
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            seen: dict[object, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise InventoryError(f"line {line}: key {key!r} is given twice (lines {seen[key]} and {line}); keep one")
+                seen.setdefault(key, line)  # type: ignore[arg-type]
+            return super().construct_mapping(node, deep)
+
+    for tag in ("!vault", "!unsafe"):
+        StrictLoader.add_constructor(tag, lambda loader, node: loader.construct_scalar(node))
+    return StrictLoader
+
+
+def read_inventory_yaml(inventory_path: str) -> object:
+    """The inventory file as YAML, or an InventoryError naming the line: bytes that are not UTF-8,
+    an empty file, a syntax error, a duplicate key."""
+    import yaml
+
+    data = Path(inventory_path).read_bytes()
     try:
-        yaml.safe_load(Path(inventory_path).read_text())
+        text = data.decode()
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise InventoryError(f"{inventory_path}: line {line}: not UTF-8 (byte {data[err.start]:#04x}); "
+                             "save the file as UTF-8") from None
+    try:
+        parsed = yaml.load(text, Loader=_strict_loader())  # noqa: S506 -- a SafeLoader subclass
+    except InventoryError as err:
+        raise InventoryError(f"{inventory_path}: {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise InventoryError(f"{inventory_path}:{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+        where = f" line {mark.line + 1}:" if mark else ""
+        raise InventoryError(f"{inventory_path}:{where} not valid YAML ({getattr(err, 'problem', err)})") from None
+    if parsed is None:
+        raise InventoryError(f"{inventory_path}: the file is empty; see ansible/inventory/kpro6.yml for one")
+    return parsed
+
+
+def _vault_secrets(loader: object) -> None:
+    """Give Ansible's loader the vault passwords Ansible's own config names (ANSIBLE_VAULT_PASSWORD_FILE,
+    ANSIBLE_VAULT_IDENTITY_LIST), so vault-encrypted group_vars (the munge key) can be read."""
+    from ansible.cli import CLI
+
+    from ansible import constants as C
+
+    files = [C.DEFAULT_VAULT_PASSWORD_FILE] if C.DEFAULT_VAULT_PASSWORD_FILE else []
+    secrets = CLI.setup_vault_secrets(loader, vault_ids=list(C.DEFAULT_VAULT_IDENTITY_LIST or []),
+                                      vault_password_files=files, ask_vault_pass=False, auto_prompt=False)
+    loader.set_vault_secrets(secrets)  # type: ignore[attr-defined]
+
+
+def _vault_hint(message: str) -> str:
+    if "vault" not in message.lower():
+        return message
+    return f"{message} (set ANSIBLE_VAULT_PASSWORD_FILE: the check reads every host's variables)"
+
+
+# Variables that hold secrets: in the inventory only inside ansible-vault (a vaulted file, or `!vault`).
+SECRETS = ("slurm_munge_key_b64", "ansible_password", "ansible_become_password")
+
+
+def _plain_text_origin(value: object) -> str | None:
+    """`file:line` of a value read as plain text from a file that is not vault-encrypted; None for
+    a vaulted value (or when Ansible does not say where a value came from)."""
+    if type(value).__name__ in ("EncryptedString", "AnsibleVaultEncryptedUnicode"):
+        return None
+    try:
+        from ansible._internal._datatag._tags import Origin  # ansible-core >= 2.19
+
+        origin = Origin.get_tag(value)
+        path, line = (origin.path, origin.line_num) if origin is not None else (None, None)
+    except ImportError:
+        path, line, _ = getattr(value, "ansible_pos", (None, None, None))
+    if not path or not Path(path).is_file():
+        return None
+    with open(path, "rb") as f:
+        if f.read(14) == b"$ANSIBLE_VAULT":
+            return None
+    return f"{Path(path).name} line {line}"
+
+
+def load_hostvars(inventory_path: str) -> tuple[dict[str, list[str]], dict[str, dict]]:
+    """Groups and each host's raw inventory variables, through Ansible's own inventory loader."""
+    read_inventory_yaml(inventory_path)
+    # Duplicate keys in group_vars/host_vars files are errors too, not Ansible's last-wins warning.
+    os.environ.setdefault("ANSIBLE_DUPLICATE_YAML_DICT_KEY", "error")
     # A file Ansible cannot read as an inventory is an error here, not a warning and an empty inventory.
     os.environ.setdefault("ANSIBLE_INVENTORY_UNPARSED_FAILED", "True")
     os.environ.setdefault("ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED", "True")
@@ -44,21 +131,30 @@ def load_hostvars(inventory_path: str) -> tuple[dict[str, list[str]], dict[str, 
     from ansible.vars.manager import VariableManager
 
     loader = DataLoader()
+    _vault_secrets(loader)
     captured = io.StringIO()  # Ansible's multi-line parse warnings; the first real cause is kept
     try:
         with contextlib.redirect_stderr(captured):
             inventory = InventoryManager(loader=loader, sources=[inventory_path])
     except Exception as err:
         causes = re.findall(r"Failed to parse inventory with 'yaml' plugin: (.*)", captured.getvalue())
-        raise InventoryError(f"{inventory_path}: {causes[0] if causes else str(err).splitlines()[0]}") from None
+        raise InventoryError(f"{inventory_path}: {_vault_hint(causes[0] if causes else str(err).splitlines()[0])}") from None
     if not inventory.hosts:
         raise InventoryError(f"{inventory_path}: no hosts parsed; check the YAML (ansible-inventory -i {inventory_path} --graph)")
     groups = {name: [h.name for h in group.get_hosts()] for name, group in inventory.groups.items()}
     variables = VariableManager(loader=loader, inventory=inventory)
     hostvars = {}
     for host in inventory.hosts.values():
-        raw = variables.get_vars(host=host, include_hostvars=False)
+        try:
+            raw = variables.get_vars(host=host, include_hostvars=False)
+        except Exception as err:  # a group_vars file Ansible cannot read (vaulted without a password)
+            raise InventoryError(f"{host}: {_vault_hint(str(err).splitlines()[0])}") from None
         templar = Templar(loader=loader, variables=raw)
+        plain = {k: origin for k in SECRETS if raw.get(k) and (origin := _plain_text_origin(raw[k]))}
+        if plain:
+            name, origin = next(iter(plain.items()))
+            raise InventoryError(f"{host}: {name} is a secret in plain text ({origin}); put it in an ansible-vault "
+                                 "file (ansible-vault create ansible/inventory/group_vars/gpu_containers/vault.yml)")
         rendered = {}
         for key, value in raw.items():
             if key in ("groups", "hostvars", "vars", "environment") or key.startswith("ansible_"):
@@ -72,9 +168,12 @@ def load_hostvars(inventory_path: str) -> tuple[dict[str, list[str]], dict[str, 
 
 
 def _int(host: str, name: str, value: object, low: int, high: int | None = None) -> int:
+    # int() would take True as 1 and 1.5 as 1: only an integer, or a string of one, is one.
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InventoryError(f"{host}: {name}={value!r} is not an integer")
     try:
-        number = int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+        number = int(value)
+    except ValueError:
         raise InventoryError(f"{host}: {name}={value!r} is not an integer") from None
     if number < low or (high is not None and number > high):
         bound = f"{low}..{high}" if high is not None else f">= {low}"
@@ -99,6 +198,60 @@ def _no_derived(host: str, hv: dict) -> None:
     for name, why in DERIVED.items():
         if name in hv:
             raise InventoryError(f"{host}: {name} {why}; remove it from the inventory")
+
+
+# RFC 1123 host names: dot-separated labels of letters, digits and '-', 1..63 each, no '-' at an end.
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def _hostname(host: str, name: str, value: object) -> None:
+    if not (isinstance(value, str) and len(value) <= 253 and all(_LABEL.match(p) for p in value.split("."))):
+        raise InventoryError(f"{host}: {name}={value!r} is not a host name (letters, digits and '-', "
+                             "at most 63 between dots)")
+
+
+# Proxmox's net[n] property string (pct create --net0): key=value pairs, `name` required.
+NET_KEYS = {"name", "bridge", "firewall", "gw", "gw6", "hwaddr", "ip", "ip6", "link_down", "mtu", "rate", "tag",
+            "trunks", "type"}
+
+
+def _address(value: str, version: int, interface: bool) -> bool:
+    try:
+        if interface:
+            return "/" in value and ipaddress.ip_interface(value).version == version
+        return ipaddress.ip_address(value).version == version
+    except ValueError:
+        return False
+
+
+def _net(host: str, name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise InventoryError(f"{host}: {name}={value!r} must be a Proxmox net string like name=eth0,bridge=vmbr0,ip=dhcp")
+    fields: dict[str, str] = {}
+    for part in value.split(","):
+        key, eq, val = part.partition("=")
+        if not eq or key not in NET_KEYS:
+            raise InventoryError(f"{host}: {name}: {part!r} is not one of {', '.join(sorted(NET_KEYS))} =value")
+        fields[key] = val
+    if not fields.get("name"):
+        raise InventoryError(f"{host}: {name}: name= is missing (the interface inside, e.g. name=eth0)")
+    for key, val in fields.items():
+        if key in ("name", "bridge") and not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", val):
+            raise InventoryError(f"{host}: {name}: {key}={val!r} is not an interface name")
+    ip = fields.get("ip")
+    if ip is not None and ip not in ("dhcp", "manual") and not _address(ip, 4, interface=True):
+        raise InventoryError(f"{host}: {name}: ip={ip!r} is not an IPv4 address with a /prefix, dhcp or manual")
+    ip6 = fields.get("ip6")
+    if ip6 is not None and ip6 not in ("dhcp", "auto", "manual") and not _address(ip6, 6, interface=True):
+        raise InventoryError(f"{host}: {name}: ip6={ip6!r} is not an IPv6 address with a /prefix, dhcp, auto or manual")
+    for key, version in (("gw", 4), ("gw6", 6)):
+        if key in fields and not _address(fields[key], version, interface=False):
+            raise InventoryError(f"{host}: {name}: {key}={fields[key]!r} is not an IPv{version} address")
+
+
+# Mounting scratch on one of these would hide the container's own system files.
+SYSTEM_DIRS = {"/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/opt", "/proc", "/root", "/run", "/sbin",
+               "/sys", "/usr", "/var"}
 
 
 def _bool(host: str, name: str, value: object) -> None:
@@ -137,8 +290,14 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     for name in ("ct_unprivileged", "ct_scratch_allow_rootfs_storage", "ct_scratch_allow_network_fs"):
         if name in hv:
             _bool(host, name, hv[name])
-    _int(host, "ct_cores", hv.get("ct_cores", 0), 0)
-    _int(host, "ct_memory_mb", hv.get("ct_memory_mb", 0), 0)
+    # Without ct_hostname the inventory name is the container's host name (and its Slurm NodeName).
+    _hostname(host, "ct_hostname" if "ct_hostname" in hv else "ct_hostname (the inventory name)", hv.get("ct_hostname", host))
+    if "ct_net0" in hv:
+        _net(host, "ct_net0", hv["ct_net0"])
+    _int(host, "ct_cores", hv.get("ct_cores", 0), 0, 8192)  # Proxmox's cores range, 0: no limit
+    memory = _int(host, "ct_memory_mb", hv.get("ct_memory_mb", 0), 0)
+    if 0 < memory < 16:
+        raise InventoryError(f"{host}: ct_memory_mb={memory} is out of range (16.. as Proxmox allows, or 0 for no limit)")
     gpus = hv.get("ct_gpus", [])
     if not isinstance(gpus, list):
         raise InventoryError(f"{host}: ct_gpus={gpus!r} must be a list of GPU indices")
@@ -152,6 +311,9 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     if hv.get("ct_scratch_host_path") or mount:
         _abs_path(host, "ct_scratch_host_path", hv.get("ct_scratch_host_path"))
         mount = _abs_path(host, "ct_scratch_mount", mount)
+        if str(mount).rstrip("/") in SYSTEM_DIRS or str(mount) == "/":
+            raise InventoryError(f"{host}: ct_scratch_mount={mount} would cover the container's own {mount}; "
+                                 "mount scratch on a directory of its own, such as /scratch")
     cache_root = hv.get("node_caches_root")
     if cache_root:
         cache_path = _abs_path(host, "node_caches_root", cache_root)
@@ -182,6 +344,12 @@ def check(inventory_path: str, limit: str | None = None) -> None:
         parent = hosts[host]["container_host"]
         if host not in groups.get(f"{parent}_containers", []):
             raise InventoryError(f"{host}: container of {parent} but not in group {parent}_containers")
+        siblings = sorted(h for h in groups.get(f"{parent}_containers", []) if h < host)
+        for gpu in hosts[host].get("ct_gpus", []):
+            other = next((h for h in siblings if str(gpu) in map(str, hosts[h].get("ct_gpus") or [])), None)
+            if other is not None:
+                raise InventoryError(f"{host}: ct_gpus has GPU {gpu}, which {other} has too; "
+                                     "a GPU passes through to one container")
         if hosts[parent].get("lxc_container_backend") == "proxmox":
             vmids = [hosts[h].get("ct_vmid") for h in groups.get(f"{parent}_containers", [])]
             if vmids.count(hosts[host].get("ct_vmid")) > 1:
@@ -200,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inventory error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # a YAML or Ansible parse error: still one line
-        print(f"inventory error: {args.inventory}: {str(err).splitlines()[0]}", file=sys.stderr)
+        print(f"inventory error: {args.inventory}: {_vault_hint(str(err).splitlines()[0])}", file=sys.stderr)
         return 2
     if not args.quiet:
         print(f"inventory ok: {args.inventory}")

@@ -18,17 +18,18 @@ import time
 from pathlib import Path
 
 from launch.errors import LaunchError
-from launch.keepalive.protocol import socket_path, state_path
+from launch.keepalive.protocol import DEFAULT_STATE, seconds, socket_path, state_path
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_seconds(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if not raw:
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise LaunchError(f"{name}={raw!r} is not a number of seconds") from None
+    return seconds(value, f"{name}={raw!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,9 +101,17 @@ def run(args: argparse.Namespace) -> int:
         from launch.keepalive import hooks
 
         timeout = args.timeout
-        if timeout is None:
-            default = hooks.DEFAULT_PROLOG_TIMEOUT_S if cmd == "prolog" else hooks.DEFAULT_EPILOG_TIMEOUT_S
-            timeout = _env_float("LAUNCH_KEEPALIVE_TIMEOUT", default)
+        try:
+            if timeout is None:
+                default = hooks.DEFAULT_PROLOG_TIMEOUT_S if cmd == "prolog" else hooks.DEFAULT_EPILOG_TIMEOUT_S
+                timeout = _env_seconds("LAUNCH_KEEPALIVE_TIMEOUT", default)
+            seconds(timeout, f"--timeout {timeout:g}")
+        except LaunchError as exc:
+            if cmd == "prolog":
+                raise
+            # A failing epilog drains the node: it logs the line and exits 0, as for any epilog error.
+            hooks.hook_logger(_hook_log(args.log)).error("epilog: %s", exc)
+            return 0
         hook = hooks.run_prolog if cmd == "prolog" else hooks.run_epilog
         return hook(socket_path(args.socket), timeout, _hook_log(args.log))
     if cmd == "hooks":
@@ -112,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         # Bake in the directory this `launch` package came from, so slurmd's python imports
         # the same code even when it is not installed in that venv.
         package_root = str(Path(launch.__file__).resolve().parent.parent)
+        for name in ("prolog_timeout", "epilog_timeout"):
+            seconds(getattr(args, name), f"--{name.replace('_', '-')} {getattr(args, name):g}")
         paths = write_hook_wrappers(args.dir.resolve(), args.python, socket_path(args.socket).resolve(),
                                     args.prolog_timeout, args.epilog_timeout,
                                     Path(args.log).resolve() if args.log else None, package_root)
@@ -136,6 +147,8 @@ def _run_daemon(args: argparse.Namespace) -> int:
     hold_timeout = args.hold_timeout
     if hold_timeout is None:
         hold_timeout = 2.0 if args.devices_dir is not None else 30.0
+    seconds(hold_timeout, f"--hold-timeout {hold_timeout:g}", allow_zero=True)
+    seconds(args.reconcile_interval, f"--reconcile-interval {args.reconcile_interval:g}", allow_zero=True)
     query = None
     if not args.no_slurm:
         from launch.keepalive import slurm_state
@@ -160,24 +173,54 @@ def _run_daemon(args: argparse.Namespace) -> int:
 def read_state(path: Path) -> dict | None:
     """The holder's state, or None when no holder runs (no file, or its pid is gone)."""
     try:
-        state = json.loads(path.read_text())
+        text = path.read_bytes().decode()
+        state = json.loads(text)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
-        raise LaunchError(f"cannot read keepalive state {path}: {exc}") from None
+    except IsADirectoryError:
+        raise LaunchError(f"cannot read keepalive state {path}: it is a directory; pass the state file") from None
+    except UnicodeDecodeError as exc:
+        raise LaunchError(f"cannot read keepalive state {path}: not UTF-8 (byte {exc.object[exc.start]:#04x} "
+                          f"at offset {exc.start}); is it a launch keepalive file?") from None
+    except ValueError as exc:
+        raise LaunchError(f"cannot read keepalive state {path}: not JSON ({exc})") from None
+    except OSError as exc:
+        raise LaunchError(f"cannot read keepalive state {path}: {exc.strerror}") from None
+    pid = state.get("pid") if isinstance(state, dict) else None
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        # kill(0 or -1, 0) would ask about a process group, not a holder
+        raise LaunchError(f"keepalive state {path} has no valid pid; is it a launch keepalive file?")
     try:
-        os.kill(int(state["pid"]), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return None
     except PermissionError:
         pass  # alive, owned by root
-    except (KeyError, TypeError, ValueError):
-        raise LaunchError(f"keepalive state {path} has no valid pid; is it a launch keepalive file?") from None
+    _check_state(path, state)
     return state
+
+
+def _gpu_indices(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in value)
+
+
+def _check_state(path: Path, state: dict) -> None:
+    """What `status` prints must be what the holder writes (daemon.py `_state`)."""
+    if not _gpu_indices(state.get("held")):
+        raise LaunchError(f"keepalive state {path}: 'held' is missing or not a list of GPU indices")
+    released = state.get("released", {})
+    if not (isinstance(released, dict) and all(_gpu_indices(g) for g in released.values())):
+        raise LaunchError(f"keepalive state {path}: 'released' is not a map of job ids to GPU indices")
+    if not _gpu_indices(state.get("pending", [])):
+        raise LaunchError(f"keepalive state {path}: 'pending' is not a list of GPU indices")
 
 
 def _status(args: argparse.Namespace) -> int:
     path = state_path(args.state)
+    if path != DEFAULT_STATE and not path.parent.is_dir():
+        # The default's directory is missing when no holder ever ran; a given path's is a typo.
+        what = f"{path.parent} is not a directory" if path.parent.exists() else f"no such directory {path.parent}"
+        raise LaunchError(f"keepalive state {path}: {what}; is --state right (the holder's default is {DEFAULT_STATE})?")
     state = read_state(path)
     if state is None:
         print(f"keepalive holder: not running (no live holder behind {path})")
@@ -187,7 +230,7 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"keepalive holder: running, pid {state['pid']}, backend {state.get('backend', '?')}")
     print(f"  held:     {state['held']}")
-    for job, gpus in state["released"].items():
+    for job, gpus in state.get("released", {}).items():
         print(f"  job {job}: {gpus}")
     if state.get("pending"):
         print(f"  pending:  {state['pending']} (busy; retrying)")

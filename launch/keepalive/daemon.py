@@ -37,12 +37,26 @@ from toolkit.fsutil import atomic_write_text
 log = logging.getLogger("launch.keepalive")
 
 AllocationQuery = Callable[[], dict[str, list[int]]]
+UNIX_PATH_MAX = 108  # sun_path of struct sockaddr_un on Linux, with its terminating NUL
 
 
 def peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     return uid
+
+
+def _check_parent(kind: str, path: Path) -> None:
+    """Refuse, before anything is made, a path whose nearest existing ancestor is not a directory."""
+    ancestor = path.parent
+    try:
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if ancestor.is_dir():
+            return
+    except OSError:  # e.g. not searchable for this user: making the path reports it
+        return
+    raise LaunchError(f"{kind} {path}: {ancestor} is not a directory")
 
 
 def _now_iso() -> str:
@@ -88,11 +102,20 @@ class KeepaliveDaemon:
         but that job was allocated before its prolog ran, so the query below sees it.
         A prolog that connects now waits in the backlog until the grab is done.
         """
+        _check_parent("control socket", self.socket_path)
+        if len(os.fsencode(self.socket_path)) >= UNIX_PATH_MAX:
+            raise LaunchError(f"control socket path {self.socket_path} is {len(os.fsencode(self.socket_path))} bytes; "
+                              f"a unix socket path must be under {UNIX_PATH_MAX}: pick a shorter --socket")
+        _check_parent("state file", self.state_path)
+        if self.state_path.is_dir():
+            raise LaunchError(f"state file {self.state_path} is a directory; pass a file path to --state")
         try:
             self._server = self._listen()
         except PermissionError as exc:
             raise LaunchError(f"cannot create the control socket {self.socket_path} ({exc.strerror}); "
                               "the holder runs as root (or pass --socket/--state you may write)") from None
+        except OSError as exc:
+            raise LaunchError(f"cannot create the control socket {self.socket_path} ({exc.strerror})") from None
         allocations: dict[str, list[int]] = {}
         if self.query_allocations is not None:
             allocations = self.query_allocations()
@@ -110,7 +133,10 @@ class KeepaliveDaemon:
             with self._state_lock:
                 self.pending.update(busy)
         with self._state_lock:
-            self._write_state()
+            try:
+                self._write_state()
+            except OSError as exc:  # shutdown (the caller's) frees what was just held
+                raise LaunchError(f"cannot write the state file {self.state_path} ({exc.strerror})") from None
         log.info("holding GPU(s) %s; socket %s", self._held_gpus(), self.socket_path)
 
     def serve_forever(self) -> None:
@@ -164,7 +190,15 @@ class KeepaliveDaemon:
 
     def _listen(self) -> socket.socket:
         self._socket_directory()
-        if self.socket_path.exists() or self.socket_path.is_symlink():
+        try:
+            mode = self.socket_path.lstat().st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not (stat.S_ISSOCK(mode) or stat.S_ISLNK(mode)):
+            # a stale socket is removed below; anything else at that path is someone's file
+            raise LaunchError(f"control socket path {self.socket_path} exists and is not a socket; "
+                              "refusing to replace it: pick another --socket")
+        if mode is not None:
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(str(self.socket_path))

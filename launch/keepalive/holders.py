@@ -150,17 +150,35 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def discover_standin_gpus(devices_dir: Path) -> dict[int, Path]:
-    """nvidiaN char devices with major 195 under `devices_dir`, by index N."""
-    if not devices_dir.is_dir():
+    """nvidiaN char devices with major 195 under `devices_dir`, by index N.
+
+    An nvidiaN entry that is not such a device is skipped; when nothing is left, the error says
+    what each skipped one was, so a wrong --devices-dir is told apart from wrong nodes in it."""
+    if not devices_dir.exists():
         raise LaunchError(f"devices dir {devices_dir} does not exist; pass the dir holding nvidiaN nodes")
+    if not devices_dir.is_dir():
+        raise LaunchError(f"devices dir {devices_dir} is not a directory; pass the dir holding nvidiaN nodes")
     found: dict[int, Path] = {}
-    for entry in devices_dir.iterdir():
+    skipped: list[str] = []
+    for entry in sorted(devices_dir.iterdir()):
         match = _DEVICE_NAME.match(entry.name)
         if not match:
             continue
-        st = entry.stat()
-        if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == NVIDIA_MAJOR:
+        try:
+            st = entry.stat()
+        except OSError as exc:  # e.g. a dangling symlink
+            skipped.append(f"{entry.name}: {exc.strerror}")
+            continue
+        if not stat.S_ISCHR(st.st_mode):
+            skipped.append(f"{entry.name} is not a character device")
+        elif os.major(st.st_rdev) != NVIDIA_MAJOR:
+            skipped.append(f"{entry.name} has major {os.major(st.st_rdev)}, not NVIDIA's {NVIDIA_MAJOR}")
+        else:
             found[int(match.group(1))] = entry
+    if not found:
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise LaunchError(f"no stand-in GPUs in {devices_dir}: no nvidiaN character devices with major "
+                          f"{NVIDIA_MAJOR}{why}; nothing to hold")
     return dict(sorted(found.items()))
 
 
@@ -181,21 +199,23 @@ def build_holders(
     """Holders for the GPUs to manage: `gpus` is 'auto' (all found) or a list like '0,1'."""
     from launch.keepalive.protocol import parse_gpu_list
 
-    if not 0.0 < mem_fraction <= 0.95:
-        raise LaunchError(f"--mem-fraction {mem_fraction} is out of range; use a value in (0, 0.95]")
+    if not 0.0 < mem_fraction <= 0.95:  # also refuses nan
+        raise LaunchError(f"--mem-fraction {mem_fraction:g} is out of range; use a value in (0, 0.95]")
+    wanted = None if gpus == "auto" else parse_gpu_list(gpus, "--gpus", unique=True)
+    if wanted == []:
+        raise LaunchError(f"--gpus {gpus!r} names no GPU; give indices like 0,1, or 'auto' for all found")
     if devices_dir is not None:
         devices = discover_standin_gpus(devices_dir)
         available = set(devices)
     else:
         devices = {}
         available = set(range(count_cuda_gpus()))
-    wanted = sorted(available) if gpus == "auto" else parse_gpu_list(gpus)
+    wanted = sorted(available) if wanted is None else wanted
     missing = [i for i in wanted if i not in available]
     if missing:
         raise LaunchError(f"GPU(s) {missing} not found (found {sorted(available)}); fix --gpus")
     if not wanted:
-        where = devices_dir if devices_dir is not None else "CUDA"
-        raise LaunchError(f"no GPUs found in {where}; nothing to hold")
+        raise LaunchError("no GPUs found by CUDA; nothing to hold (--devices-dir holds stand-in GPUs)")
     if devices_dir is not None:
         return {i: LockHolder(i, devices[i]) for i in wanted}
     return {i: CudaHolder(i, mem_fraction) for i in wanted}

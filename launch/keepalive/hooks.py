@@ -35,7 +35,7 @@ DEFAULT_EPILOG_TIMEOUT_S = 60.0
 DEFAULT_HOOK_LOG = Path("/var/log/launch-keepalive/hooks.log")
 
 
-def _hook_logger(log_path: Path | None) -> logging.Logger:
+def hook_logger(log_path: Path | None) -> logging.Logger:
     logger = logging.getLogger("launch.keepalive.hooks")
     logger.handlers.clear()
     logger.setLevel(logging.INFO)
@@ -69,12 +69,14 @@ def _job_and_gpus(env: Mapping[str, str], hook: str) -> tuple[str, list[int]]:
     job = env.get("SLURM_JOB_ID", "")
     if not job:
         raise LaunchError(f"SLURM_JOB_ID is not set; the {hook} is meant to be run by slurmd")
-    return job, parse_gpu_list(env.get("SLURM_JOB_GPUS", ""))
+    if not job.isascii() or not job.isdigit():  # Slurm's job ids are numbers (array tasks' too)
+        raise LaunchError(f"SLURM_JOB_ID={job!r} is not a Slurm job id; the {hook} is meant to be run by slurmd")
+    return job, parse_gpu_list(env.get("SLURM_JOB_GPUS", ""), "SLURM_JOB_GPUS")
 
 
 def run_prolog(socket: Path, timeout: float, log_path: Path | None,
                env: Mapping[str, str] = os.environ) -> int:
-    logger = _hook_logger(log_path)
+    logger = hook_logger(log_path)
     job, gpus = _job_and_gpus(env, "prolog")
     if not gpus:
         logger.info("prolog job=%s: no GPUs allocated; nothing to release", job)
@@ -97,7 +99,7 @@ def run_prolog(socket: Path, timeout: float, log_path: Path | None,
 
 def run_epilog(socket: Path, timeout: float, log_path: Path | None,
                env: Mapping[str, str] = os.environ) -> int:
-    logger = _hook_logger(log_path)
+    logger = hook_logger(log_path)
     try:
         job, gpus = _job_and_gpus(env, "epilog")
     except LaunchError as exc:
@@ -152,10 +154,15 @@ def write_hook_wrappers(directory: Path, python: str, socket: Path, prolog_timeo
 
     if not Path(python).is_absolute():
         raise LaunchError(f"--python {python!r} must be an absolute path; slurmd has no PATH to search")
+    if directory.exists() and not directory.is_dir():
+        raise LaunchError(f"cannot write the hook wrappers in {directory}: not a directory")
     paths = {}
     for hook, timeout in (("prolog", prolog_timeout), ("epilog", epilog_timeout)):
         path = directory / hook
-        atomic_write_text(path, render_hook_wrapper(hook, python, socket, timeout, log_path, pythonpath),
-                          mode=0o755)
+        try:
+            atomic_write_text(path, render_hook_wrapper(hook, python, socket, timeout, log_path, pythonpath),
+                              mode=0o755)
+        except OSError as exc:
+            raise LaunchError(f"cannot write the hook wrappers in {directory}: {exc.strerror}") from None
         paths[hook] = path
     return paths

@@ -12,6 +12,7 @@ acknowledgement is the prolog's proof that the job may start.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from pathlib import Path
@@ -35,9 +36,13 @@ def state_path(explicit: str | None = None) -> Path:
     return Path(explicit or os.environ.get("LAUNCH_KEEPALIVE_STATE") or DEFAULT_STATE)
 
 
-def parse_gpu_list(text: str) -> list[int]:
-    """'0,1' or '0-2,5' (SLURM_JOB_GPUS / GRES IDX syntax) -> sorted unique indices."""
-    indices: set[int] = set()
+def parse_gpu_list(text: str, source: str = "", unique: bool = False) -> list[int]:
+    """'0,1' or '0-2,5' (SLURM_JOB_GPUS / GRES IDX syntax) -> sorted unique indices.
+
+    `source` names where the text came from in the error (e.g. "--gpus"); with `unique`, an index
+    given twice is an error rather than merged (a user's list, not Slurm's)."""
+    where = f"{source}: " if source else ""
+    indices: list[int] = []
     for part in text.replace(" ", "").split(","):
         if not part:
             continue
@@ -46,17 +51,28 @@ def parse_gpu_list(text: str) -> list[int]:
                 lo, hi = (int(x) for x in part.split("-", 1))
                 if hi < lo or lo < 0:
                     raise ValueError(part)
-                indices.update(range(lo, hi + 1))
+                indices.extend(range(lo, hi + 1))
             else:
                 value = int(part)
                 if value < 0:
                     raise ValueError(part)
-                indices.add(value)
+                indices.append(value)
         except ValueError:
             raise LaunchError(
-                f"bad GPU list {text!r}; expected indices like '0,1' or '0-3'"
+                f"{where}bad GPU list {text!r}; expected indices like '0,1' or '0-3'"
             ) from None
-    return sorted(indices)
+    repeated = sorted({i for i in indices if indices.count(i) > 1})
+    if unique and repeated:
+        raise LaunchError(f"{source or 'GPU list'} {text!r} names GPU {repeated[0]} twice")
+    return sorted(set(indices))
+
+
+def seconds(value: float, label: str, allow_zero: bool = False) -> float:
+    """A finite number of seconds (> 0, or >= 0 with `allow_zero`), else a one-line error that
+    starts with `label` (where the value came from, e.g. "--timeout -1")."""
+    if not (math.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
+        raise LaunchError(f"{label}: must be a number of seconds {'>=' if allow_zero else '>'} 0")
+    return value
 
 
 def encode(message: dict[str, Any]) -> bytes:

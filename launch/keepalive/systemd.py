@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import shlex
 
+from launch.errors import LaunchError
+
 
 def render_unit(python: str, extra_args: str = "", environment_file: str = "/etc/default/launch-keepalive") -> str:
+    if not python.startswith("/"):
+        raise LaunchError(f"--python {python!r} must be an absolute path; systemd runs ExecStart without a PATH search")
+    for name, value in (("--python", python), ("--args", extra_args)):
+        if any(ord(c) < 0x20 or c == "\x7f" for c in value):
+            # a newline would end ExecStart= and start another directive of the unit
+            raise LaunchError(f"{name} {value!r} has a control character; give one line of arguments")
     exec_start = f"{shlex.quote(python)} -m launch.keepalive.cli run {extra_args}".rstrip()
     return f"""\
 [Unit]

@@ -1,7 +1,139 @@
-"""Bad inputs: inventory (see tests/badinputs/__init__.py for what a case is)."""
+"""Bad inputs: inventory (see tests/badinputs/__init__.py for what a case is).
+
+Each case is a copy of a shipped inventory (ansible/inventory/kpro6.yml, a Proxmox host with one
+8-GPU container; local.yml, a plain LXC host) with one thing broken, checked by
+`ansible/tools/check_inventory.py` in a child as `make provision` runs it. The message names the
+host, the variable and the reason, on one line.
+"""
 
 from __future__ import annotations
 
-from tests.badinputs import Case
+import copy
 
-CASES: list[Case] = []
+import yaml
+
+from tests.badinputs import REPO, Case
+
+INVENTORIES = REPO / "ansible" / "inventory"
+INV = "{tmp}/inventory.yml"
+CT = "kpro6-ct200"
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((INVENTORIES / name).read_text())
+
+
+KPRO6 = _load("kpro6.yml")
+LOCAL = _load("local.yml")
+
+
+def _containers(data: dict, host: str) -> dict:
+    return data["all"]["children"]["gpu_containers"]["children"][f"{host}_containers"]["hosts"]
+
+
+def _apply(target: dict, changes: dict) -> None:
+    for key, value in changes.items():
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+
+
+def kpro6(ct: dict | None = None, host: dict | None = None, more: dict[str, dict] | None = None) -> dict[str, str]:
+    """kpro6.yml with container kpro6-ct200's variables changed by `ct` (None removes one), the
+    host's by `host`, and further containers `more` (each a copy of ct200 with its changes)."""
+    data = copy.deepcopy(KPRO6)
+    containers = _containers(data, "kpro6")
+    _apply(containers[CT], ct or {})
+    _apply(data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"], host or {})
+    for name, changes in (more or {}).items():
+        containers[name] = copy.deepcopy(containers[CT])
+        _apply(containers[name], changes)
+    return {"inventory.yml": yaml.safe_dump(data, sort_keys=False)}
+
+
+def local(ct: dict | None = None) -> dict[str, str]:
+    data = copy.deepcopy(LOCAL)
+    _apply(_containers(data, "localhost")["launch-local"], ct or {})
+    return {"inventory.yml": yaml.safe_dump(data, sort_keys=False)}
+
+
+def _case(case_id: str, files: dict[str, str | bytes], expect: str, *args: str) -> Case:
+    return Case("inventory", case_id, [*args, INV], expect, files=files, entry="inventory")
+
+
+MAJORS = r"lxc_container_nvidia_majors is read from the host's /proc/devices"
+KPRO6_TEXT = (INVENTORIES / "kpro6.yml").read_text()
+
+CASES = [
+    # ---- device majors: only the host's own /proc/devices says which pass through
+    _case("majors-star", kpro6({"lxc_container_nvidia_majors": ["*"]}), rf"{CT}: {MAJORS}"),
+    _case("majors-one", kpro6({"lxc_container_nvidia_majors": [1]}), rf"{CT}: {MAJORS}"),
+    _case("majors-cgroup-rule", kpro6({"lxc_container_nvidia_majors": "a *:* rwm"}), rf"{CT}: {MAJORS}"),
+    _case("majors-shell", kpro6({"lxc_container_nvidia_majors": "195; rm -rf /"}), rf"{CT}: {MAJORS}"),
+    _case("majors-strings", kpro6({"lxc_container_nvidia_majors": ["195", "a"]}), rf"{CT}: {MAJORS}"),
+    # ---- GPU indices
+    _case("gpu-out-of-range", kpro6({"ct_gpus": [0, 8]}), rf"{CT}: ct_gpus=8 is out of range \(0\.\.7\)"),
+    _case("gpu-negative", kpro6({"ct_gpus": [-1]}), rf"{CT}: ct_gpus=-1 is out of range \(0\.\.7\)"),
+    _case("gpu-word", kpro6({"ct_gpus": ["zero"]}), rf"{CT}: ct_gpus='zero' is not an integer"),
+    _case("gpu-fraction", kpro6({"ct_gpus": [1.5]}), rf"{CT}: ct_gpus=1\.5 is not an integer"),
+    _case("gpu-twice", kpro6({"ct_gpus": [0, 0]}), rf"{CT}: ct_gpus=\[0, 0\] lists a GPU twice"),
+    _case("gpu-shared-by-two-containers",
+          kpro6({"ct_gpus": [0, 1, 2, 3]}, more={"kpro6-ct201": {"ct_vmid": 201, "proxmox_vmid": 201,
+                                                                   "ct_hostname": "trainer201", "ct_gpus": [3, 4]}}),
+          r"kpro6-ct201: ct_gpus has GPU 3, which kpro6-ct200 has too; a GPU passes through to one container"),
+    # ---- container ids
+    _case("vmid-twice", kpro6(more={"kpro6-ct201": {"ct_hostname": "trainer201", "ct_gpus": []}}),
+          r"kpro6-ct20[01]: ct_vmid=200 is used twice on kpro6"),
+    _case("vmid-below-proxmox-range", kpro6({"ct_vmid": 99, "proxmox_vmid": 99}),
+          rf"{CT}: ct_vmid=99 is out of range \(100\.\.999999999\)"),
+    _case("vmid-word", kpro6({"ct_vmid": "two hundred", "proxmox_vmid": None}),
+          rf"{CT}: ct_vmid='two hundred' is not an integer"),
+    # ---- names and the network
+    _case("hostname-space", kpro6({"ct_hostname": "trainer 200"}),
+          rf"{CT}: ct_hostname='trainer 200' is not a host name \(letters, digits and '-'"),
+    _case("hostname-shell", kpro6({"ct_hostname": "t200;reboot"}), rf"{CT}: ct_hostname='t200;reboot' is not a host name"),
+    _case("hostname-too-long", kpro6({"ct_hostname": "t" * 64}), rf"{CT}: ct_hostname='t{{64}}' is not a host name"),
+    _case("net-no-name", kpro6({"ct_net0": "bridge=vmbr0,ip=dhcp"}), rf"{CT}: ct_net0: name= is missing"),
+    _case("net-ip-garbage", kpro6({"ct_net0": "name=eth0,bridge=vmbr0,ip=300.1.2.3/24"}),
+          rf"{CT}: ct_net0: ip='300\.1\.2\.3/24' is not an IPv4 address with a /prefix, dhcp or manual"),
+    _case("net-ip-no-prefix", kpro6({"ct_net0": "name=eth0,bridge=vmbr0,ip=10.0.0.5"}),
+          rf"{CT}: ct_net0: ip='10\.0\.0\.5' is not an IPv4 address with a /prefix"),
+    _case("net-gateway-garbage", kpro6({"ct_net0": "name=eth0,bridge=vmbr0,ip=10.0.0.5/24,gw=10.0.0"}),
+          rf"{CT}: ct_net0: gw='10\.0\.0' is not an IPv4 address"),
+    # ---- sizes
+    _case("memory-negative", kpro6({"ct_memory_mb": -1}), rf"{CT}: ct_memory_mb=-1 is out of range"),
+    _case("memory-below-proxmox-minimum", kpro6({"ct_memory_mb": 8}),
+          rf"{CT}: ct_memory_mb=8 is out of range \(16\.\..*or 0 for no limit\)"),
+    _case("cores-negative", kpro6({"ct_cores": -4}), rf"{CT}: ct_cores=-4 is out of range"),
+    # ---- scratch
+    _case("scratch-on-network-fs", kpro6(host={"gpu_host_scratch_fstype": "nfs4"}),
+          rf"{CT}: node_caches_root is on nfs4, a network file system"),
+    _case("scratch-mounted-over-root", kpro6({"ct_scratch_mount": "/", "node_caches_root": "/cache"}),
+          rf"{CT}: ct_scratch_mount=/ would cover the container's own /"),
+    # ---- backends and required keys
+    _case("backend-unknown", kpro6(host={"lxc_container_backend": "docker"}),
+          r"kpro6: lxc_container_backend='docker'; set it to one of proxmox, lxc"),
+    _case("template-missing", kpro6({"ct_template": None}), rf"{CT}: ct_template is missing"),
+    _case("container-host-unknown", kpro6({"container_host": "kpro7"}),
+          rf"{CT}: container_host='kpro7' is not a host in group container_hosts"),
+    # ---- secrets in plain text
+    _case("munge-key-in-plain-text", kpro6({"slurm_munge_key_b64": "c2VjcmV0LWtleQ=="}),
+          rf"{CT}: slurm_munge_key_b64 is a secret in plain text \(inventory\.yml line \d+\); put it in an ansible-vault file"),
+    # ---- the file itself
+    _case("yaml-syntax-error", {"inventory.yml": KPRO6_TEXT.replace("ct_cores: 64", "ct_cores: [64")},
+          r"inventory\.yml: line \d+: not valid YAML"),
+    _case("not-utf8", {"inventory.yml": KPRO6_TEXT.encode().replace(b"trainer200", b"trainer\xff200")},
+          r"inventory\.yml: line 39: not UTF-8 \(byte 0xff\); save the file as UTF-8"),
+    _case("duplicate-key", {"inventory.yml": KPRO6_TEXT.replace("              ct_cores: 64\n",
+                                                                "              ct_cores: 64\n              ct_cores: 2\n")},
+          r"inventory\.yml: line \d+: key 'ct_cores' is given twice \(lines \d+ and \d+\); keep one"),
+    _case("duplicate-host", {"inventory.yml": KPRO6_TEXT.replace("        kpro6_containers:\n",
+                                                                 "        kpro6_containers:\n          hosts: {}\n")},
+          r"inventory\.yml: line \d+: key 'hosts' is given twice \(lines \d+ and \d+\)"),
+    _case("empty-file", {"inventory.yml": ""}, r"inventory\.yml: the file is empty"),
+    _case("only-comments", {"inventory.yml": "# nothing here\n"}, r"inventory\.yml: the file is empty"),
+    _case("no-such-file", {}, r"no such inventory file"),
+    # ---- the command line
+    _case("limit-unknown-host", kpro6(), r"host 'kpro7' is not in the inventory \(hosts: kpro6\)", "--limit", "kpro7"),
+]
