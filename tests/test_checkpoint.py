@@ -149,9 +149,12 @@ def test_corrupt_checkpoint_stops_run_with_one_line(tmp_path: Path, data: Path, 
     assert run(out, data, 1) == 0
     model_file = out / "checkpoints" / "step_00000001" / "model.pt"
     model_file.write_bytes(model_file.read_bytes()[:-10])
+    before = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
     capsys.readouterr()
     assert run(out, data, 2) == 1
     err = capsys.readouterr().err.strip()
+    # nothing deleted or rewritten: the damaged checkpoint and the pointer are as they were
+    assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()} == before
     assert err == (
         f"train.stage1: error: {model_file} is corrupt (size/sha256 differ from MANIFEST.json); "
         f"delete checkpoint {model_file.parent}; no checkpoint in {model_file.parent.parent} verifies "

@@ -53,7 +53,7 @@ def test_missing_latest_resumes_from_the_newest_valid_checkpoint(tmp_path: Path,
     before = sorted(p.name for p in ckpts.iterdir())
     assert run(out, data, 8, "--vision", "off") == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "was written with --vision True, this run has False" in err[0], err
+    assert len(err) == 1 and "was written with --vision on, this run has off" in err[0], err
     assert sorted(p.name for p in ckpts.iterdir()) == before
     outcome = json.loads((out / "outcome.json").read_text())
     assert outcome["state"] == "failed" and "--vision" in outcome["error"]

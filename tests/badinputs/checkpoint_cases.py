@@ -1,7 +1,230 @@
-"""Bad inputs: checkpoint (see tests/badinputs/__init__.py for what a case is)."""
+"""Bad inputs: checkpoints (see tests/badinputs/__init__.py for what a case is).
+
+A finished tiny stage-1 run (2 steps, a checkpoint after each) is built once; a case copies it to
+{tmp}/run, breaks something, and re-runs the same argv (resume) or `launch export`s it. Damage
+to the newest checkpoint is tolerated by design: the run resumes from the newest one that
+verifies and says which ("counted"); when none verifies it stops, naming them, and deletes
+nothing (tests/test_checkpoint.py checks the files are all still there).
+"""
 
 from __future__ import annotations
 
-from tests.badinputs import Case
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
 
-CASES: list[Case] = []
+from tests.badinputs import Case, built, copy_built
+from tests.badinputs.stage1_data_cases import _quiet, _synthetic
+
+RUN_ARGS = ["--shape", "tiny", "--batch-rows", "1", "--row-len", "128", "--num-workers", "0", "--lr", "3e-3",
+            "--warmup", "1", "--ckpt-every", "1", "--export", "off"]
+def resume(out: str = "{tmp}/run", *extra: str) -> list[str]:
+    return [*RUN_ARGS, "--steps", "2", "--out", out, "--data-dir", "{tmp}/data", *extra]
+
+
+RESUME = resume()
+# The newest checkpoint damaged: --steps 1, so the resume from step 1 is all the run does.
+FROM_1 = [*RESUME, "--steps", "1"]
+STEP1, STEP2 = "step_00000001", "step_00000002"
+
+
+def _finished_run(d: Path) -> None:
+    from train.stage1.train import main
+
+    data = built("stage1-synthetic", _synthetic)
+    rc: list[int] = []
+    _quiet(lambda: rc.append(main([*RUN_ARGS, "--steps", "2", "--out", str(d), "--data-dir", str(data)], guard=False)))
+    assert rc == [0] and (d / "checkpoints" / STEP2).is_dir(), rc
+
+
+def finished_run(tmp: Path) -> Path:
+    """{tmp}/run: a private copy of the finished run; {tmp}/data: its dataset."""
+    (tmp / "data").symlink_to(built("stage1-synthetic", _synthetic), target_is_directory=True)
+    return copy_built("stage1-run", _finished_run, tmp / "run")
+
+
+def broken(*mutations: Callable[[Path], None]) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        ckpts = finished_run(tmp) / "checkpoints"
+        for mutate in mutations:
+            mutate(ckpts)
+
+    return setup
+
+
+def flip(step: str, file: str) -> Callable[[Path], None]:
+    def mutate(ckpts: Path) -> None:
+        f = ckpts / step / file
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x01  # same size: only the sha256 can tell
+        f.write_bytes(bytes(data))
+
+    return mutate
+
+
+def truncate(step: str, file: str) -> Callable[[Path], None]:
+    def mutate(ckpts: Path) -> None:
+        f = ckpts / step / file
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+    return mutate
+
+
+def delete(step: str, file: str) -> Callable[[Path], None]:
+    return lambda ckpts: (ckpts / step / file).unlink()
+
+
+def write(rel: str, content: str | bytes) -> Callable[[Path], None]:
+    def mutate(ckpts: Path) -> None:
+        (ckpts / rel).write_bytes(content if isinstance(content, bytes) else content.encode())
+
+    return mutate
+
+
+def wrong_sha(step: str) -> Callable[[Path], None]:
+    def mutate(ckpts: Path) -> None:
+        path = ckpts / step / "MANIFEST.json"
+        manifest = json.loads(path.read_text())
+        manifest["files"]["model.pt"]["sha256"] = hashlib.sha256(b"another file").hexdigest()
+        path.write_text(json.dumps(manifest))
+
+    return mutate
+
+
+def as_deepspeed_layout(step: str) -> Callable[[Path], None]:
+    """The checkpoint's files moved to where a DeepSpeed ZeRO-2 run keeps its state (deepspeed/, no
+    model.pt / optim.pt), with a manifest that verifies: what a plain-torch resume finds after a
+    --deepspeed on run (a real ZeRO-2 run is tests/test_checkpoint.py's, in its own process)."""
+    def mutate(ckpts: Path) -> None:
+        path = ckpts / step
+        (path / "deepspeed").mkdir()
+        (path / "model.pt").rename(path / "deepspeed" / "mp_rank_00_model_states.pt")
+        (path / "optim.pt").rename(path / "deepspeed" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        manifest = json.loads((path / "MANIFEST.json").read_text())
+        files = manifest["files"]
+        files["deepspeed/mp_rank_00_model_states.pt"] = files.pop("model.pt")
+        files["deepspeed/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"] = files.pop("optim.pt")
+        (path / "MANIFEST.json").write_text(json.dumps(manifest))
+
+    return mutate
+
+
+def _checkpoints_a_file(tmp: Path) -> None:
+    (tmp / "data").symlink_to(built("stage1-synthetic", _synthetic), target_is_directory=True)
+    (tmp / "run").mkdir()
+    (tmp / "run" / "checkpoints").write_text("step_00000002\n")
+
+
+def _a_file(name: str) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        (tmp / "data").symlink_to(built("stage1-synthetic", _synthetic), target_is_directory=True)
+        (tmp / name).write_text("a file, not a directory\n")
+
+    return setup
+
+
+def _destination_with(files: dict[str, str]) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        finished_run(tmp)
+        (tmp / "dest").mkdir()
+        for name, text in files.items():
+            (tmp / "dest" / name).write_text(text)
+
+    return setup
+
+
+SKIPPED = r"# skipping a newer checkpoint that does not verify: "
+RESUMED_1 = rf"# resumed from \S*{STEP1} at step 1"
+EXPORT = ["export", "{tmp}/run", "--job", "stage1"]
+NO_CKPT_VERIFIES = (rf"no checkpoint in \S*run/checkpoints verifies \(nor do {STEP1}\) "
+                    r"\(--restart starts over and keeps them aside\)")
+
+CASES = [
+    # ---- resume with other model arguments
+    Case("checkpoint", "resume-other-codebook-sizes", [*RESUME, "--codebook-sizes", "128"],
+         rf"checkpoint \S*{STEP2} was written with --codebook-sizes unset, this run has 128: resume with the same "
+         "model arguments", entry="stage1", setup=broken()),
+    Case("checkpoint", "resume-vision-off", [*RESUME, "--vision", "off"],
+         rf"checkpoint \S*{STEP2} was written with --vision on, this run has off", entry="stage1", setup=broken()),
+    Case("checkpoint", "resume-other-row-len", [*RESUME, "--row-len", "64", "--steps", "3"],
+         rf"(?s)# resuming with --row-len 64 where checkpoint \S*{STEP2} has 128: batches from 2 on differ.*"
+         r"step +3 \|", entry="stage1", outcome="counted", setup=broken()),
+    # ---- the newest checkpoint damaged: resume from the one before, saying so
+    Case("checkpoint", "newest-bit-flipped", FROM_1,
+         rf"(?s){SKIPPED}\S*{STEP2}/model\.pt is corrupt .*{RESUMED_1}", entry="stage1", outcome="counted",
+         setup=broken(flip(STEP2, "model.pt"))),
+    Case("checkpoint", "newest-truncated", FROM_1, rf"(?s){SKIPPED}\S*{STEP2}/optim\.pt is corrupt.*{RESUMED_1}",
+         entry="stage1", outcome="counted", setup=broken(truncate(STEP2, "optim.pt"))),
+    Case("checkpoint", "newest-file-deleted", FROM_1,
+         rf"(?s){SKIPPED}\S*{STEP2}/trainer_rank00000\.pt is missing from checkpoint.*{RESUMED_1}", entry="stage1",
+         outcome="counted", setup=broken(delete(STEP2, "trainer_rank00000.pt"))),
+    Case("checkpoint", "newest-manifest-missing", FROM_1, rf"(?s){SKIPPED}\S*{STEP2}/MANIFEST\.json is missing.*{RESUMED_1}",
+         entry="stage1", outcome="counted", setup=broken(delete(STEP2, "MANIFEST.json"))),
+    Case("checkpoint", "newest-manifest-garbage", FROM_1,
+         rf"(?s){SKIPPED}\S*{STEP2}/MANIFEST\.json is unreadable.*{RESUMED_1}", entry="stage1", outcome="counted",
+         setup=broken(write(f"{STEP2}/MANIFEST.json", b"{\x00\xff garbage"))),
+    Case("checkpoint", "newest-manifest-wrong-sha", FROM_1, rf"(?s){SKIPPED}\S*{STEP2}/model\.pt is corrupt.*{RESUMED_1}",
+         entry="stage1", outcome="counted", setup=broken(wrong_sha(STEP2))),
+    # ---- the `latest` pointer: whatever it says, the newest that verifies
+    Case("checkpoint", "latest-dangling", RESUME,
+         rf"(?s)latest names 'step_00000099'; resuming from {STEP2}, the newest that verifies.*resumed from \S*{STEP2}",
+         entry="stage1", outcome="counted", setup=broken(write("latest", "step_00000099\n"))),
+    Case("checkpoint", "latest-garbage", RESUME, rf"latest names .*; resuming from {STEP2}, the newest that verifies",
+         entry="stage1", outcome="counted", setup=broken(write("latest", b"\xff\xfe\x00../../etc\n"))),
+    Case("checkpoint", "latest-missing", RESUME, rf"latest names None; resuming from {STEP2}, the newest that verifies",
+         entry="stage1", outcome="counted", setup=broken(delete(".", "latest"))),
+    # ---- nothing verifies: stop, name them, delete nothing
+    Case("checkpoint", "all-bit-flipped", RESUME, rf"{STEP2}/model\.pt is corrupt .*; {NO_CKPT_VERIFIES}", entry="stage1",
+         setup=broken(flip(STEP1, "model.pt"), flip(STEP2, "model.pt"))),
+    Case("checkpoint", "all-manifests-missing", RESUME, rf"{STEP2}/MANIFEST\.json is missing.*; {NO_CKPT_VERIFIES}",
+         entry="stage1", setup=broken(delete(STEP1, "MANIFEST.json"), delete(STEP2, "MANIFEST.json"))),
+    Case("checkpoint", "deepspeed-checkpoint-resumed-plain", [*RESUME, "--deepspeed", "off"],
+         rf"checkpoint \S*{STEP2} was written by DeepSpeed \(deepspeed/\), this run is plain torch: resume with "
+         "--deepspeed on", entry="stage1", setup=broken(as_deepspeed_layout(STEP2))),
+    Case("checkpoint", "deepspeed-config-missing", [*RESUME, "--deepspeed-config", "{tmp}/nope.json"],
+         r"--deepspeed-config \S*nope\.json: not a readable DeepSpeed config \(No such file or directory\)",
+         entry="stage1", setup=broken()),
+    Case("checkpoint", "deepspeed-config-garbage", [*RESUME, "--deepspeed-config", "{tmp}/ds.json"],
+         r"--deepspeed-config \S*ds\.json: not a readable DeepSpeed config \(Expecting value", entry="stage1",
+         files={"ds.json": "zero_optimization: 2\n"}, setup=broken()),
+    # ---- where checkpoints go
+    Case("checkpoint", "checkpoints-dir-is-a-file", RESUME, r"\S*run/checkpoints is not a directory", entry="stage1",
+         setup=_checkpoints_a_file),
+    Case("checkpoint", "out-is-a-file", RESUME, r"--out \S*run: a file, not a directory", entry="stage1",
+         setup=_a_file("run")),
+    Case("checkpoint", "out-under-a-file", resume("{tmp}/blocker/run"),
+         r"--out \S*blocker/run: cannot create the run directory \(Not a directory\)", entry="stage1",
+         setup=_a_file("blocker")),
+    Case("checkpoint", "keep-checkpoints-zero", [*RESUME, "--keep-checkpoints", "0"], r"--keep-checkpoints must be >= 1, got 0",
+         entry="stage1"),
+    Case("checkpoint", "keep-checkpoints-negative", [*RESUME, "--keep-checkpoints", "-1"],
+         r"--keep-checkpoints must be >= 1, got -1", entry="stage1"),
+    Case("checkpoint", "ckpt-every-negative", [*RESUME, "--ckpt-every", "-1"], r"--ckpt-every.* must be >= 0", entry="stage1"),
+    # ---- --init-from is a transformers directory, not a training checkpoint
+    Case("checkpoint", "init-from-a-training-checkpoint", resume("{tmp}/new", "--init-from", f"{{tmp}}/run/checkpoints/{STEP2}"),
+         rf"{STEP2} is a training checkpoint \(MANIFEST\.json\), not a transformers checkpoint directory: "
+         "export it first \\(`launch export`\\)", entry="stage1", setup=broken()),
+    Case("checkpoint", "init-from-a-run-dir", resume("{tmp}/new", "--init-from", "{tmp}/run"),
+         r"\S*run is a training run's directory, not a transformers checkpoint directory: export it first",
+         entry="stage1", setup=broken()),
+    # ---- launch export
+    Case("checkpoint", "export-no-checkpoint", EXPORT, r"\S*run: no checkpoint to export \(\S*run/checkpoints has none\)",
+         setup=broken(lambda c: [p.rename(c.parent / f"old-{p.name}") for p in c.glob("step_*")])),
+    Case("checkpoint", "export-all-corrupt", EXPORT, rf"{STEP2}/model\.pt is corrupt .*; {NO_CKPT_VERIFIES}",
+         setup=broken(flip(STEP1, "model.pt"), flip(STEP2, "model.pt"))),
+    Case("checkpoint", "export-step-corrupt", [*EXPORT, "--step", "1"], rf"{STEP1}/optim\.pt is corrupt",
+         setup=broken(truncate(STEP1, "optim.pt"))),
+    Case("checkpoint", "export-step-absent", [*EXPORT, "--step", "7"],
+         rf"no checkpoint at step 7 \(have: {STEP1}, {STEP2}\)", setup=broken()),
+    Case("checkpoint", "export-not-a-run-dir", ["export", "{tmp}/other", "--job", "stage1"],
+         r"\S*other: no model_files/config.json \(not a stage-1 job directory", setup=lambda tmp: (tmp / "other").mkdir()),
+    Case("checkpoint", "export-unknown-dir-no-job", ["export", "{tmp}/other"],
+         r"\S*other: not a directory of a job submitted from here; say which job it is with --job",
+         setup=lambda tmp: (tmp / "other").mkdir()),
+    Case("checkpoint", "export-dest-not-empty", [*EXPORT, "--out", "{tmp}/dest"],
+         r"--out \S*dest exists and is not an export \(it holds notes\.txt\): nothing written; give a new or empty "
+         "directory", setup=_destination_with({"notes.txt": "mine\n"})),
+    Case("checkpoint", "export-dest-a-file", [*EXPORT, "--out", "{tmp}/run/metrics.jsonl"],
+         r"--out \S*metrics\.jsonl exists and is not a directory: nothing written", setup=broken()),
+]

@@ -132,6 +132,8 @@ class CheckpointManager:
         A newer checkpoint that does not verify is reported and passed over. When checkpoints exist
         but none verifies, CheckpointError: a run never starts from scratch over them by itself.
         """
+        if self.root.exists() and not self.root.is_dir():
+            raise CheckpointError(f"{self.root} is not a directory: checkpoints cannot be kept there (move it away)")
         dirs = self.step_dirs()
         problems: list[CheckpointError] = []
         for path in reversed(dirs):
@@ -143,12 +145,13 @@ class CheckpointManager:
             for exc in problems:
                 self.report(f"# skipping a newer checkpoint that does not verify: {exc}")
             pointer = self.root / LATEST
-            named = pointer.read_text().strip() if pointer.is_file() else None
+            named = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
             if named != path.name:
                 self.report(f"# {pointer} names {named!r}; resuming from {path.name}, the newest that verifies")
             return path
         if problems:
-            raise CheckpointError(f"{problems[0]}; no checkpoint in {self.root} verifies "
+            older = f" (nor do {', '.join(p.name for p in dirs[-2::-1])})" if len(dirs) > 1 else ""
+            raise CheckpointError(f"{problems[0]}; no checkpoint in {self.root} verifies{older} "
                                   "(--restart starts over and keeps them aside)")
         return None
 
@@ -189,13 +192,13 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{manifest_path} is missing: checkpoint {path} is partial; delete it to start over")
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        files = {str(rel): (int(meta["bytes"]), str(meta["sha256"])) for rel, meta in manifest["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # ValueError: bad JSON or not UTF-8
         raise CheckpointError(f"{manifest_path} is unreadable ({exc}); delete checkpoint {path}") from None
-    for rel, meta in files.items():
+    for rel, (size, sha256) in files.items():
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"{f} is missing from checkpoint {path} (listed in its manifest)")
-        if f.stat().st_size != meta["bytes"] or sha256_file(f) != meta["sha256"]:
+        if f.stat().st_size != size or sha256_file(f) != sha256:
             raise CheckpointError(f"{f} is corrupt (size/sha256 differ from {MANIFEST}); delete checkpoint {path}")
     return manifest

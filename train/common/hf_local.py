@@ -53,6 +53,11 @@ def load_config(path: str | os.PathLike[str]) -> Any:
     """``AutoConfig`` of DIR/config.json."""
     p = checkpoint_dir(path)
     if not (p / "config.json").is_file():
+        training = ("a training checkpoint (MANIFEST.json)" if (p / "MANIFEST.json").is_file() else
+                    "a training run's directory" if (p / "checkpoints").is_dir() else None)
+        if training:
+            raise HFLocalError(f"{p} is {training}, not a transformers checkpoint directory: export it first "
+                               "(`launch export`)")
         raise HFLocalError(f"checkpoint {p}: no config.json there (give a local transformers checkpoint directory)")
     try:
         return AutoConfig.from_pretrained(p, local_files_only=True)

@@ -76,15 +76,19 @@ class Runtime:
               force_group: bool = False, log_rank: int | None = 0, max_bad_steps: int = 0,
               tensorboard: bool = True, wandb_project: str | None = None) -> Iterator[Runtime]:
         """log_rank=None: the last rank logs (DFlash's drafter)."""
-        if Path(out).exists() and not Path(out).is_dir():
+        out_dir = Path(out)
+        if out_dir.exists() and not out_dir.is_dir():
             raise ConfigError(f"--out {out}: a file, not a directory; give the run's directory")
+        try:  # before anything starts: a run directory that cannot be made is a bad --out
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--out {out_dir}: cannot create the run directory ({exc.strerror})") from None
         device = pick_device()
         dist_info = init_distributed(device, force_group=force_group)
         if device.type == "cuda":
             device = torch.device("cuda", dist_info.local_rank)
         logger_rank = dist_info.world_size - 1 if log_rank is None else log_rank
         is_logger = dist_info.rank == logger_rank
-        out_dir = Path(out)
         log = MetricsLogger(out_dir, schema, tasks, enabled=is_logger, tensorboard=tensorboard,
                             wandb_project=wandb_project)
         rt = cls(name, schema, device, dist_info, out_dir, log, is_logger, max_bad_steps)

@@ -156,6 +156,11 @@ class Stepper:
             torch.save(state, tmp / "optim.pt")
 
     def load(self, path: Path) -> None:
+        written_by_ds = (path / "deepspeed").is_dir()
+        if written_by_ds != (self.engine is not None):
+            was, now = ("DeepSpeed (deepspeed/)", "plain torch") if written_by_ds else ("plain torch", "DeepSpeed")
+            raise CheckpointError(f"checkpoint {path} was written by {was}, this run is {now}: resume with "
+                                  f"--deepspeed {'on' if written_by_ds else 'off'}, or use a new --out or --restart")
         try:
             if self.engine is not None:
                 self.engine.load_checkpoint(str(path), tag="deepspeed")

@@ -110,14 +110,29 @@ def _check_record(task: str, rec: Any) -> None:
             raise MalformedRecord(f"{key!r} must be a path inside the data directory")
 
 
-def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -> Manifest:
+def check_data_dir(root: str | os.PathLike[str]) -> Path:
+    """DataError unless `root` is a directory holding at least one task manifest."""
     root = Path(root)
+    if not root.exists():
+        raise DataError(f"data directory {root} does not exist")
+    if not root.is_dir():
+        raise DataError(f"data directory {root} is not a directory")
+    if not any((root / f"{task}.jsonl").is_file() for task in TASKS):
+        raise DataError(f"no stage-1 manifests in {root} (expected one or more of "
+                        f"{', '.join(t + '.jsonl' for t in TASKS)})")
+    return root
+
+
+def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -> Manifest:
+    root = check_data_dir(root)
     man = Manifest(root)
     for task in tasks:
         path = root / f"{task}.jsonl"
         man.records[task] = []
         if not path.exists():
             continue
+        if not path.is_file():
+            raise DataError(f"{path} is not a file")
         with open(path, encoding="utf-8", errors="replace") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
@@ -207,23 +222,29 @@ def normalized_weights(weights: dict[str, float] | None, man: Manifest, images: 
     if weights is None:
         weights = {t: c for t, c in REFERENCE_COUNTS.items() if images or t not in IMAGE_TASKS}
     weights = dict(weights)
+    check_weights(weights)
     if not images:
         weighted = [t for t in IMAGE_TASKS if weights.get(t, 0) > 0]
         if weighted:
             raise DataError(f"task(s) {', '.join(weighted)} need images, and this model has no vision tower to "
                             "read them with its checkpoint's tokenizer: use --vision on or give them weight 0")
-    unknown = sorted(set(weights) - set(TASKS))
-    if unknown:
-        raise DataError(f"unknown task(s) in mixture weights: {', '.join(unknown)}; known: {', '.join(TASKS)}")
-    if any(w < 0 or not math.isfinite(w) for w in weights.values()):
-        raise DataError(f"mixture weights must be finite and >= 0, got {weights}")
     for task, w in weights.items():
         if w > 0 and not man.records.get(task):
             raise DataError(f"task {task} has weight {w} but {man.root / (task + '.jsonl')} has no valid records")
     total = sum(weights.values())
-    if total <= 0:
-        raise DataError("mixture weights sum to 0; give at least one task a positive weight")
     return {t: weights[t] / total for t in TASKS if weights.get(t, 0) > 0}
+
+
+def check_weights(weights: dict[str, float]) -> None:
+    """DataError (one line) unless the mixture weights name known tasks, are finite, >= 0, sum > 0."""
+    unknown = sorted(set(weights) - set(TASKS))
+    if unknown:
+        raise DataError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(TASKS)}")
+    bad = [f"{t} {w}" for t, w in weights.items() if w < 0 or not math.isfinite(w)]
+    if bad:
+        raise DataError(f"mixture weights must be finite and >= 0, got {', '.join(bad)}")
+    if sum(weights.values()) <= 0:
+        raise DataError("mixture weights sum to 0; give at least one task a positive weight")
 
 
 class MixtureSampler:
@@ -315,7 +336,12 @@ class PackedBatches(IterableDataset):
         worker, n_workers = (0, 1) if info is None else (info.id, info.num_workers)
         k = self.start_batch + worker
         while True:
-            yield build_batch(self.sampler, self.tok, self.cfg, k)
+            try:
+                yield build_batch(self.sampler, self.tok, self.cfg, k)
+            except DataError as exc:
+                # Handed over as data: the DataLoader would re-raise it with the worker's traceback.
+                yield {"data_error": str(exc), "batch_index": k}
+                return
             k += n_workers
 
 
@@ -365,6 +391,8 @@ class Stage1Data:
         if self._it is None:
             self._it = iter(self.loader)
         batch = next(self._it)
+        if "data_error" in batch:
+            raise DataError(batch["data_error"])
         assert batch["batch_index"] == self.next_batch, (batch["batch_index"], self.next_batch)
         self.next_batch += 1
         self.docs_seen += batch["n_docs"] + len(batch["bad_records"])

@@ -33,6 +33,7 @@ from train.common.checkpoint import CheckpointError, CheckpointManager, step_dir
 
 MODEL_FILES = "model_files"
 EXPORT_DIR = "export"
+README_TITLE = "# Stage-1 export"
 
 
 class ExportError(RuntimeError):
@@ -63,7 +64,7 @@ def _checkpoint(job_dir: Path, step: int | None) -> Path:
     if step is None:
         path = CheckpointManager(root).latest()
         if path is None:
-            raise ExportError(f"{job_dir}: no checkpoint to export (checkpoints/latest is missing)")
+            raise ExportError(f"{job_dir}: no checkpoint to export ({root} has none)")
         return path
     path = root / step_dir_name(step)
     if not path.is_dir():
@@ -141,6 +142,7 @@ def export_checkpoint(job_dir: Path, step: int | None = None, out: Path | None =
         raise ExportError(str(exc)) from None
     step_no = int(json.loads((ckpt / "MANIFEST.json").read_text())["step"])
     out = Path(out) if out is not None else job_dir / EXPORT_DIR / step_dir_name(step_no)
+    check_destination(out)
     config = AutoConfig.from_pretrained(files, local_files_only=True)
     cls = Qwen3_5ForConditionalGeneration if getattr(config, "vision_config", None) is not None else Qwen3_5ForCausalLM
     model = cls._from_config(config, dtype=torch.float32)
@@ -165,10 +167,23 @@ def export_checkpoint(job_dir: Path, step: int | None = None, out: Path | None =
     return out
 
 
+def check_destination(out: Path) -> None:
+    """ExportError unless `out` is absent, empty, or an earlier export (replaced): never a user's files."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a directory: nothing written")
+    names = sorted(p.name for p in out.iterdir())
+    readme = out / "README.md"
+    if names and not (readme.is_file() and readme.read_text(errors="replace").startswith(README_TITLE)):
+        raise ExportError(f"--out {out} exists and is not an export (it holds {', '.join(names[:3])}"
+                          f"{', ...' if len(names) > 3 else ''}): nothing written; give a new or empty directory")
+
+
 def _readme(info: dict[str, Any], ckpt: Path, step: int, what: str, cls: str, config: Any) -> str:
     text = config.get_text_config()
     lines = [
-        "# Stage-1 export",
+        README_TITLE,
         "",
         f"A {cls} (Qwen3.5 hybrid, model shape `{info.get('shape')}`) after {step} steps of stage-1 AR "
         "pretraining on text, images and 3D codebook tokens.",

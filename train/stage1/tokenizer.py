@@ -179,6 +179,7 @@ def _check_ids(hf: Any, names: list[tuple[int, str]], where: str) -> None:
 def _vision_ids(hf_config: Any, hf: Any, where: str) -> dict[str, int]:
     ids = {}
     n = len(hf)
+    added = getattr(hf, "added_tokens_decoder", {})
     for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
         value = getattr(hf_config, key, None)
         if value is None:
@@ -186,6 +187,9 @@ def _vision_ids(hf_config: Any, hf: Any, where: str) -> dict[str, int]:
         name = hf.convert_ids_to_tokens(int(value)) if 0 <= int(value) < n else None
         if name is None or name.startswith(RESERVED.split("{")[0]):  # none, or a gap filler of ours
             raise TokenizerError(f"checkpoint {where}: its {key} {value} is unknown to its tokenizer")
+        if int(value) not in added:  # an ordinary text piece: a tokenizer of another model
+            raise TokenizerError(f"checkpoint {where}: its {key} {value} is {name!r}, not one of its tokenizer's "
+                                 "special tokens (config.json and tokenizer do not belong together)")
         ids[key] = int(value)
     return ids
 

@@ -19,6 +19,7 @@ over and keeps the old checkpoints aside.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from train.common.runtime import Runtime, pick_device
 from train.common.shapes import SHAPES, get_shape
 from train.common.stepper import Stepper, make_adamw, zero2_config
 from train.stage1 import model as stage1_model  # stage1_model.build_model: tests wrap it
-from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data
+from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data, check_data_dir, check_weights
 from train.stage1.export import ExportError, export_checkpoint, write_model_files
 from train.stage1.objective import CausalLMObjective, ModelInputError
 from train.stage1.synthetic import generate_synthetic
@@ -128,13 +129,24 @@ def vision_on(cfg: Stage1Config) -> bool:
 def validate(cfg: Stage1Config) -> None:
     if cfg.shape not in SHAPES:
         raise ConfigError(f"unknown model shape {cfg.shape!r}; valid shapes: {', '.join(SHAPES)}")
-    for name in ("steps", "batch_rows", "row_len", "log_every"):
+    for name in ("steps", "batch_rows", "row_len", "log_every", "synthetic_samples"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0, got {cfg.num_workers}")
+    if cfg.keep_checkpoints < 1:
+        raise ConfigError(f"--keep-checkpoints must be >= 1, got {cfg.keep_checkpoints}")
     if cfg.ckpt_every < 0 or cfg.max_bad_steps < 0 or cfg.act_ckpt < 0:
         raise ConfigError("--ckpt-every, --max-bad-steps and --act-ckpt must be >= 0")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
+    if not 0 <= cfg.max_bad_fraction <= 1:  # nan fails too: it would tolerate every bad record
+        raise ConfigError(f"--max-bad-fraction must be between 0 and 1, got {cfg.max_bad_fraction}")
+    if cfg.weights is not None:
+        try:
+            check_weights(cfg.weights)
+        except DataError as exc:
+            raise ConfigError(f"--weights: {exc}") from None
     if cfg.vision and SHAPES[cfg.shape].vision is None:
         raise ConfigError(f"model shape {cfg.shape!r} has no vision tower; use --vision off")
     codebook_config(cfg)
@@ -183,9 +195,14 @@ def deepspeed_config(cfg: Stage1Config, device: torch.device) -> dict[str, Any]:
     if isinstance(cfg.deepspeed_config, dict):
         return cfg.deepspeed_config
     if cfg.deepspeed_config:
-        import json
-
-        return json.loads(Path(cfg.deepspeed_config).read_text())
+        try:
+            config = json.loads(Path(cfg.deepspeed_config).read_text())
+            if not isinstance(config, dict):
+                raise ValueError("not a JSON object")
+            return config
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--deepspeed-config {cfg.deepspeed_config}: not a readable DeepSpeed config "
+                              f"({getattr(exc, 'strerror', None) or exc})") from None
     return zero2_config(cfg.batch_rows, cfg.grad_clip, device)
 
 
@@ -309,6 +326,9 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
                                     codebooks=codebooks)
         rt.print(f"# generated synthetic data in {data_dir}: {counts}")
     rt.barrier()
+    check_data_dir(data_dir)  # before the model is built: a wrong --data-dir fails in a second
+    if cfg.deepspeed_config:  # read at setup (not at submit: the file may exist only where the job runs)
+        deepspeed_config(cfg, rt.device)
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
     kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path, conv=cfg.conv_impl)
     dtype = torch.bfloat16 if rt.device.type == "cuda" else torch.float32
@@ -324,7 +344,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     _, latest = rt.checkpoints(cfg.keep_checkpoints, restart=cfg.restart)
     data_state: dict[str, Any] = {"next_batch": 0}
     if latest is not None:
-        rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist)
+        rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist, report=rt.print)
         rt.print(f"# resumed from {latest} at step {rt.step}, next batch {data_state['next_batch']}")
     if rt.dist.is_main:  # after the resume: a run refused over others' checkpoints leaves their files alone
         write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
@@ -432,17 +452,38 @@ def save_checkpoint(run: Stage1Run, rt: Runtime) -> None:
     rt.save(write)
 
 
-def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: DistInfo) -> tuple[int, dict[str, Any]]:
+# What the model is made of (a change cannot resume) and what the batches are made of (a change
+# resumes, but batch k is then not the batch k of the original run: said in one line).
+MODEL_ARGS = ("shape", "vision", "codebook_sizes")
+DATA_ARGS = ("row_len", "batch_rows", "seed", "weights", "packing", "asset_lengths")
+
+
+def _shown(value: Any) -> str:
+    """A flag's value as the command line spells it."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: DistInfo,
+                    report: Callable[[str], None] = print) -> tuple[int, dict[str, Any]]:
     trainer_file = path / f"trainer_rank{dist_info.rank:05d}.pt"
     if not trainer_file.is_file():
         raise CheckpointError(f"{trainer_file} is missing: checkpoint {path} was written by a different world size")
     trainer = torch.load(trainer_file, weights_only=False)
     saved = trainer.get("config") or {}
-    for key in ("shape", "vision"):  # other shape changes: Stepper.load names the first mismatch
+    for key in MODEL_ARGS:  # other shape changes: Stepper.load names the first mismatch
         if key in saved and saved[key] != getattr(cfg, key):
-            raise CheckpointError(f"checkpoint {path} was written with --{key.replace('_', '-')} {saved[key]}, this "
-                                  f"run has {getattr(cfg, key)}: resume with the same model arguments, or use a "
-                                  "new --out or --restart")
+            raise CheckpointError(f"checkpoint {path} was written with --{key.replace('_', '-')} {_shown(saved[key])}, "
+                                  f"this run has {_shown(getattr(cfg, key))}: resume with the same model arguments, "
+                                  "or use a new --out or --restart")
+    for key in DATA_ARGS:
+        if key in saved and saved[key] != getattr(cfg, key):
+            report(f"# resuming with --{key.replace('_', '-')} {_shown(getattr(cfg, key))} where checkpoint {path} has "
+                   f"{_shown(saved[key])}: batches from {trainer['data']['next_batch']} on differ from the original "
+                   "run's")
     stepper.load(path)
     set_rng_state(trainer["rng"])
     return int(trainer["step"]), trainer["data"]
