@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.errors import LaunchError
+from launch.errors import LaunchError, debug
 from launch.keepalive.protocol import DEFAULT_STATE, seconds, socket_path, state_path
 
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except LaunchError as exc:
-        if os.environ.get("LAUNCH_DEBUG"):
+        if debug():
             raise
         print(f"launch keepalive: error: {exc}", file=sys.stderr)
         return exc.exit_code
