@@ -91,6 +91,16 @@ def write_inventory(path: Path, data: dict) -> Path:
     return path
 
 
+def write_vaulted_vars(path: Path, variables: dict, password_file: Path) -> Path:
+    """An ansible-vault encrypted vars file (real ansible-vault), as secrets are kept in group_vars."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(variables))
+    path.chmod(0o600)
+    subprocess.run([ansible_bin("ansible-vault"), "encrypt", "--vault-password-file", str(password_file), str(path)],
+                   check=True, capture_output=True, timeout=60)
+    return path
+
+
 def run_playbook(inventory: Path, *args: str, playbook: Path = PLAYBOOK, timeout: int = 600,
                  env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], dict[str, dict[str, int]]]:
     """Run ansible-playbook the way `make provision` does; returns the process and the recap per host."""
@@ -104,8 +114,9 @@ def run_playbook(inventory: Path, *args: str, playbook: Path = PLAYBOOK, timeout
 
 
 def lxc_inventory(tmp: Path, *, name: str, lxc_path: Path, dev: Path, proc_devices: Path, scratch: Path,
-                  template: Path, gpus: list[int], expected_gpus: int, munge_key_b64: str) -> dict:
-    """The inventory of inventory/local.yml's shape, for a throwaway container in tmp.
+                  template: Path, gpus: list[int], expected_gpus: int) -> dict:
+    """The inventory of inventory/local.yml's shape, for a throwaway container in tmp. The munge
+    key is not in it: it goes in an ansible-vault file, as the README says (`write_vaulted_vars`).
 
     Small package sets (toolchain: gcc, libc6-dev, python3-dev; python_env: venv only) keep the
     run short; the container has no network, so apt installs from the .debs cached in the rootfs.
@@ -138,7 +149,6 @@ def lxc_inventory(tmp: Path, *, name: str, lxc_path: Path, dev: Path, proc_devic
                 "slurm_manage_services": False,
                 "slurm_munge_user": "root",
                 "slurm_user": "root",  # no slurm user in the test rootfs (no Slurm packages)
-                "slurm_munge_key_b64": munge_key_b64,
             },
             "hosts": {name: {
                 "ct_unprivileged": False,  # the lxc backend makes privileged containers only

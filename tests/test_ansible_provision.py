@@ -39,6 +39,7 @@ from tests.ansible_fixtures import (
     make_standin_gpus,
     run_playbook,
     write_inventory,
+    write_vaulted_vars,
 )
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -481,11 +482,14 @@ class Provisioned:
         self.lxc_path = root / "lxc"
         self.scratch = root / "scratch"
         self.munge_key = base64.b64encode(os.urandom(64)).decode()
+        self.vault_password = root / "vault-password"
+        # What the playbook and the inventory check read the munge key's vault file with.
+        self.env = {"ANSIBLE_VAULT_PASSWORD_FILE": str(self.vault_password)}
         self.runs: dict[str, tuple[subprocess.CompletedProcess[str], dict, float]] = {}
 
     def run(self, label: str, *args: str) -> tuple[subprocess.CompletedProcess[str], dict, float]:
         start = time.monotonic()
-        proc, recap = run_playbook(self.inventory, *args)
+        proc, recap = run_playbook(self.inventory, *args, env=self.env)
         self.runs[label] = (proc, recap, time.monotonic() - start)
         return self.runs[label]
 
@@ -507,8 +511,11 @@ def provisioned(tmp_path_factory: pytest.TempPathFactory):
     ct.inventory = write_inventory(ct.root / "inventory.yml", lxc_inventory(
         ct.root, name=ct.name, lxc_path=ct.lxc_path, dev=dev, proc_devices=proc_devices,
         scratch=ct.scratch, template=cached_rootfs_tarball(), gpus=[0, 1], expected_gpus=3,
-        munge_key_b64=ct.munge_key,
     ))
+    ct.vault_password.write_text(base64.b64encode(os.urandom(24)).decode() + "\n")
+    ct.vault_password.chmod(0o600)
+    write_vaulted_vars(ct.root / "group_vars" / "gpu_containers" / "vault.yml", {"slurm_munge_key_b64": ct.munge_key},
+                       ct.vault_password)
     try:
         ct.run("first")
         yield ct
@@ -586,15 +593,16 @@ def test_nvidia_smi_and_driver_version_checks_inside(provisioned: Provisioned, t
     play = tmp_path / "userspace.yml"
     play.write_text(f"- hosts: {provisioned.name}\n  gather_facts: false\n  roles: [nvidia_userspace]\n")
     host_version = '{"nvidia_userspace_driver_version": "550.54.15", "nvidia_userspace_expected_gpus": 2}'
-    proc, recap = run_playbook(provisioned.inventory, "-e", host_version, playbook=play)
+    proc, recap = run_playbook(provisioned.inventory, "-e", host_version, playbook=play, env=provisioned.env)
     assert proc.returncode == 0 and recap[provisioned.name]["changed"] == 0, proc.stdout[-3000:]
     # Versions equal: the installer is skipped.
     assert re.search(r"TASK \[nvidia_userspace : Run the installer[^\n]*\n\s*skipping", proc.stdout), proc.stdout[-3000:]
-    proc, _ = run_playbook(provisioned.inventory, "-e", host_version.replace(": 2}", ": 3}"), playbook=play)
+    proc, _ = run_playbook(provisioned.inventory, "-e", host_version.replace(": 2}", ": 3}"), playbook=play,
+                         env=provisioned.env)
     assert proc.returncode != 0 and "nvidia-smi -L lists 2 GPUs, expected 3" in proc.stdout + proc.stderr
     (rootfs / "etc" / "nvidia-standin-version").write_text("550.90.07\n")
     check_only = host_version.replace("}", ', "nvidia_userspace_install": false}')  # no installer offline
-    proc, _ = run_playbook(provisioned.inventory, "-e", check_only, playbook=play)
+    proc, _ = run_playbook(provisioned.inventory, "-e", check_only, playbook=play, env=provisioned.env)
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode != 0
     assert "the userspace driver is 550.90.07 but the host's kernel module is 550.54.15" in out, out[-2000:]
@@ -695,7 +703,7 @@ def test_node_caches_refuses_a_network_file_system(provisioned: Provisioned, tmp
     play = tmp_path / "caches.yml"
     play.write_text(f"- hosts: {provisioned.name}\n  gather_facts: false\n  roles: [node_caches]\n")
     proc, recap = run_playbook(provisioned.inventory, "-e", f'{{"node_caches_forbidden_fstypes": ["{fstype}"]}}',
-                               playbook=play)
+                               playbook=play, env=provisioned.env)
     assert proc.returncode != 0 and recap[provisioned.name]["failed"] == 1
     assert f"node_caches_root=/scratch/cache is on {fstype}, a network file system" in proc.stdout
 
@@ -745,7 +753,8 @@ def test_zz_munge_key_never_in_output_or_the_process_table(provisioned: Provisio
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        proc, recap = run_playbook(provisioned.inventory, "-vvv", "-e", f"@{secrets}", playbook=play)
+        proc, recap = run_playbook(provisioned.inventory, "-vvv", "-e", f"@{secrets}", playbook=play,
+                                   env=provisioned.env)
     finally:
         done.set()
         sampler.join()
