@@ -24,6 +24,7 @@ import pytest
 from launch.cluster.embedded import MARKER_VAR, NODE_VAR, EmbeddedCluster, node_daemon
 from tests.conftest import JOB_FIXTURES, REPO, slurm_available
 from tests.stage1_fixtures import make_data
+from toolkit.metrics import logged_step_records
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -118,20 +119,6 @@ def job_nodes(job: str, env: dict[str, str]) -> str:
     return a.stdout.split()[-1]
 
 
-def steps(metrics: Path) -> list[dict]:
-    if not metrics.exists():
-        return []
-    out = []
-    for line in metrics.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line being written
-        if rec.get("event") == "step":
-            out.append(rec)
-    return out
-
-
 # ---- the cluster itself ----------------------------------------------------------------------
 
 
@@ -180,7 +167,7 @@ def test_stage1_on_two_nodes_matches_two_ranks_on_one(env: dict[str, str], tmp_p
     assert "node=0(2), global_rank=0(2)" in logs[0] and "node=1(2), global_rank=1(2)" in logs[1]
     assert "world=2" in logs[0]
 
-    two_nodes, one_node = steps(across_dir / "metrics.jsonl"), steps(local_dir / "metrics.jsonl")
+    two_nodes, one_node = logged_step_records(across_dir / "metrics.jsonl"), logged_step_records(local_dir / "metrics.jsonl")
     assert [r["step"] for r in two_nodes] == [r["step"] for r in one_node] == [1, 2, 3]
     for a, b in zip(two_nodes, one_node, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), (a, b)
@@ -321,7 +308,7 @@ def test_node_death_ends_the_run_and_the_requeue_resumes_from_its_checkpoint(
     events = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     headers = [e for e in events if e["event"] == "header"]
     assert len(headers) == 2 and headers[1]["start_step"] >= 2
-    assert sorted({r["step"] for r in steps(job_dir / "metrics.jsonl")}) == list(range(1, 9))
+    assert sorted({r["step"] for r in logged_step_records(job_dir / "metrics.jsonl")}) == list(range(1, 9))
 
 
 def test_slurmctld_killed_mid_job_then_up_and_the_job_completes(

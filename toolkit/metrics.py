@@ -17,6 +17,7 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -33,6 +34,12 @@ def step_records(metrics: str | os.PathLike[str], bad: list[str] | None = None) 
             continue
         by_step[step] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def logged_step_records(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every step record in file order, a step logged again after a resume included (what
+    `step_records` collapses); a torn line is skipped; none while the file does not exist yet."""
+    return list(_records(metrics, "step")) if Path(metrics).exists() else []
 
 
 def header_records(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
