@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
 from train.common.shapes import get_shape
+from train.stage1.data import load_manifests, tokenize_record
 from train.stage1.model import multimodal_config, text_config
 from train.stage1.synthetic import COLORS, PRIMITIVES, REPLAY_SENTENCES, SIZES
 from train.stage1.vision import image_processor_for_shape
@@ -64,3 +65,17 @@ def make_checkpoint(path: Path, vision: bool = False, seed: int = 0) -> Path:
         model = Qwen3_5ForCausalLM(text_config(shape))
     model.save_pretrained(path)
     return path
+
+
+def document_logits(model: torch.nn.Module, tok, data: Path, task: str, index: int) -> torch.Tensor:
+    """Logits of one real document of the data set (record `index` of `task`), alone, through
+    transformers' stock forward: what an exported checkpoint is compared on."""
+    doc = tokenize_record(tok, data, task, load_manifests(data).records[task][index][1])
+    ids = torch.tensor([doc.tokens])
+    kwargs = {}
+    if doc.images:
+        kwargs = dict(pixel_values=torch.cat([i.pixel_values for i in doc.images]),
+                      image_grid_thw=torch.tensor([i.grid_thw for i in doc.images]),
+                      mm_token_type_ids=(ids == tok.vision_ids["image_token_id"]).int())
+    with torch.no_grad():
+        return model(input_ids=ids, **kwargs).logits

@@ -14,12 +14,12 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from tests.hf_fixtures import make_checkpoint
+from tests.hf_fixtures import document_logits, make_checkpoint
 from tests.stage1_fixtures import make_data, run
 from train.common.codebooks import CodebookVocab
 from train.common.packing import Document, Packer, collate, model_kwargs
 from train.common.shapes import get_shape
-from train.stage1.data import DataConfig, PackedBatches, build_batch, load_manifests, tokenize_record
+from train.stage1.data import DataConfig, PackedBatches, build_batch, load_manifests
 from train.stage1.export import export_checkpoint
 from train.stage1.model import build_model
 from train.stage1.objective import CausalLMObjective, ModelInputError
@@ -141,19 +141,6 @@ def _trainer_model(job: Path, step: int, vision: bool, init_from: Path | None) -
     return model.eval()
 
 
-def _logits(model: torch.nn.Module, tok, data: Path, task: str) -> torch.Tensor:
-    """Logits of one real document of the data set, alone (transformers' stock forward)."""
-    doc = tokenize_record(tok, data, task, load_manifests(data).records[task][0][1])
-    ids = torch.tensor([doc.tokens])
-    kwargs = {}
-    if doc.images:
-        kwargs = dict(pixel_values=torch.cat([i.pixel_values for i in doc.images]),
-                      image_grid_thw=torch.tensor([i.grid_thw for i in doc.images]),
-                      mm_token_type_ids=(ids == tok.vision_ids["image_token_id"]).int())
-    with torch.no_grad():
-        return model(input_ids=ids, **kwargs).logits
-
-
 def test_export_loads_with_from_pretrained_and_gives_the_trainer_logits(text_ckpt: Path, tmp_path: Path) -> None:
     data = make_data(tmp_path)
     job = tmp_path / "job"
@@ -167,7 +154,7 @@ def test_export_loads_with_from_pretrained_and_gives_the_trainer_logits(text_ckp
     loaded = AutoModelForCausalLM.from_pretrained(export, local_files_only=True).eval()
     trainer = _trainer_model(job, 2, vision=False, init_from=text_ckpt)
     tok = build_tokenizer(TINY, text_ckpt, vision=False)
-    diff = max((_logits(loaded, tok, data, t) - _logits(trainer, tok, data, t)).abs().max().item()
+    diff = max((document_logits(loaded, tok, data, t, 0) - document_logits(trainer, tok, data, t, 0)).abs().max().item()
                for t in ("gen_txt", "und", "replay_text"))
     print(f"export vs trainer: max abs logit diff {diff:.3g}")
     assert diff <= 1e-5
@@ -202,7 +189,7 @@ def test_export_of_a_deepspeed_zero2_checkpoint(vision_ckpt: Path, tmp_path: Pat
     trainer, _ = build_model("tiny", init_from=vision_ckpt, vision=True)
     trainer.load_state_dict({k.removeprefix("model."): v for k, v in module.items()})
     trainer.eval()
-    diff = max((_logits(loaded, tok, data, t) - _logits(trainer, tok, data, t)).abs().max().item()
+    diff = max((document_logits(loaded, tok, data, t, 0) - document_logits(trainer, tok, data, t, 0)).abs().max().item()
                for t in ("gen_img", "replay_img", "und"))
     print(f"ZeRO-2 export vs trainer: max abs logit diff {diff:.3g}")
     assert diff <= 1e-5

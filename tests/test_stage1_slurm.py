@@ -19,9 +19,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tests.conftest import REPO, run_launch, wait_for_state
-from tests.hf_fixtures import make_checkpoint
+from tests.hf_fixtures import document_logits, make_checkpoint
+from toolkit.metrics import logged_step_records
 from train.common.shapes import get_shape
-from train.stage1.data import DataConfig, PackedBatches, build_batch, load_manifests, tokenize_record
+from train.stage1.data import DataConfig, PackedBatches, build_batch, load_manifests
 from train.stage1.model import build_model
 from train.stage1.synthetic import generate_synthetic
 from train.stage1.tokenizer import build_tokenizer
@@ -37,20 +38,6 @@ def stage1_env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _steps(metrics: Path) -> list[dict]:
-    if not metrics.exists():
-        return []
-    out = []
-    for line in metrics.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line being written
-        if rec.get("event") == "step":
-            out.append(rec)
-    return out
-
-
 def test_requeued_stage1_resumes_with_the_same_next_batch(stage1_env: dict[str, str]) -> None:
     sub = run_launch(["submit", "stage1", "--preset", "tiny", "--cpus-per-task", "2", "--no-preflight",
                       "--arg", "steps=8", "--arg", "row_len=128", "--arg", "batch_rows=1", "--arg", "ckpt_every=2",
@@ -61,9 +48,9 @@ def test_requeued_stage1_resumes_with_the_same_next_batch(stage1_env: dict[str, 
     metrics = job_dir / "metrics.jsonl"
 
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not any(r["step"] >= 3 for r in _steps(metrics)):
+    while time.monotonic() < deadline and not any(r["step"] >= 3 for r in logged_step_records(metrics)):
         time.sleep(1)
-    assert any(r["step"] >= 3 for r in _steps(metrics)), run_launch(["logs", job], stage1_env).stdout[-3000:]
+    assert any(r["step"] >= 3 for r in logged_step_records(metrics)), run_launch(["logs", job], stage1_env).stdout[-3000:]
     subprocess.run(["scontrol", "requeue", job], env=stage1_env, check=True, capture_output=True, timeout=30)
 
     state = wait_for_state(job, stage1_env, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=420)
@@ -103,18 +90,6 @@ def _submit_and_wait(env: dict[str, str], *args: str) -> tuple[str, Path, str]:
     return job, Path(env["LAUNCH_HOME"]) / "runs" / "stage1" / job, log
 
 
-def _doc_logits(model: torch.nn.Module, tok, data: Path, task: str) -> torch.Tensor:
-    doc = tokenize_record(tok, data, task, load_manifests(data).records[task][-1][1])  # the first ones may be broken
-    ids = torch.tensor([doc.tokens])
-    kwargs = {}
-    if doc.images:
-        kwargs = dict(pixel_values=torch.cat([i.pixel_values for i in doc.images]),
-                      image_grid_thw=torch.tensor([i.grid_thw for i in doc.images]),
-                      mm_token_type_ids=(ids == tok.vision_ids["image_token_id"]).int())
-    with torch.no_grad():
-        return model(input_ids=ids, **kwargs).logits
-
-
 def _export_and_compare(env: dict[str, str], job: str, job_dir: Path, ckpt: Path, vision: bool, tasks,
                         data: Path) -> None:
     """`launch export JOB`, from_pretrained, and the logits of the trainer's last checkpoint."""
@@ -128,7 +103,8 @@ def _export_and_compare(env: dict[str, str], job: str, job_dir: Path, ckpt: Path
     last = (job_dir / "checkpoints" / "latest").read_text().strip()
     trainer.load_state_dict(torch.load(job_dir / "checkpoints" / last / "model.pt", weights_only=True))
     trainer.eval()
-    diff = max((_doc_logits(loaded, tok, data, t) - _doc_logits(trainer, tok, data, t)).abs().max().item()
+    # the last record of each task: the data set's first ones may be broken on purpose
+    diff = max((document_logits(loaded, tok, data, t, -1) - document_logits(trainer, tok, data, t, -1)).abs().max().item()
                for t in tasks)
     print(f"launch export ({'vision' if vision else 'text'}): max abs logit diff vs the trainer {diff:.3g}")
     assert diff <= 1e-5
