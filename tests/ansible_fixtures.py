@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -227,3 +229,28 @@ def install_pct_standin(bin_dir: Path) -> Path:
 
 
 install_pct_lxc_standin = install_pct_standin
+
+
+# An unprivileged Proxmox CT, as the kernel sees it: a user namespace in which container uid/gid
+# 0..65535 are host 100000..165535 (PVE's default `lxc.idmap: u 0 100000 65536`). Entered with
+# LXC's own lxc-usernsexec (as root it writes the maps itself, no newuidmap needed). What it does
+# not model: the CT's mount, pid and network namespaces, AppArmor, seccomp; file access, the
+# bind mount's (unshifted) ownership and capabilities are the kernel's own.
+PVE_IDMAP_BASE = 100000
+HAS_USERNSEXEC = bool(shutil.which("lxc-usernsexec") and shutil.which("setpriv"))
+
+
+def in_unprivileged_ct(argv: list[str], *, uid: int = 0, base: int = PVE_IDMAP_BASE,
+                       timeout: int = 60) -> subprocess.CompletedProcess[str]:
+    """Run argv as container uid `uid` (0: the CT's root) of an unprivileged CT mapped at `base`."""
+    inner = argv if uid == 0 else ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+    return subprocess.run(["lxc-usernsexec", "-m", f"b:0:{base}:65536", "--", *inner],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def traversable_tmp_dir(prefix: str) -> Path:
+    """A fresh 0755 directory under /tmp: pytest's own tmp_path sits below a 0700 root-owned
+    directory that a mapped uid (host 100000) cannot even traverse. The caller removes it."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path.chmod(0o755)
+    return path

@@ -16,6 +16,7 @@ import base64
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -26,11 +27,14 @@ import pytest
 from tests.ansible_fixtures import (
     ANSIBLE_DIR,
     CHECK_INVENTORY,
+    HAS_USERNSEXEC,
     PLAYBOOK,
+    PVE_IDMAP_BASE,
     STANDIN_MAJOR,
     ansible_bin,
     cached_rootfs_tarball,
     destroy_container,
+    in_unprivileged_ct,
     install_nvidia_smi_standin,
     install_pct_lxc_standin,
     install_pct_standin,
@@ -38,6 +42,7 @@ from tests.ansible_fixtures import (
     lxc_inventory,
     make_standin_gpus,
     run_playbook,
+    traversable_tmp_dir,
     write_inventory,
     write_vaulted_vars,
 )
@@ -46,6 +51,8 @@ GOLDEN = Path(__file__).parent / "golden"
 IS_ROOT = os.geteuid() == 0
 HAS_LXC = all(shutil.which(tool) for tool in ("lxc-create", "lxc-start", "lxc-attach", "debootstrap"))
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="mknod of stand-in device nodes and LXC need root")
+needs_userns = pytest.mark.skipif(not (IS_ROOT and HAS_USERNSEXEC),
+                                  reason="needs root and lxc-usernsexec (LXC) + setpriv for a mapped user namespace")
 needs_lxc = pytest.mark.skipif(not (IS_ROOT and HAS_LXC), reason="needs root and Debian's lxc + debootstrap")
 
 
@@ -152,10 +159,14 @@ class PveHost:
     """kpro6.yml run against the state-only `pct` stand-in (tests/pct_lxc_standin.py) on this
     machine: stand-in GPU nodes (major 195), /proc/devices, storage.cfg and PVE version."""
 
-    def __init__(self, tmp_path: Path, gpus: int = 8, pve_version: str = "8.2.4", **container_vars: object) -> None:
+    def __init__(self, tmp_path: Path, gpus: int = 8, pve_version: str = "8.2.4", scratch: Path | None = None,
+                 **container_vars: object) -> None:
         import yaml
 
         self.tmp = tmp_path
+        # The host's NVMe scratch (kpro6.yml: /mnt/nvme-scratch, gpu_host_scratch_path and ct_scratch_host_path),
+        # created by gpu_host (no mount point needed here) and given to the CT's root by lxc_container.
+        self.scratch = scratch or tmp_path / "nvme-scratch"
         self.dev, proc_devices = make_standin_gpus(tmp_path, gpus=gpus)
         self.conf_dir, self.log = tmp_path / "pve-lxc", tmp_path / "pct.log"
         self.conf_dir.mkdir()
@@ -168,11 +179,11 @@ class PveHost:
         data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"].update({
             "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
             "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(self.dev),
-            "gpu_host_scratch_path": str(tmp_path), "gpu_host_scratch_must_be_mountpoint": False,
+            "gpu_host_scratch_path": str(self.scratch), "gpu_host_scratch_must_be_mountpoint": False,
             "lxc_container_pve_conf_dir": str(self.conf_dir), "lxc_container_pve_storage_cfg": str(storage_cfg),
         })
         ct = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
-        ct.update(container_vars)
+        ct.update({"ct_scratch_host_path": str(self.scratch), **container_vars})
         self.data = data
         self.inventory = write_inventory(tmp_path / "kpro6.yml", data)
         self.env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(self.log),
@@ -199,8 +210,8 @@ def _ok(run: tuple[subprocess.CompletedProcess[str], dict], host: str = "kpro6")
     return recap[host]
 
 
-def _golden(name: str, dev: Path) -> str:
-    return (GOLDEN / name).read_text().replace("<DEV>", str(dev))
+def _golden(name: str, pve: PveHost) -> str:
+    return (GOLDEN / name).read_text().replace("<DEV>", str(pve.dev)).replace("<SCRATCH>", str(pve.scratch))
 
 
 @needs_root
@@ -212,9 +223,12 @@ def test_proxmox_backend_devn_entries_survive_proxmox_rewrites(tmp_path: Path) -
 
     pve = PveHost(tmp_path)
     _ok(pve.run())
-    assert pve.commands() == _golden("pct-commands.txt", pve.dev).splitlines()
+    assert pve.commands() == _golden("pct-commands.txt", pve).splitlines()
+    # The scratch mount's host side belongs to the unprivileged CT's root (PVE maps it to 100000).
+    owner = pve.scratch.stat()
+    assert (owner.st_uid, owner.st_gid, stat.S_IMODE(owner.st_mode)) == (PVE_IDMAP_BASE, PVE_IDMAP_BASE, 0o1777)
     conf = pve.conf.read_text()
-    assert conf == _golden("pve-200.conf", pve.dev)
+    assert conf == _golden("pve-200.conf", pve)
     assert "lxc." not in conf, "devN entries need no raw lines"
 
     pve.conf.write_text("# CT 200: trainer\n" + conf)  # a note added in the GUI
@@ -299,6 +313,63 @@ def test_scratch_on_the_rootfs_storage_or_a_network_fs_is_refused(tmp_path: Path
     proc, _ = pve.run("-e", f'{{"lxc_container_network_fstypes": ["{fstype}"]}}')
     assert proc.returncode != 0 and "a network file system (set ct_scratch_allow_network_fs: true" in proc.stdout
     assert pve.commands() == []
+
+
+# --- the unprivileged CT, against the kernel --------------------------------------------------
+
+@pytest.fixture
+def open_tmp():
+    path = traversable_tmp_dir("launch-userns-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@needs_userns
+def test_unprivileged_ct_root_can_use_the_scratch_the_role_owns(open_tmp: Path) -> None:
+    """The kernel's answer, in a user namespace mapped as PVE maps an unprivileged CT (0 -> 100000):
+    a scratch directory owned by host root (what the host had before; PVE does not shift a bind
+    mount's owner) refuses container root with EACCES; after lxc_container's own scratch task
+    (scratch_owner.yml, run for real), the real node_caches role run as container root creates the
+    cache root, and a job user (container uid 1000) writes both /scratch and its cache. A CT with an
+    `lxc.idmap` of its own (0 -> 200000) gets its scratch owned by that uid."""
+    import yaml
+
+    scratch, own_map = open_tmp / "nvme-scratch", open_tmp / "scratch-200"
+    scratch.mkdir(mode=0o755)
+    before = in_unprivileged_ct(["mkdir", str(scratch / "cache")])
+    assert before.returncode != 0 and "Permission denied" in before.stderr, before
+
+    play = open_tmp / "owner.yml"
+    ct = {"name": "ct200", "unprivileged": True, "scratch_mode": "1777"}
+    idmap = ["lxc.idmap: u 0 200000 65536", "lxc.idmap: g 0 200000 65536"]
+    play.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": [
+        {"ansible.builtin.include_role": {"name": "lxc_container", "tasks_from": "scratch_owner.yml"},
+         "vars": {"lxc_container_ct": {**ct, "scratch_host_path": str(scratch)}}},
+        {"ansible.builtin.include_role": {"name": "lxc_container", "tasks_from": "scratch_owner.yml"},
+         "vars": {"lxc_container_ct": {**ct, "scratch_host_path": str(own_map)},
+                  "lxc_container_pct_config": {"stdout_lines": idmap}}},
+    ]}]))
+    inventory = write_inventory(open_tmp / "inv.yml", {"all": {"hosts": {"localhost": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}})
+    proc, recap = run_playbook(inventory, playbook=play, env={"ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles")})
+    assert recap["localhost"]["failed"] == 0 and recap["localhost"]["changed"] == 2, proc.stdout[-3000:]
+    assert (own_map.stat().st_uid, own_map.stat().st_gid) == (200000, 200000)
+
+    # node_caches' task as the CT's root, its exact effect (`file: state=directory owner=root group=root
+    # mode=1777`): Ansible itself cannot run in the namespace here, its interpreter lives under
+    # a 0700 /root that the mapped uid cannot traverse.
+    cache_root = scratch / "cache"
+    made = in_unprivileged_ct(["sh", "-c", f"mkdir {cache_root} && chown 0:0 {cache_root} && chmod 1777 {cache_root}"])
+    assert made.returncode == 0, made.stderr
+    cache = (scratch / "cache").stat()
+    assert (cache.st_uid, stat.S_IMODE(cache.st_mode)) == (PVE_IDMAP_BASE, 0o1777)
+    job = in_unprivileged_ct(["sh", "-c", f"mkdir {scratch}/cache/alice && echo hi > {scratch}/cache/alice/probe"
+                                          f" && echo out > {scratch}/run.log"], uid=1000)
+    assert job.returncode == 0, job.stderr
+    assert (scratch / "cache" / "alice").stat().st_uid == PVE_IDMAP_BASE + 1000
+    assert (scratch / "run.log").read_text() == "out\n"
 
 
 @pytest.mark.lxc
