@@ -240,12 +240,12 @@ PVE_IDMAP_BASE = 100000
 HAS_USERNSEXEC = bool(shutil.which("lxc-usernsexec") and shutil.which("setpriv"))
 
 
-def in_unprivileged_ct(argv: list[str], *, uid: int = 0, base: int = PVE_IDMAP_BASE,
-                       timeout: int = 60) -> subprocess.CompletedProcess[str]:
+def in_unprivileged_ct(argv: list[str], *, uid: int = 0, base: int = PVE_IDMAP_BASE, timeout: int = 60,
+                       env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run argv as container uid `uid` (0: the CT's root) of an unprivileged CT mapped at `base`."""
     inner = argv if uid == 0 else ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
     return subprocess.run(["lxc-usernsexec", "-m", f"b:0:{base}:65536", "--", *inner],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def traversable_tmp_dir(prefix: str) -> Path:
@@ -254,3 +254,16 @@ def traversable_tmp_dir(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     path.chmod(0o755)
     return path
+
+
+def userns_python() -> tuple[str, dict[str, str]] | None:
+    """An interpreter a mapped uid can run and the PYTHONPATH that gives it the repo and this venv's
+    packages: this interpreter when every directory to it is world-traversable, else the system
+    python3 of the same minor version. None when neither is reachable."""
+    def reachable(path: Path) -> bool:
+        return all(p.stat().st_mode & 0o001 for p in path.resolve().parents)
+    paths = [str(REPO), *(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())]
+    for python in (Path(sys.executable), Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")):
+        if python.exists() and reachable(python) and all(reachable(Path(p) / "x") for p in paths):
+            return str(python), {"PYTHONPATH": os.pathsep.join(paths)}
+    return None

@@ -329,6 +329,72 @@ def test_slurm_gres_mismatch_fails_via_cli(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+# ---------------------------------------------------------------- slurm.devices (the kernel's answer)
+def _userns_ready() -> bool:
+    from tests.ansible_fixtures import HAS_USERNSEXEC
+    return os.geteuid() == 0 and HAS_USERNSEXEC
+
+
+needs_userns = pytest.mark.skipif(not _userns_ready(), reason="needs root and lxc-usernsexec (a mapped user namespace)")
+
+
+@needs_userns
+def test_cgroup_device_program_loads_as_root_and_is_eperm_in_an_unprivileged_ct():
+    """Why an unprivileged CT cannot have ConstrainDevices=yes: slurmd's cgroup-device eBPF program
+    (the trivial allow-all one, bpf(2) BPF_PROG_LOAD via ctypes) loads as real root, and fails with
+    EPERM as root of a user namespace mapped like PVE's (0 -> 100000). Real kernel, no stand-in."""
+    from launch.doctor.bpf_probe import load_cgroup_device_program
+    from tests.ansible_fixtures import in_unprivileged_ct
+
+    assert load_cgroup_device_program() == 0
+    probe = in_unprivileged_ct(["/usr/bin/python3", str(REPO / "launch" / "doctor" / "bpf_probe.py")])
+    assert (probe.returncode, probe.stdout.strip()) == (1, "EPERM"), probe
+
+
+@needs_userns
+def test_device_policy_row_says_which_policy_the_node_has(tmp_path):
+    """`slurm.devices`: ConstrainDevices=yes PASSes where the program loads (real root) and FAILs in
+    the unprivileged CT (user namespace 0 -> 100000) with the fix; ConstrainDevices=no PASSes there
+    and WARNs where confinement would work; no task/cgroup says devices are not confined."""
+    from launch.doctor.device_policy import check_device_policy
+    from tests.ansible_fixtures import in_unprivileged_ct, traversable_tmp_dir, userns_python
+
+    found = userns_python()
+    if found is None:
+        pytest.skip("no interpreter a mapped uid can reach")
+    python, pythonpath = found
+    conf_dir = traversable_tmp_dir("launch-doctor-")
+    try:
+        def row(constrain: str, task_plugin: str = "task/cgroup,task/affinity", in_ct: bool = False):
+            (conf_dir / "slurm.conf").write_text(f"ClusterName=x\nTaskPlugin={task_plugin}\n")
+            (conf_dir / "cgroup.conf").write_text(f"# why\nConstrainDevices={constrain}\n")
+            env = {"SLURM_CONF": str(conf_dir / "slurm.conf")}
+            if not in_ct:
+                (result,) = check_device_policy(DoctorContext(env=env))
+                return result.status, result.found, result.fix
+            code = ("import json, sys; from launch.doctor.device_policy import check_device_policy; "
+                    "from launch.doctor.context import DoctorContext; "
+                    f"r, = check_device_policy(DoctorContext(env={env!r})); print(json.dumps([r.status.value, r.found, r.fix]))")
+            out = in_unprivileged_ct([python, "-c", code], env=pythonpath)
+            assert out.returncode == 0, out.stderr
+            status, text, fix = json.loads(out.stdout)
+            return Status(status), text, fix
+
+        status, text, _ = row("yes")
+        assert status is Status.PASS and "a cgroup device program loads here (the initial user namespace)" in text
+        status, text, fix = row("yes", in_ct=True)
+        assert status is Status.FAIL, text
+        assert "fails with EPERM (a user namespace (uid 0 is host uid 100000))" in text and "ConstrainDevices=no" in fix
+        status, text, _ = row("no", in_ct=True)
+        assert status is Status.PASS and text.startswith("ConstrainDevices=no: a job can open every GPU"), text
+        status, text, _ = row("no")
+        assert status is Status.WARN and "though confinement would work" in text
+        status, text, _ = row("yes", task_plugin="task/none")
+        assert status is Status.PASS and "devices not confined by Slurm (TaskPlugin=task/none)" in text
+    finally:
+        shutil.rmtree(conf_dir, ignore_errors=True)
+
+
 def test_outside_allocation_fails_only_when_expected(tmp_path):
     env = clean_env(tmp_path)
     assert by_check(run_checks(env=env))["slurm.context"].status is Status.SKIP
