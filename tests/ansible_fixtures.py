@@ -83,6 +83,8 @@ def make_standin_gpus(root: Path, gpus: int) -> tuple[Path, Path]:
                                                        "nvidia-caps/nvidia-cap1": 1}
     for name, minor in nodes.items():
         os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(STANDIN_MAJOR, minor))
+    # As nvidia-modprobe makes it on a real host: the MIG config capability is root-only.
+    (dev / "nvidia-caps" / "nvidia-cap1").chmod(0o400)
     proc_devices = root / "proc-devices"
     proc_devices.write_text(STANDIN_PROC_DEVICES)
     return dev, proc_devices

@@ -463,6 +463,53 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         subprocess.run(["umount", str(scratch)], check=False)
 
 
+# --- the slurm role's GPU policy and gres.conf --------------------------------------------------
+
+@needs_root
+def test_slurm_role_device_policy_and_gres_from_the_cts_own_minors(tmp_path: Path) -> None:
+    """The slurm role's config files alone (tasks/config.yml, no packages, no services): an
+    unprivileged CT with ct_gpus [4..7] of a split host gets gres.conf File=/dev/nvidia4..7 (its
+    real nodes) and ConstrainDevices=no with the reason (the eBPF limit the doctor test shows);
+    a privileged CT gets ConstrainDevices=yes; a forced yes in an unprivileged CT is refused."""
+    import yaml
+
+    def ct(**extra: object) -> dict:
+        conf_dir = tmp_path / str(extra.pop("name"))
+        conf_dir.mkdir()  # the role's main tasks make it
+        return {"ct_cores": 8, "ct_memory_mb": 4096, "slurm_conf_dir": str(conf_dir), **extra}
+
+    inventory = write_inventory(tmp_path / "inv.yml", {"all": {"children": {
+        "container_hosts": {"hosts": {"pvehost": {"ansible_connection": "local"}}},
+        "gpu_containers": {
+            "vars": {"container_host": "pvehost", "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                     "slurm_manage_services": False},
+            "hosts": {"ct-split": ct(name="ct-split", ct_gpus=[4, 5, 6, 7]),
+                      "ct-priv": ct(name="ct-priv", ct_gpus=[0], ct_unprivileged=False),
+                      "ct-forced": ct(name="ct-forced", ct_gpus=[1], slurm_constrain_devices=True)}},
+        "slurm_controllers": {"hosts": {"ct-split": None}},
+    }}})
+    play = tmp_path / "config.yml"
+    play.write_text(yaml.safe_dump([{"hosts": "gpu_containers", "gather_facts": False, "tasks": [
+        {"ansible.builtin.include_role": {"name": "slurm", "tasks_from": "config.yml"}}]}]))
+    proc, recap = run_playbook(inventory, playbook=play, env={"ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles")})
+    assert recap["ct-split"]["failed"] == 0 and recap["ct-priv"]["failed"] == 0, proc.stdout[-3000:]
+    assert recap["ct-forced"]["failed"] == 1
+    out = " ".join(proc.stdout.split())
+    assert "ct-forced: slurm_constrain_devices=yes, but this node is an unprivileged container" in out, out[-2000:]
+
+    gres = (tmp_path / "ct-split" / "gres.conf").read_text().splitlines()
+    assert "NodeName=ct-split Name=gpu File=/dev/nvidia4,/dev/nvidia5,/dev/nvidia6,/dev/nvidia7" in gres
+    assert "NodeName=ct-priv Name=gpu File=/dev/nvidia0" in gres
+    assert re.search(r"^NodeName=ct-split CPUs=8 RealMemory=3891 Gres=gpu:4 State=UNKNOWN$",
+                     (tmp_path / "ct-split" / "slurm.conf").read_text(), re.M)
+    unpriv = (tmp_path / "ct-split" / "cgroup.conf").read_text()
+    assert "ConstrainDevices=no" in unpriv.splitlines() and "ConstrainDevices=yes" not in unpriv
+    assert "unprivileged container" in unpriv and "EPERM" in unpriv
+    priv = (tmp_path / "ct-priv" / "cgroup.conf").read_text().splitlines()
+    assert "ConstrainDevices=yes" in priv and "ConstrainDevices=no" not in priv
+    assert not (tmp_path / "ct-forced" / "cgroup.conf").exists()
+
+
 # --- role argument specs -----------------------------------------------------------------------
 
 BAD_ROLE_ARGS = {  # role: (variable, bad value, what the error names)
@@ -719,6 +766,8 @@ def test_slurm_config_and_keepalive_hooks_inside(provisioned: Provisioned) -> No
     assert "TaskProlog=/etc/slurm/launch-task-prolog.sh" in slurm_conf.splitlines()
     gres = provisioned.attach("cat /etc/slurm/gres.conf").stdout
     assert f"NodeName={provisioned.name} Name=gpu File=/dev/nvidia0,/dev/nvidia1" in gres.splitlines()
+    # A privileged container can load slurmd's cgroup-device program: confinement stays on.
+    assert "ConstrainDevices=yes" in provisioned.attach("cat /etc/slurm/cgroup.conf").stdout.splitlines()
     task_env = provisioned.attach("SLURM_JOB_USER=alice /etc/slurm/launch-task-prolog.sh").stdout
     assert "export TRITON_CACHE_DIR=/scratch/cache/alice/triton" in task_env.splitlines()
     hook = (ANSIBLE_DIR.parent / "launch" / "keepalive" / "slurm-hook.sh").read_text()

@@ -254,6 +254,10 @@ SYSTEM_DIRS = {"/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/opt", "
                "/sys", "/usr", "/var"}
 
 
+# The scratch mount's modes the role takes (lxc_container_scratch_mode): 1777 lets every job user write.
+SCRATCH_MODES = ("1777", "0777", "0755", "0750", "0700")
+
+
 def _bool(host: str, name: str, value: object) -> None:
     if not isinstance(value, bool) and str(value).lower() not in {"true", "false", "yes", "no", "0", "1"}:
         raise InventoryError(f"{host}: {name}={value!r} is not a boolean")
@@ -268,6 +272,14 @@ def check_container_host(host: str, hv: dict) -> None:
     scratch = hv.get("gpu_host_scratch_path", "")
     if scratch:
         _abs_path(host, "gpu_host_scratch_path", scratch)
+    for name in ("lxc_container_unprivileged_root_uid", "lxc_container_unprivileged_root_gid"):
+        if name in hv:  # 0 would hand an unprivileged CT's scratch to host root: not its root
+            _int(host, name, hv[name], 1, 2**32 - 2)
+
+
+def _unprivileged(hv: dict, phv: dict) -> bool:
+    """ct_unprivileged, else its host's lxc_container_unprivileged, else true (the role's default)."""
+    return str(hv.get("ct_unprivileged", phv.get("lxc_container_unprivileged", True))).lower() in ("true", "yes", "1")
 
 
 def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts: list[str]) -> None:
@@ -294,10 +306,19 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     _hostname(host, "ct_hostname" if "ct_hostname" in hv else "ct_hostname (the inventory name)", hv.get("ct_hostname", host))
     if "ct_net0" in hv:
         _net(host, "ct_net0", hv["ct_net0"])
-    _int(host, "ct_cores", hv.get("ct_cores", 0), 0, 8192)  # Proxmox's cores range, 0: no limit
+    proxmox = phv.get("lxc_container_backend") == "proxmox"
+    # Proxmox refuses cores 0 and memory below 16 MB; an omitted ct_cores is all the host's cores
+    # (PVE's default), an omitted ct_memory_mb would be PVE's 512 MB, too little to train.
+    if proxmox and "ct_memory_mb" not in hv:
+        raise InventoryError(f"{host}: ct_memory_mb is missing; Proxmox would give the CT 512 MB (set it, >= 16)")
+    _int(host, "ct_cores", hv.get("ct_cores", 0), 1 if proxmox and "ct_cores" in hv else 0, 8192)
     memory = _int(host, "ct_memory_mb", hv.get("ct_memory_mb", 0), 0)
-    if 0 < memory < 16:
-        raise InventoryError(f"{host}: ct_memory_mb={memory} is out of range (16.. as Proxmox allows, or 0 for no limit)")
+    if (proxmox or memory > 0) and memory < 16:
+        raise InventoryError(f"{host}: ct_memory_mb={memory} is out of range (16.. as Proxmox allows"
+                             f"{'' if proxmox else ', or 0 for no limit'})")
+    if _unprivileged(hv, phv) and str(hv.get("slurm_constrain_devices", "auto")).lower() in ("yes", "true"):
+        raise InventoryError(f"{host}: slurm_constrain_devices=yes cannot work in an unprivileged CT (slurmd's "
+                             "cgroup-device eBPF program fails with EPERM there); use auto, or ct_unprivileged: false")
     gpus = hv.get("ct_gpus", [])
     if not isinstance(gpus, list):
         raise InventoryError(f"{host}: ct_gpus={gpus!r} must be a list of GPU indices")
@@ -307,6 +328,10 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
         _int(host, "ct_gpus", index, 0, high)
     if len(set(map(int, gpus))) != len(gpus):
         raise InventoryError(f"{host}: ct_gpus={gpus} lists a GPU twice")
+    mode = str(hv.get("ct_scratch_mode", "1777"))
+    if mode not in SCRATCH_MODES:
+        raise InventoryError(f"{host}: ct_scratch_mode={mode} is not one of {', '.join(SCRATCH_MODES)} "
+                             "(quote it: \"1777\")")
     mount = hv.get("ct_scratch_mount", "")
     if hv.get("ct_scratch_host_path") or mount:
         _abs_path(host, "ct_scratch_host_path", hv.get("ct_scratch_host_path"))
@@ -350,6 +375,15 @@ def check(inventory_path: str, limit: str | None = None) -> None:
             if other is not None:
                 raise InventoryError(f"{host}: ct_gpus has GPU {gpu}, which {other} has too; "
                                      "a GPU passes through to one container")
+        # The scratch host path belongs to the mounting CT's root: a privileged and an unprivileged
+        # CT cannot both own it (each run would take it from the other).
+        scratch = hosts[host].get("ct_scratch_host_path")
+        mine = _unprivileged(hosts[host], hosts[parent])
+        other = next((h for h in siblings if scratch and hosts[h].get("ct_scratch_host_path") == scratch
+                      and _unprivileged(hosts[h], hosts[parent]) != mine), None)
+        if other is not None:
+            raise InventoryError(f"{host}: ct_scratch_host_path={scratch} is also {other}'s, and one of the two is "
+                                 "privileged: its owner is each CT's root; give each a directory of its own")
         if hosts[parent].get("lxc_container_backend") == "proxmox":
             vmids = [hosts[h].get("ct_vmid") for h in groups.get(f"{parent}_containers", [])]
             if vmids.count(hosts[host].get("ct_vmid")) > 1:

@@ -104,8 +104,18 @@ CASES = [
     # ---- sizes
     _case("memory-negative", kpro6({"ct_memory_mb": -1}), rf"{CT}: ct_memory_mb=-1 is out of range"),
     _case("memory-below-proxmox-minimum", kpro6({"ct_memory_mb": 8}),
-          rf"{CT}: ct_memory_mb=8 is out of range \(16\.\..*or 0 for no limit\)"),
+          rf"{CT}: ct_memory_mb=8 is out of range \(16\.\. as Proxmox allows\)"),
+    _case("memory-zero-on-proxmox", kpro6({"ct_memory_mb": 0}), rf"{CT}: ct_memory_mb=0 is out of range \(16\.\."),
+    _case("memory-missing-on-proxmox", kpro6({"ct_memory_mb": None}),
+          rf"{CT}: ct_memory_mb is missing; Proxmox would give the CT 512 MB"),
     _case("cores-negative", kpro6({"ct_cores": -4}), rf"{CT}: ct_cores=-4 is out of range"),
+    _case("cores-zero-on-proxmox", kpro6({"ct_cores": 0}), rf"{CT}: ct_cores=0 is out of range \(1\.\.8192\)"),
+    # ---- unprivileged CT
+    _case("constrain-devices-in-unprivileged-ct", kpro6({"slurm_constrain_devices": True}),
+          rf"{CT}: slurm_constrain_devices=yes cannot work in an unprivileged CT"),
+    _case("scratch-shared-by-privileged-and-unprivileged", kpro6(more={"kpro6-ct201": {
+              "ct_vmid": 201, "proxmox_vmid": 201, "ct_hostname": "trainer201", "ct_gpus": [], "ct_unprivileged": False}}),
+          r"kpro6-ct201: ct_scratch_host_path=/mnt/nvme-scratch is also kpro6-ct200's, and one of the two is privileged"),
     # ---- scratch
     _case("scratch-on-network-fs", kpro6(host={"gpu_host_scratch_fstype": "nfs4"}),
           rf"{CT}: node_caches_root is on nfs4, a network file system"),
