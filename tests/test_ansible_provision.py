@@ -298,6 +298,11 @@ def test_proxmox_backend_refuses_missing_gpus_and_foreign_majors(tmp_path: Path)
     # An override past the inventory check (-e): the role still takes only /proc/devices' majors.
     proc, _ = pve.run("-e", '{"lxc_container_nvidia_majors": [1, 195]}')
     assert proc.returncode != 0 and "only those may pass through" in proc.stdout, proc.stdout[-2000:]
+    # Memory 0 past the inventory check: refused before `pct create`, never `--memory 0`.
+    proc, _ = pve.run("-e", '{"ct_memory_mb": 0, "ct_gpus": [0]}')
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0 and "ct_memory_mb=0 (>= 16, required: Proxmox would give 512 MB)" in out, out[-2000:]
+    assert pve.commands() == []
 
 
 @needs_root
