@@ -170,13 +170,22 @@ class PveHost:
             "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(self.dev),
             "gpu_host_scratch_path": str(tmp_path), "gpu_host_scratch_must_be_mountpoint": False,
             "lxc_container_pve_conf_dir": str(self.conf_dir), "lxc_container_pve_storage_cfg": str(storage_cfg),
+            "lxc_container_pending_dir": str(tmp_path / "pending"),
         })
         ct = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
         ct.update(container_vars)
         self.data = data
         self.inventory = write_inventory(tmp_path / "kpro6.yml", data)
+        # `pct exec` "inside" the state-only CT finds this stand-in squeue: it prints the ids in
+        # self.jobs, the jobs Slurm runs on the node (none while the file is empty).
+        self.jobs, ct_tools = tmp_path / "ct-jobs", tmp_path / "ct-bin"
+        self.jobs.write_text("")
+        ct_tools.mkdir()
+        (ct_tools / "squeue").write_text(f"#!/bin/sh\ncat {self.jobs}\n")
+        (ct_tools / "squeue").chmod(0o755)
         self.env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(self.log),
-                    "PCT_CONF_DIR": str(self.conf_dir), "PCT_DEV_ROOT": str(self.dev), "PCT_PVE_VERSION": pve_version}
+                    "PCT_CONF_DIR": str(self.conf_dir), "PCT_DEV_ROOT": str(self.dev), "PCT_PVE_VERSION": pve_version,
+                    "PCT_STATE_EXEC_PATH": str(ct_tools)}
 
     def container(self, **changes: object) -> None:
         ct = self.data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
@@ -188,9 +197,9 @@ class PveHost:
         return run_playbook(self.inventory, "--limit", "kpro6", *args, env=self.env, timeout=300)
 
     def commands(self) -> list[str]:
-        """The pct calls that change something (not status/config/exec)."""
+        """The pct calls that change something (not status/config/pending/exec)."""
         return [line for line in self.log.read_text().splitlines()
-                if not line.startswith(("pct status", "pct exec", "pct config"))]
+                if not line.startswith(("pct status", "pct exec", "pct config", "pct pending"))]
 
 
 def _ok(run: tuple[subprocess.CompletedProcess[str], dict], host: str = "kpro6") -> dict:
@@ -237,6 +246,42 @@ def test_proxmox_backend_devn_entries_survive_proxmox_rewrites(tmp_path: Path) -
     assert shown == [f"- dev6: /dev/nvidia6,{opts}", f"- dev7: /dev/nvidia7,{opts}"], proc.stdout[-3000:]
     _ok(pve.run())
     assert pve.commands() == ["pct set 200 --delete dev6,dev7", "pct reboot 200"]
+
+
+@needs_root
+def test_a_refused_reboot_stays_pending_until_the_node_is_drained(tmp_path: Path) -> None:
+    """Proxmox hot-plugs memory and new devN entries into a running CT (no reboot, even with jobs
+    on it) and keeps a devN delete in [pve:pending] until the next start. A reboot refused while
+    Slurm runs jobs is therefore not lost: the next run, with nothing left to `pct set`, reboots
+    the drained CT exactly once; the run after it and --check change nothing."""
+    pve = PveHost(tmp_path, ct_gpus=[0, 1, 2, 3, 4, 5])
+    _ok(pve.run())
+    pve.jobs.write_text("4242\n")  # Slurm runs job 4242 on the node
+
+    pve.container(ct_gpus=[0, 1, 2, 3, 4, 5, 6, 7], ct_memory_mb=262144)
+    _ok(pve.run())
+    [hotplug] = pve.commands()
+    assert re.fullmatch(r"pct set 200 --memory 262144 --dev(\d+) /dev/nvidia6,\S+ --dev(\d+) /dev/nvidia7,\S+", hotplug)
+    new_devs = sorted(re.findall(r"--(dev\d+) /dev/nvidia[67],", hotplug))  # as pct config sorts keys
+    assert "[pve:pending]" not in pve.conf.read_text() and "memory: 262144\n" in pve.conf.read_text()
+
+    pve.container(ct_gpus=[0, 1, 2, 3, 4, 5])
+    proc, _ = pve.run()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    dels = ", ".join(f"del {key}" for key in new_devs)
+    assert f"CT 200: it needs a reboot ({dels} pending) but Slurm runs jobs 4242" in out, proc.stdout[-3000:]
+    assert pve.commands() == [f"pct set 200 --delete {','.join(new_devs)}"]
+    pending = pve.conf.read_text().split("[pve:pending]\n")[1]
+    assert pending == f"delete: {','.join(new_devs)}\n", "PVE keeps the delete for the next start"
+
+    pve.jobs.write_text("")  # drained
+    _ok(pve.run())
+    assert pve.commands() == ["pct reboot 200"], "exactly one reboot, nothing set again"
+    conf = pve.conf.read_text()
+    assert "[pve:pending]" not in conf and "/dev/nvidia6" not in conf and "/dev/nvidia7" not in conf
+    assert _ok(pve.run())["changed"] == 0 and pve.commands() == []
+    assert _ok(pve.run("--check", "--diff"))["changed"] == 0 and pve.commands() == []
 
 
 @needs_root
@@ -385,7 +430,7 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         log.write_text("")
         second, recap = run_playbook(inventory, "--limit", "localhost", env=env, timeout=600)
         assert second.returncode == 0 and recap["localhost"]["changed"] == 0, second.stdout[-3000:]
-        assert all(line.startswith(("pct status", "pct exec", "pct config")) for line in log.read_text().splitlines())
+        assert all(line.startswith(("pct status", "pct exec", "pct config", "pct pending")) for line in log.read_text().splitlines())
     finally:
         pct("destroy", vmid, check=False)
         destroy_container(lxc_path, vmid)
