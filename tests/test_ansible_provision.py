@@ -248,6 +248,49 @@ def test_proxmox_backend_devn_entries_survive_proxmox_rewrites(tmp_path: Path) -
     assert pve.commands() == ["pct set 200 --delete dev6,dev7", "pct reboot 200"]
 
 
+def test_pct_standin_locks_value_checks_and_pending_changes(tmp_path: Path) -> None:
+    """The stand-in itself (no Ansible): a locked CT refuses `pct set` and `pct start` as Proxmox
+    does; cores/memory below the schema's minimum are refused; on a running CT memory and a new
+    devN apply at once, a devN delete waits in [pve:pending] until the next start."""
+    from tests.pct_lxc_standin import parse_conf
+
+    (tmp_path / "dev").mkdir()
+    for name in ("nvidia0", "nvidia1"):
+        (tmp_path / "dev" / name).write_text("")  # state-only mode checks only that the node exists
+    conf = tmp_path / "200.conf"
+    env = {**os.environ, "PCT_CONF_DIR": str(tmp_path), "PCT_DEV_ROOT": str(tmp_path / "dev")}
+
+    def pct(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tests.pct_lxc_standin", *args], capture_output=True, text=True,
+                              env=env, cwd=ANSIBLE_DIR.parent, timeout=60)
+
+    for bad, message in ((["--cores", "0"], "cores: value must have a minimum value of 1"),
+                         (["--memory", "8"], "memory: value must have a minimum value of 16")):
+        proc = pct("create", "200", "local:vztmpl/x.tar.zst", *bad)
+        assert proc.returncode != 0 and message in proc.stderr and not conf.exists()
+    assert pct("create", "200", "local:vztmpl/x.tar.zst", "--cores", "2", "--memory", "2048",
+               "--dev0", "/dev/nvidia0").returncode == 0
+    assert pct("start", "200").returncode == 0
+    assert pct("set", "200", "--memory", "4096", "--dev1", "/dev/nvidia1").returncode == 0  # hot-plugged
+    assert pct("set", "200", "--delete", "dev0").returncode == 0  # pending
+    main = parse_conf(conf.read_text())
+    assert main.options["memory"] == "4096" and main.options["dev1"] == "/dev/nvidia1"
+    assert main.options["dev0"] == "/dev/nvidia0" and main.sections == "[pve:pending]\ndelete: dev0\n"
+    assert pct("pending", "200").stdout.splitlines() == [
+        "cur arch: amd64", "cur cores: 2", "del dev0: /dev/nvidia0", "cur dev1: /dev/nvidia1", "cur memory: 4096",
+        "cur ostype: ubuntu", "cur unprivileged: 0"]
+    assert "dev0" not in pct("config", "200").stdout and "dev0" in pct("config", "200", "--current").stdout
+
+    conf.write_text(conf.read_text().replace("arch: amd64", "arch: amd64\nlock: backup"))  # vzdump holds it
+    for args in (("set", "200", "--cores", "4"), ("reboot", "200")):
+        proc = pct(*args)
+        assert proc.returncode != 0 and "CT is locked (backup)" in proc.stderr, proc.stderr
+    assert "cores: 2\n" in conf.read_text() and "[pve:pending]" in conf.read_text()
+    assert pct("unlock", "200").returncode == 0 and pct("reboot", "200").returncode == 0
+    after = parse_conf(conf.read_text())
+    assert "dev0" not in after.options and after.sections == "" and after.options["dev1"] == "/dev/nvidia1"
+
+
 @needs_root
 def test_a_refused_reboot_stays_pending_until_the_node_is_drained(tmp_path: Path) -> None:
     """Proxmox hot-plugs memory and new devN entries into a running CT (no reboot, even with jobs
