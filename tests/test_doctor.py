@@ -22,12 +22,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from launch.doctor import fast_subset, run_checks
 from launch.doctor.context import DoctorContext
+from launch.doctor.fabric import fabric_manager_pids
 from launch.doctor.gpus import check_gpus
 from launch.doctor.results import Status
 from launch.errors import LaunchError
@@ -621,3 +623,43 @@ def test_hopper_with_bad_triton_needs_tilelang(tmp_path):
     assert row["status"] == "FAIL" and f"OSError: {LIBZ3_ERROR}" in row["found"]
     working = write_package(tmp_path / "tl", {"tilelang/__init__.py": ""})
     assert hopper_row(working)["status"] == "PASS"
+
+
+# ---------------------------------------------------------------- NVSwitch: Fabric Manager
+def test_fabric_manager_skips_without_nvswitch_and_fails_without_the_daemon(tmp_path):
+    """Stand-in /dev/nvidia-nvswitch* nodes (no NVSwitch here; LAUNCH_DOCTOR_DEV_DIR); the process
+    table is this machine's real /proc, where no nv-fabricmanager runs."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    env = clean_env(tmp_path, LAUNCH_DOCTOR_DEV_DIR=str(dev))
+    res = by_check(run_checks(env=env, run_gdn=False))
+    assert res["gpus.fabricmanager"].status is Status.SKIP
+    for name in ("nvidia-nvswitch0", "nvidia-nvswitch1", "nvidia-nvswitch10", "nvidia-nvswitchctl"):
+        (dev / name).write_text("")
+    proc = run_doctor_cli(["--json", "--no-gdn"], env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    row = {r["check"]: r for r in json.loads(proc.stdout)["checks"]}["gpus.fabricmanager"]
+    assert row["status"] == "FAIL"
+    assert "3 NVSwitch nodes (nvidia-nvswitch0..nvidia-nvswitch10)" in row["found"]
+    assert "error 802" in row["found"] and "no nv-fabricmanager process" in row["found"]
+    assert "nvidia-fabricmanager of the driver's exact version" in row["fix"]
+    assert "systemctl enable --now nvidia-fabricmanager" in row["fix"]
+
+
+def test_fabric_manager_passes_when_the_daemon_runs(tmp_path):
+    """A real process whose argv[0] is nv-fabricmanager (a sleep under that name: no NVSwitch)."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidia-nvswitch0").write_text("")
+    daemon = subprocess.Popen(["bash", "-c", "exec -a nv-fabricmanager sleep 60"])
+    try:
+        for _ in range(100):  # until bash has exec'd under the new name
+            if daemon.pid in fabric_manager_pids():
+                break
+            time.sleep(0.05)
+        res = by_check(run_checks(env=clean_env(tmp_path, LAUNCH_DOCTOR_DEV_DIR=str(dev)), run_gdn=False))
+    finally:
+        daemon.kill()
+        daemon.wait()
+    assert res["gpus.fabricmanager"].status is Status.PASS, res["gpus.fabricmanager"]
+    assert f"nv-fabricmanager runs (pid {daemon.pid})" in res["gpus.fabricmanager"].found
