@@ -16,6 +16,7 @@ import base64
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -357,6 +358,37 @@ def test_proxmox_backend_raw_lines_below_pve_8_1_are_managed_by_key_and_value(tm
     rewritten = pve.conf.read_text()
     assert _ok(pve.run())["changed"] == 0 and pve.commands() == []
     assert pve.conf.read_text() == rewritten
+
+
+@needs_root
+def test_nvswitch_host_needs_fabric_manager_and_keeps_the_switches(tmp_path: Path) -> None:
+    """An HGX host (stand-in /dev/nvidia-nvswitch* nodes, major 195): with no Fabric Manager
+    running (this machine's real systemctl says so) the run stops before any CT is made, naming
+    error 802 and the driver's version; with one running (stand-in `systemctl is-active` and
+    `nv-fabricmanager --version` on PATH: no NVSwitch here) the CT gets its GPUs and no switch."""
+    pve = PveHost(tmp_path)
+    for name, minor in (("nvidia-nvswitch0", 100), ("nvidia-nvswitch1", 101), ("nvidia-nvswitchctl", 102)):
+        os.mknod(pve.dev / name, 0o666 | stat.S_IFCHR, os.makedev(STANDIN_MAJOR, minor))
+    version = tmp_path / "nvidia-version"
+    version.write_text("550.54.15\n")
+    pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"][
+        "gpu_host_driver_version_file"] = str(version)
+    write_inventory(pve.inventory, pve.data)
+    proc, _ = pve.run()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert ("kpro6: the host has NVSwitch devices (nvidia-nvswitch0, nvidia-nvswitch1) but "
+            "nvidia-fabricmanager.service is not active") in out, proc.stdout[-3000:]
+    assert "error 802" in out and "Install nvidia-fabricmanager-550 of the driver's exact version (550.54.15)" in out
+    assert pve.commands() == []
+
+    for tool, body in (("systemctl", 'test "$1 $2" = "is-active nvidia-fabricmanager.service" && echo active'),
+                       ("nv-fabricmanager", "echo 'Fabric Manager version is : 550.54.15'")):
+        (tmp_path / "bin" / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / "bin" / tool).chmod(0o755)
+    _ok(pve.run())
+    conf = pve.conf.read_text()
+    assert "nvswitch" not in conf and all(f"/dev/nvidia{i}," in conf for i in range(8))
 
 
 @needs_root
