@@ -663,3 +663,33 @@ def test_fabric_manager_passes_when_the_daemon_runs(tmp_path):
         daemon.wait()
     assert res["gpus.fabricmanager"].status is Status.PASS, res["gpus.fabricmanager"]
     assert f"nv-fabricmanager runs (pid {daemon.pid})" in res["gpus.fabricmanager"].found
+
+
+# ---------------------------------------------------------------- driver branch vs CUDA runtime
+@pytest.mark.parametrize(("driver", "cuda", "ok"), [
+    ("575.57.08", "13.0", False), ("580.65.06", "13.0", True),  # CUDA 13 needs R580+
+    ("520.61.05", "12.1", False), ("525.60.13", "12.8", True),  # CUDA 12.x needs R525+ (minor-version compat)
+    ("550.54.15", "12.4", True), ("440.33.01", "11.8", False),
+])
+def test_driver_branch_against_the_cuda_runtime(driver, cuda, ok):
+    from launch.doctor.versions import check_driver_cuda
+
+    row = check_driver_cuda({"nvidia-driver": driver, "cuda": cuda})
+    assert row.status is (Status.PASS if ok else Status.FAIL), row
+    if not ok:
+        assert f"driver {driver} (R{driver.split('.')[0]}) is too old for CUDA {cuda}" in row.found
+        assert "error 35" in row.found and "upgrade the host's NVIDIA driver" in row.fix
+    cli = subprocess.run([sys.executable, "-m", "launch.doctor.driver_cuda", driver, cuda], capture_output=True,
+                         text=True, cwd=REPO, timeout=60)
+    assert cli.returncode == (0 if ok else 1) and len(cli.stdout.strip().splitlines()) == 1
+
+
+def test_driver_cuda_skips_without_a_driver_and_refuses_a_malformed_version():
+    from launch.doctor.versions import check_driver_cuda
+
+    assert check_driver_cuda({"nvidia-driver": None, "cuda": "12.4"}).status is Status.SKIP
+    assert check_driver_cuda({"nvidia-driver": "550.54.15", "cuda": None}).status is Status.SKIP
+    cli = subprocess.run([sys.executable, "-m", "launch.doctor.driver_cuda", "R550", "12.4"], capture_output=True,
+                         text=True, cwd=REPO, timeout=60)
+    assert cli.returncode == 2 and cli.stderr.strip() == "error: driver version 'R550' is not N.N"
+    assert "Traceback" not in cli.stderr
