@@ -828,6 +828,30 @@ def test_node_caches_refuses_a_network_file_system(provisioned: Provisioned, tmp
     assert f"node_caches_root=/scratch/cache is on {fstype}, a network file system" in proc.stdout
 
 
+@pytest.mark.lxc
+@pytest.mark.slow
+def test_python_env_refuses_an_unpinned_install_on_a_node_with_a_wheelhouse(provisioned: Provisioned,
+                                                                          tmp_path: Path) -> None:
+    """A node provisioned offline (a wheelhouse on it) given only the unpinned package lists is
+    refused before pip runs; nothing is installed."""
+    rootfs = provisioned.lxc_path / provisioned.name / "rootfs"
+    wheelhouse = rootfs / "var" / "cache" / "launch" / "wheelhouse"
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    (wheelhouse / "SHA256SUMS").write_text("")
+    play = tmp_path / "python_env.yml"
+    play.write_text(f"- hosts: {provisioned.name}\n  gather_facts: false\n  roles: [python_env]\n")
+    try:
+        proc, recap = run_playbook(provisioned.inventory, "-e", '{"python_env_packages": ["torch"]}', playbook=play,
+                                   env=provisioned.env)
+    finally:
+        shutil.rmtree(rootfs / "var" / "cache" / "launch" / "wheelhouse")
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0 and recap[provisioned.name]["failed"] == 1
+    assert (f"{provisioned.name}: a wheelhouse is at /var/cache/launch/wheelhouse but python_env_wheelhouse is not set; "
+            "refusing to install torch unpinned from the network") in out, proc.stdout[-3000:]
+    assert "TASK [python_env : Install the packages of flavour" not in proc.stdout
+
+
 def test_make_provision_limits_to_the_host_and_its_containers() -> None:
     venv = str(Path(sys.executable).parent.parent)
 
