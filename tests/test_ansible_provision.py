@@ -359,6 +359,18 @@ def test_proxmox_backend_raw_lines_below_pve_8_1_are_managed_by_key_and_value(tm
     assert _ok(pve.run())["changed"] == 0 and pve.commands() == []
     assert pve.conf.read_text() == rewritten
 
+    # Raw lines are edited in the file, where Proxmox records nothing pending: the host's marker
+    # keeps the reboot refused while jobs run, and the run after draining does it once.
+    pve.jobs.write_text("77\n")
+    pve.container(ct_gpus=[0])
+    proc, _ = pve.run()
+    marker = tmp_path / "pending" / "200.restart"
+    assert proc.returncode != 0 and "but Slurm runs jobs 77" in proc.stdout and marker.is_file()
+    assert f"{pve.dev}/nvidia1" not in pve.conf.read_text() and pve.commands() == []
+    pve.jobs.write_text("")
+    _ok(pve.run())
+    assert pve.commands() == ["pct reboot 200"] and not marker.exists()
+
 
 @needs_root
 def test_nvswitch_host_needs_fabric_manager_and_keeps_the_switches(tmp_path: Path) -> None:
