@@ -1,8 +1,9 @@
 # Container images: `make image [name=trainer] [flavour=cpu|gpu|test] [force=1] [lxc_xz=1]` (as root).
 # Builds build/images/<name>-<flavour>/<name>-<flavour>_<hash>_amd64.tar.zst, its LXC metadata
 # and manifest.json; returns in seconds when the inputs hash equals the last build's (images/README.md).
-# `make wheelhouse flavour=cpu|gpu [wheels=DIR]`: the flavour's wheels, resolved with this
-# machine's pip, into build/wheelhouse/<flavour>/ (make image does it too when needed).
+# `make wheelhouse flavour=cpu|gpu [wheels=DIR] [os=ubuntu-24.04 | python=3.12 glibc=2.39] [lock=FILE]`:
+# the flavour's wheels, resolved with this machine's pip, into build/wheelhouse/<flavour>/ (make
+# image does it too when needed), or for a container's own Python into <flavour>-cpNNN/.
 IMAGE_OUT ?= build/images
 
 .PHONY: image wheelhouse test-image
@@ -12,7 +13,8 @@ image: venv
 	  --out $(IMAGE_OUT) $(if $(force),--force) $(if $(lxc_xz),--lxc-xz)
 
 wheelhouse: venv
-	$(PY) -m images.make_wheelhouse --name $(or $(name),trainer) --flavour $(or $(flavour),cpu) $(if $(wheels),--add $(wheels))
+	$(PY) -m images.make_wheelhouse --name $(or $(name),trainer) --flavour $(or $(flavour),cpu) $(if $(wheels),--add $(wheels)) \
+	  $(if $(os),--os $(os)) $(if $(python),--python $(python)) $(if $(glibc),--glibc $(glibc)) $(if $(lock),--lock $(lock))
 
 test-image: venv
 	$(PY) -m pytest -q tests/test_image.py

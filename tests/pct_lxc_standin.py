@@ -19,6 +19,20 @@ Modelled (behaves like Proxmox):
   first, the rest sorted (`/dev/nvidia0,gid=0,mode=0666,uid=0`).
 - `pveversion` prints `pve-manager/<$PCT_PVE_VERSION>/... (running kernel: ...)`, default 8.2.4.
 - `pct config` prints the options sorted, the description encoded, then the raw lxc entries.
+- Config locks: a `lock: <kind>` in the CT config makes `set`, `start`, `reboot`, `shutdown`,
+  `stop` and `destroy` refuse as Proxmox's check_lock does ("CT is locked (backup)");
+  `pct unlock` clears it (and `pct set --lock` may set one).
+- Value checks from the schema: `cores` 1..8192, `memory` >= 16 (MiB), `swap` >= 0, with
+  JSONSchema's message ("cores: value must have a minimum value of 1"), on `create` and `set`.
+- Pending changes (PVE::LXC::Config update_pct_config / vmconfig_hotplug_pending): on a running
+  CT, `cores`, `cpulimit`, `cpuunits`, `memory`, `swap` and NEW `devN`/`mpN`/`netN` entries are
+  hot-plugged (written to the main section at once); a changed existing `devN`/`mpN`/`netN`,
+  any `--delete` and every other option that affects the running CT go to the `[pve:pending]`
+  section (`delete: k1,k2` for deletes) and are applied at the next `start`/`reboot`. Options
+  that do not touch the running CT (`description`, `lock`, `onboot`, `startup`, `protection`,
+  `tags`, `hookscript`) are written at once. A stopped CT gets every change at once.
+  `pct config` shows the config with the pending changes applied (as Proxmox's default),
+  `pct config --current` the running one; `pct pending` prints `cur`/`new`/`del` lines.
 - `devN` at start: the host node (`/dev/X` is `$PCT_DEV_ROOT/X`; default `/dev`) must exist as
   a character or block device, or the start fails as Proxmox's does; the container then gets
   exactly that node and a device-cgroup allow for its own major:minor (read/write, or read-only
@@ -29,13 +43,18 @@ Two modes:
   `$PCT_TEMPLATE_DIR` into `$PCT_LXC_PATH/<vmid>/rootfs`; `start`/`reboot` generate the LXC
   config from the CT config (rootfs, hostname, cores, memory, `mpN` bind mounts, `devN`, raw
   `lxc.*` lines) and run `lxc-start`; `status` is `lxc-info`, `exec` is `lxc-attach`.
-- without it: state only (`$PCT_CONF_DIR/<vmid>.state`), for command and config tests.
+- without it: state only (`$PCT_CONF_DIR/<vmid>.state`), for command and config tests. `exec`
+  does nothing there, unless `$PCT_STATE_EXEC_PATH` names a directory of stand-in tools (e.g.
+  a `squeue` that prints job ids from a file): then the command runs on this machine with that
+  directory first on PATH, which is how a state-only test puts jobs "in" the CT.
 
 Not modelled: storage volumes, sizes and template names (a dir rootfs); networking (`net0`
 is recorded, the container gets `lxc.net.0.type = empty`); unprivileged CTs in the real-LXC
 mode (no idmap; they are refused there, accepted in state-only mode); devN `uid`/`gid`/`mode`
 inside the container (the node is a bind mount of the host's, with the host's owner and mode);
-AppArmor; hotplug (every change applies at the next start); pending changes. On a host whose
+AppArmor; hot-plug's effect inside a real-LXC container (a hot-plugged devN or memory limit
+reaches the running container only at its next start here; the config is what Proxmox writes);
+`pct set --revert`; deletes forced with `!`. On a host whose
 devices controller is cgroup v1 (this CI machine) each cgroup2 allow line is mirrored as
 `lxc.cgroup.devices.allow`, which is what the cgroup2 line means on a Proxmox host.
 `$PCT_INIT_CMD` sets `lxc.init.cmd` (for a rootfs without an init).
@@ -202,7 +221,121 @@ def options(rest: list[str]) -> tuple[dict[str, str], list[str]]:
     if set(delete) & set(pairs):
         raise PctError(f"400 Parameter verification failed.\n{sorted(set(delete) & set(pairs))[0]}: "
                        "it is not allowed to set and delete the same option")
+    check_values(pairs)
     return {key: normalize(key, value) for key, value in pairs.items()}, delete
+
+
+# --- locks, value checks and pending changes ----------------------------------------------------
+
+# pct.conf(5) bounds (JSONSchema minimum/maximum) of the numeric options the role sets.
+VALUE_BOUNDS = {"cores": (1, 8192), "memory": (16, None), "swap": (0, None), "cpulimit": (0, 8192)}
+# Applied to a running CT at once (vmconfig_hotplug_pending); new devN/mpN/netN entries too.
+HOTPLUG_KEYS = {"cores", "cpulimit", "cpuunits", "memory", "swap"}
+# Options that do not touch the running CT: written at once, never pending.
+DIRECT_KEYS = {"description", "hookscript", "lock", "onboot", "protection", "startup", "tags"}
+PENDING_HEADER = "[pve:pending]"
+
+
+def check_values(pairs: dict[str, str]) -> None:
+    for key, value in pairs.items():
+        if key not in VALUE_BOUNDS:
+            continue
+        low, high = VALUE_BOUNDS[key]
+        if not re.fullmatch(r"-?\d+", value):
+            raise PctError(f"400 Parameter verification failed.\n{key}: type check ('integer') failed - got '{value}'")
+        if int(value) < low:
+            raise PctError(f"400 Parameter verification failed.\n{key}: value must have a minimum value of {low}")
+        if high is not None and int(value) > high:
+            raise PctError(f"400 Parameter verification failed.\n{key}: value must have a maximum value of {high}")
+
+
+def check_lock(conf: CtConf) -> None:
+    """PVE::AbstractConfig::check_lock: a locked CT refuses config changes and state changes."""
+    if conf.options.get("lock"):
+        raise PctError(f"CT is locked ({conf.options['lock']})")
+
+
+def split_pending(conf: CtConf) -> tuple[dict[str, str], list[str], str]:
+    """(pending values, pending deletes, the other sections verbatim) of conf.sections."""
+    pending: dict[str, str] = {}
+    delete: list[str] = []
+    other: list[str] = []
+    in_pending = False
+    for line in conf.sections.splitlines():
+        if re.match(r"^\[.*\]\s*$", line):
+            in_pending = line.strip() == PENDING_HEADER
+            if in_pending:
+                continue
+        if not in_pending:
+            other.append(line)
+        elif match := re.match(r"^delete:\s*(.*\S)\s*$", line):
+            delete += [k for k in match[1].split(",") if k]
+        elif match := OPTION.match(line):
+            pending[match[1]] = match[2]
+    rest = "\n".join(other).strip("\n")
+    return pending, delete, rest + "\n" if rest else ""
+
+
+def join_pending(conf: CtConf, pending: dict[str, str], delete: list[str], rest: str) -> None:
+    """Write the [pve:pending] section (before the snapshots, as write_pct_config does)."""
+    lines = [f"{key}: {value}" for key, value in sorted(pending.items())]
+    lines += [f"delete: {','.join(delete)}"] if delete else []
+    section = PENDING_HEADER + "\n" + "\n".join(lines) + "\n" if lines else ""
+    conf.sections = section + ("\n" if section and rest else "") + rest
+
+
+def hot_pluggable(conf: CtConf, key: str) -> bool:
+    if key in HOTPLUG_KEYS or key in DIRECT_KEYS:
+        return True
+    return bool(re.fullmatch(r"(dev|mp|net)\d+", key)) and key not in conf.options  # a new entry
+
+
+def set_options(conf: CtConf, pairs: dict[str, str], delete: list[str], running: bool) -> None:
+    """`pct set`: at once on a stopped CT; on a running one, hot-plug what Proxmox hot-plugs and
+    keep the rest in [pve:pending] until the next start."""
+    pending, pending_delete, rest = split_pending(conf)
+    for key, value in pairs.items():
+        pending_delete = [k for k in pending_delete if k != key]
+        if running and not hot_pluggable(conf, key):
+            pending[key] = value
+        else:
+            pending.pop(key, None)
+            conf.options[key] = value
+    for key in delete:
+        pending.pop(key, None)
+        if running and key not in DIRECT_KEYS:
+            pending_delete += [key] if key in conf.options and key not in pending_delete else []
+        else:
+            conf.options.pop(key, None)
+    if "description" in conf.options:
+        conf.description = conf.options.pop("description")
+    join_pending(conf, pending, pending_delete, rest)
+
+
+def apply_pending(conf: CtConf) -> CtConf:
+    """vmconfig_apply_pending, at start: the pending values and deletes go to the main section."""
+    pending, delete, rest = split_pending(conf)
+    conf.options.update(pending)
+    for key in delete:
+        conf.options.pop(key, None)
+    conf.sections = rest
+    return conf
+
+
+def print_pending(vmid: str) -> None:
+    """`pct pending`: PVE::GuestHelpers::format_pending (cur/new/del, sorted by key)."""
+    conf = read_conf(vmid)
+    pending, delete, _ = split_pending(conf)
+    for key in sorted(set(conf.options) | set(pending)):
+        current = conf.options.get(key)
+        if current is not None and key in delete:
+            print(f"del {key}: {current}")
+        elif current is not None:
+            print(f"cur {key}: {current}")
+            if key in pending:
+                print(f"new {key}: {pending[key]}")
+        else:
+            print(f"new {key}: {pending[key]}")
 
 
 # --- paths and state ----------------------------------------------------------------------------
@@ -325,6 +458,11 @@ def checked_rootfs(vmid: str) -> Path:
 
 
 def start(vmid: str) -> None:
+    conf = read_conf(vmid)
+    check_lock(conf)
+    pending, delete, _ = split_pending(conf)
+    if pending or delete:  # vmconfig_apply_pending, before the CT starts
+        write_atomic(conf_path(vmid), render_conf(apply_pending(conf)))
     if not real_lxc():
         for key, value in read_conf(vmid).options.items():
             if re.fullmatch(r"dev\d+", key) and not host_dev(value.split(",")[0]).exists():
@@ -373,8 +511,8 @@ def create(vmid: str, template: str, rest: list[str]) -> None:
         run("lxc-create", "-P", str(env_path("PCT_LXC_PATH")), "-n", vmid, "-t", "none", "-f", str(create_conf))
 
 
-def print_config(vmid: str) -> None:
-    conf = read_conf(vmid)
+def print_config(vmid: str, current: bool = False) -> None:
+    conf = read_conf(vmid) if current else apply_pending(read_conf(vmid))
     shown = dict(conf.options)
     if conf.description:
         shown["description"] = encode_text(conf.description)
@@ -394,19 +532,18 @@ def pct(args: list[str]) -> int:
         create(vmid, rest[0], rest[1:])
     elif verb == "set":
         conf = read_conf(vmid)
+        check_lock(conf)
         pairs, delete = options(rest)
-        conf.options.update(pairs)
-        for key in delete:
-            conf.options.pop(key, None)
-        if "description" in pairs:
-            conf.description = conf.options.pop("description")
+        set_options(conf, pairs, delete, running=state(vmid) == "running")
         write_atomic(conf_path(vmid), render_conf(conf))
     elif verb == "unlock":
         conf = read_conf(vmid)
         conf.options.pop("lock", None)
         write_atomic(conf_path(vmid), render_conf(conf))
     elif verb == "config":
-        print_config(vmid)
+        print_config(vmid, current=rest[:2] in (["--current"], ["--current", "1"]))
+    elif verb == "pending":
+        print_pending(vmid)
     elif verb == "status":
         read_conf(vmid)
         print(f"status: {state(vmid)}")
@@ -415,18 +552,24 @@ def pct(args: list[str]) -> int:
             raise PctError(f"CT {vmid} already running")
         start(vmid)
     elif verb in ("stop", "shutdown"):
+        check_lock(read_conf(vmid))
         stop(vmid, kill=verb == "stop")
     elif verb == "reboot":
+        check_lock(read_conf(vmid))
+        if state(vmid) != "running":
+            raise PctError(f"CT {vmid} not running")
         stop(vmid, kill=False)
         start(vmid)
     elif verb == "exec":
         if rest[:1] != ["--"] or len(rest) < 2:
             raise PctError("pct exec VMID -- COMMAND [ARGS]")
         if not real_lxc():
-            return 0
+            return state_exec(rest[1:])
         return subprocess.run(["lxc-attach", "-P", str(env_path("PCT_LXC_PATH")), "-n", vmid, "--clear-env",
                                "-v", ATTACH_PATH, "--", *rest[1:]]).returncode
     elif verb == "destroy":
+        if conf_path(vmid).exists():
+            check_lock(read_conf(vmid))
         stop(vmid, kill=True)
         if real_lxc():
             run("lxc-destroy", "-P", str(env_path("PCT_LXC_PATH")), "-n", vmid, check=False)
@@ -435,6 +578,16 @@ def pct(args: list[str]) -> int:
     else:
         raise PctError(f"unsupported verb {verb!r} (a test stand-in; see its docstring)")
     return 0
+
+
+def state_exec(argv: list[str]) -> int:
+    """State-only `pct exec`: nothing, or the command on this machine with the stand-in tools of
+    $PCT_STATE_EXEC_PATH first on PATH (see the docstring)."""
+    tools = os.environ.get("PCT_STATE_EXEC_PATH")
+    if not tools:
+        return 0
+    env = {"PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin", "PCT_CONF_DIR": os.environ.get("PCT_CONF_DIR", "")}
+    return subprocess.run(argv, env=env).returncode
 
 
 def pveversion() -> int:

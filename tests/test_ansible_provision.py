@@ -181,13 +181,22 @@ class PveHost:
             "gpu_host_proc_devices": str(proc_devices), "gpu_host_dev_dir": str(self.dev),
             "gpu_host_scratch_path": str(self.scratch), "gpu_host_scratch_must_be_mountpoint": False,
             "lxc_container_pve_conf_dir": str(self.conf_dir), "lxc_container_pve_storage_cfg": str(storage_cfg),
+            "lxc_container_pending_dir": str(tmp_path / "pending"),
         })
         ct = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
         ct.update({"ct_scratch_host_path": str(self.scratch), **container_vars})
         self.data = data
         self.inventory = write_inventory(tmp_path / "kpro6.yml", data)
+        # `pct exec` "inside" the state-only CT finds this stand-in squeue: it prints the ids in
+        # self.jobs, the jobs Slurm runs on the node (none while the file is empty).
+        self.jobs, ct_tools = tmp_path / "ct-jobs", tmp_path / "ct-bin"
+        self.jobs.write_text("")
+        ct_tools.mkdir()
+        (ct_tools / "squeue").write_text(f"#!/bin/sh\ncat {self.jobs}\n")
+        (ct_tools / "squeue").chmod(0o755)
         self.env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(self.log),
-                    "PCT_CONF_DIR": str(self.conf_dir), "PCT_DEV_ROOT": str(self.dev), "PCT_PVE_VERSION": pve_version}
+                    "PCT_CONF_DIR": str(self.conf_dir), "PCT_DEV_ROOT": str(self.dev), "PCT_PVE_VERSION": pve_version,
+                    "PCT_STATE_EXEC_PATH": str(ct_tools)}
 
     def container(self, **changes: object) -> None:
         ct = self.data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
@@ -199,9 +208,9 @@ class PveHost:
         return run_playbook(self.inventory, "--limit", "kpro6", *args, env=self.env, timeout=300)
 
     def commands(self) -> list[str]:
-        """The pct calls that change something (not status/config/exec)."""
+        """The pct calls that change something (not status/config/pending/exec)."""
         return [line for line in self.log.read_text().splitlines()
-                if not line.startswith(("pct status", "pct exec", "pct config"))]
+                if not line.startswith(("pct status", "pct exec", "pct config", "pct pending"))]
 
 
 def _ok(run: tuple[subprocess.CompletedProcess[str], dict], host: str = "kpro6") -> dict:
@@ -253,6 +262,85 @@ def test_proxmox_backend_devn_entries_survive_proxmox_rewrites(tmp_path: Path) -
     assert pve.commands() == ["pct set 200 --delete dev6,dev7", "pct reboot 200"]
 
 
+def test_pct_standin_locks_value_checks_and_pending_changes(tmp_path: Path) -> None:
+    """The stand-in itself (no Ansible): a locked CT refuses `pct set` and `pct start` as Proxmox
+    does; cores/memory below the schema's minimum are refused; on a running CT memory and a new
+    devN apply at once, a devN delete waits in [pve:pending] until the next start."""
+    from tests.pct_lxc_standin import parse_conf
+
+    (tmp_path / "dev").mkdir()
+    for name in ("nvidia0", "nvidia1"):
+        (tmp_path / "dev" / name).write_text("")  # state-only mode checks only that the node exists
+    conf = tmp_path / "200.conf"
+    env = {**os.environ, "PCT_CONF_DIR": str(tmp_path), "PCT_DEV_ROOT": str(tmp_path / "dev")}
+
+    def pct(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tests.pct_lxc_standin", *args], capture_output=True, text=True,
+                              env=env, cwd=ANSIBLE_DIR.parent, timeout=60)
+
+    for bad, message in ((["--cores", "0"], "cores: value must have a minimum value of 1"),
+                         (["--memory", "8"], "memory: value must have a minimum value of 16")):
+        proc = pct("create", "200", "local:vztmpl/x.tar.zst", *bad)
+        assert proc.returncode != 0 and message in proc.stderr and not conf.exists()
+    assert pct("create", "200", "local:vztmpl/x.tar.zst", "--cores", "2", "--memory", "2048",
+               "--dev0", "/dev/nvidia0").returncode == 0
+    assert pct("start", "200").returncode == 0
+    assert pct("set", "200", "--memory", "4096", "--dev1", "/dev/nvidia1").returncode == 0  # hot-plugged
+    assert pct("set", "200", "--delete", "dev0").returncode == 0  # pending
+    main = parse_conf(conf.read_text())
+    assert main.options["memory"] == "4096" and main.options["dev1"] == "/dev/nvidia1"
+    assert main.options["dev0"] == "/dev/nvidia0" and main.sections == "[pve:pending]\ndelete: dev0\n"
+    assert pct("pending", "200").stdout.splitlines() == [
+        "cur arch: amd64", "cur cores: 2", "del dev0: /dev/nvidia0", "cur dev1: /dev/nvidia1", "cur memory: 4096",
+        "cur ostype: ubuntu", "cur unprivileged: 0"]
+    assert "dev0" not in pct("config", "200").stdout and "dev0" in pct("config", "200", "--current").stdout
+
+    conf.write_text(conf.read_text().replace("arch: amd64", "arch: amd64\nlock: backup"))  # vzdump holds it
+    for args in (("set", "200", "--cores", "4"), ("reboot", "200")):
+        proc = pct(*args)
+        assert proc.returncode != 0 and "CT is locked (backup)" in proc.stderr, proc.stderr
+    assert "cores: 2\n" in conf.read_text() and "[pve:pending]" in conf.read_text()
+    assert pct("unlock", "200").returncode == 0 and pct("reboot", "200").returncode == 0
+    after = parse_conf(conf.read_text())
+    assert "dev0" not in after.options and after.sections == "" and after.options["dev1"] == "/dev/nvidia1"
+
+
+@needs_root
+def test_a_refused_reboot_stays_pending_until_the_node_is_drained(tmp_path: Path) -> None:
+    """Proxmox hot-plugs memory and new devN entries into a running CT (no reboot, even with jobs
+    on it) and keeps a devN delete in [pve:pending] until the next start. A reboot refused while
+    Slurm runs jobs is therefore not lost: the next run, with nothing left to `pct set`, reboots
+    the drained CT exactly once; the run after it and --check change nothing."""
+    pve = PveHost(tmp_path, ct_gpus=[0, 1, 2, 3, 4, 5])
+    _ok(pve.run())
+    pve.jobs.write_text("4242\n")  # Slurm runs job 4242 on the node
+
+    pve.container(ct_gpus=[0, 1, 2, 3, 4, 5, 6, 7], ct_memory_mb=262144)
+    _ok(pve.run())
+    [hotplug] = pve.commands()
+    assert re.fullmatch(r"pct set 200 --memory 262144 --dev(\d+) /dev/nvidia6,\S+ --dev(\d+) /dev/nvidia7,\S+", hotplug)
+    new_devs = sorted(re.findall(r"--(dev\d+) /dev/nvidia[67],", hotplug))  # as pct config sorts keys
+    assert "[pve:pending]" not in pve.conf.read_text() and "memory: 262144\n" in pve.conf.read_text()
+
+    pve.container(ct_gpus=[0, 1, 2, 3, 4, 5])
+    proc, _ = pve.run()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    dels = ", ".join(f"del {key}" for key in new_devs)
+    assert f"CT 200: it needs a reboot ({dels} pending) but Slurm runs jobs 4242" in out, proc.stdout[-3000:]
+    assert pve.commands() == [f"pct set 200 --delete {','.join(new_devs)}"]
+    pending = pve.conf.read_text().split("[pve:pending]\n")[1]
+    assert pending == f"delete: {','.join(new_devs)}\n", "PVE keeps the delete for the next start"
+
+    pve.jobs.write_text("")  # drained
+    _ok(pve.run())
+    assert pve.commands() == ["pct reboot 200"], "exactly one reboot, nothing set again"
+    conf = pve.conf.read_text()
+    assert "[pve:pending]" not in conf and "/dev/nvidia6" not in conf and "/dev/nvidia7" not in conf
+    assert _ok(pve.run())["changed"] == 0 and pve.commands() == []
+    assert _ok(pve.run("--check", "--diff"))["changed"] == 0 and pve.commands() == []
+
+
 @needs_root
 def test_proxmox_backend_raw_lines_below_pve_8_1_are_managed_by_key_and_value(tmp_path: Path) -> None:
     """PVE 7.4 has no devN: raw lxc.* lines with exact major:minor, no `optional` mount. Lines an
@@ -283,6 +371,49 @@ def test_proxmox_backend_raw_lines_below_pve_8_1_are_managed_by_key_and_value(tm
     rewritten = pve.conf.read_text()
     assert _ok(pve.run())["changed"] == 0 and pve.commands() == []
     assert pve.conf.read_text() == rewritten
+
+    # Raw lines are edited in the file, where Proxmox records nothing pending: the host's marker
+    # keeps the reboot refused while jobs run, and the run after draining does it once.
+    pve.jobs.write_text("77\n")
+    pve.container(ct_gpus=[0])
+    proc, _ = pve.run()
+    marker = tmp_path / "pending" / "200.restart"
+    assert proc.returncode != 0 and "but Slurm runs jobs 77" in proc.stdout and marker.is_file()
+    assert f"{pve.dev}/nvidia1" not in pve.conf.read_text() and pve.commands() == []
+    pve.jobs.write_text("")
+    _ok(pve.run())
+    assert pve.commands() == ["pct reboot 200"] and not marker.exists()
+
+
+@needs_root
+def test_nvswitch_host_needs_fabric_manager_and_keeps_the_switches(tmp_path: Path) -> None:
+    """An HGX host (stand-in /dev/nvidia-nvswitch* nodes, major 195): with no Fabric Manager
+    running (this machine's real systemctl says so) the run stops before any CT is made, naming
+    error 802 and the driver's version; with one running (stand-in `systemctl is-active` and
+    `nv-fabricmanager --version` on PATH: no NVSwitch here) the CT gets its GPUs and no switch."""
+    pve = PveHost(tmp_path)
+    for name, minor in (("nvidia-nvswitch0", 100), ("nvidia-nvswitch1", 101), ("nvidia-nvswitchctl", 102)):
+        os.mknod(pve.dev / name, 0o666 | stat.S_IFCHR, os.makedev(STANDIN_MAJOR, minor))
+    version = tmp_path / "nvidia-version"
+    version.write_text("550.54.15\n")
+    pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"][
+        "gpu_host_driver_version_file"] = str(version)
+    write_inventory(pve.inventory, pve.data)
+    proc, _ = pve.run()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert ("kpro6: the host has NVSwitch devices (nvidia-nvswitch0, nvidia-nvswitch1) but "
+            "nvidia-fabricmanager.service is not active") in out, proc.stdout[-3000:]
+    assert "error 802" in out and "Install nvidia-fabricmanager-550 of the driver's exact version (550.54.15)" in out
+    assert pve.commands() == []
+
+    for tool, body in (("systemctl", 'test "$1 $2" = "is-active nvidia-fabricmanager.service" && echo active'),
+                       ("nv-fabricmanager", "echo 'Fabric Manager version is : 550.54.15'")):
+        (tmp_path / "bin" / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / "bin" / tool).chmod(0o755)
+    _ok(pve.run())
+    conf = pve.conf.read_text()
+    assert "nvswitch" not in conf and all(f"/dev/nvidia{i}," in conf for i in range(8))
 
 
 @needs_root
@@ -461,7 +592,7 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         log.write_text("")
         second, recap = run_playbook(inventory, "--limit", "localhost", env=env, timeout=600)
         assert second.returncode == 0 and recap["localhost"]["changed"] == 0, second.stdout[-3000:]
-        assert all(line.startswith(("pct status", "pct exec", "pct config")) for line in log.read_text().splitlines())
+        assert all(line.startswith(("pct status", "pct exec", "pct config", "pct pending")) for line in log.read_text().splitlines())
     finally:
         pct("destroy", vmid, check=False)
         destroy_container(lxc_path, vmid)
@@ -831,6 +962,30 @@ def test_node_caches_refuses_a_network_file_system(provisioned: Provisioned, tmp
                                playbook=play, env=provisioned.env)
     assert proc.returncode != 0 and recap[provisioned.name]["failed"] == 1
     assert f"node_caches_root=/scratch/cache is on {fstype}, a network file system" in proc.stdout
+
+
+@pytest.mark.lxc
+@pytest.mark.slow
+def test_python_env_refuses_an_unpinned_install_on_a_node_with_a_wheelhouse(provisioned: Provisioned,
+                                                                          tmp_path: Path) -> None:
+    """A node provisioned offline (a wheelhouse on it) given only the unpinned package lists is
+    refused before pip runs; nothing is installed."""
+    rootfs = provisioned.lxc_path / provisioned.name / "rootfs"
+    wheelhouse = rootfs / "var" / "cache" / "launch" / "wheelhouse"
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    (wheelhouse / "SHA256SUMS").write_text("")
+    play = tmp_path / "python_env.yml"
+    play.write_text(f"- hosts: {provisioned.name}\n  gather_facts: false\n  roles: [python_env]\n")
+    try:
+        proc, recap = run_playbook(provisioned.inventory, "-e", '{"python_env_packages": ["torch"]}', playbook=play,
+                                   env=provisioned.env)
+    finally:
+        shutil.rmtree(rootfs / "var" / "cache" / "launch" / "wheelhouse")
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0 and recap[provisioned.name]["failed"] == 1
+    assert (f"{provisioned.name}: a wheelhouse is at /var/cache/launch/wheelhouse but python_env_wheelhouse is not set; "
+            "refusing to install torch unpinned from the network") in out, proc.stdout[-3000:]
+    assert "TASK [python_env : Install the packages of flavour" not in proc.stdout
 
 
 def test_make_provision_limits_to_the_host_and_its_containers() -> None:

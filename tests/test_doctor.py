@@ -22,12 +22,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from launch.doctor import fast_subset, run_checks
 from launch.doctor.context import DoctorContext
+from launch.doctor.fabric import fabric_manager_pids
 from launch.doctor.gpus import check_gpus
 from launch.doctor.results import Status
 from launch.errors import LaunchError
@@ -687,3 +689,73 @@ def test_hopper_with_bad_triton_needs_tilelang(tmp_path):
     assert row["status"] == "FAIL" and f"OSError: {LIBZ3_ERROR}" in row["found"]
     working = write_package(tmp_path / "tl", {"tilelang/__init__.py": ""})
     assert hopper_row(working)["status"] == "PASS"
+
+
+# ---------------------------------------------------------------- NVSwitch: Fabric Manager
+def test_fabric_manager_skips_without_nvswitch_and_fails_without_the_daemon(tmp_path):
+    """Stand-in /dev/nvidia-nvswitch* nodes (no NVSwitch here; LAUNCH_DOCTOR_DEV_DIR); the process
+    table is this machine's real /proc, where no nv-fabricmanager runs."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    env = clean_env(tmp_path, LAUNCH_DOCTOR_DEV_DIR=str(dev))
+    res = by_check(run_checks(env=env, run_gdn=False))
+    assert res["gpus.fabricmanager"].status is Status.SKIP
+    for name in ("nvidia-nvswitch0", "nvidia-nvswitch1", "nvidia-nvswitch10", "nvidia-nvswitchctl"):
+        (dev / name).write_text("")
+    proc = run_doctor_cli(["--json", "--no-gdn"], env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    row = {r["check"]: r for r in json.loads(proc.stdout)["checks"]}["gpus.fabricmanager"]
+    assert row["status"] == "FAIL"
+    assert "3 NVSwitch nodes (nvidia-nvswitch0..nvidia-nvswitch10)" in row["found"]
+    assert "error 802" in row["found"] and "no nv-fabricmanager process" in row["found"]
+    assert "nvidia-fabricmanager of the driver's exact version" in row["fix"]
+    assert "systemctl enable --now nvidia-fabricmanager" in row["fix"]
+
+
+def test_fabric_manager_passes_when_the_daemon_runs(tmp_path):
+    """A real process whose argv[0] is nv-fabricmanager (a sleep under that name: no NVSwitch)."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidia-nvswitch0").write_text("")
+    daemon = subprocess.Popen(["bash", "-c", "exec -a nv-fabricmanager sleep 60"])
+    try:
+        for _ in range(100):  # until bash has exec'd under the new name
+            if daemon.pid in fabric_manager_pids():
+                break
+            time.sleep(0.05)
+        res = by_check(run_checks(env=clean_env(tmp_path, LAUNCH_DOCTOR_DEV_DIR=str(dev)), run_gdn=False))
+    finally:
+        daemon.kill()
+        daemon.wait()
+    assert res["gpus.fabricmanager"].status is Status.PASS, res["gpus.fabricmanager"]
+    assert f"nv-fabricmanager runs (pid {daemon.pid})" in res["gpus.fabricmanager"].found
+
+
+# ---------------------------------------------------------------- driver branch vs CUDA runtime
+@pytest.mark.parametrize(("driver", "cuda", "ok"), [
+    ("575.57.08", "13.0", False), ("580.65.06", "13.0", True),  # CUDA 13 needs R580+
+    ("520.61.05", "12.1", False), ("525.60.13", "12.8", True),  # CUDA 12.x needs R525+ (minor-version compat)
+    ("550.54.15", "12.4", True), ("440.33.01", "11.8", False),
+])
+def test_driver_branch_against_the_cuda_runtime(driver, cuda, ok):
+    from launch.doctor.versions import check_driver_cuda
+
+    row = check_driver_cuda({"nvidia-driver": driver, "cuda": cuda})
+    assert row.status is (Status.PASS if ok else Status.FAIL), row
+    if not ok:
+        assert f"driver {driver} (R{driver.split('.')[0]}) is too old for CUDA {cuda}" in row.found
+        assert "error 35" in row.found and "upgrade the host's NVIDIA driver" in row.fix
+    cli = subprocess.run([sys.executable, "-m", "launch.doctor.driver_cuda", driver, cuda], capture_output=True,
+                         text=True, cwd=REPO, timeout=60)
+    assert cli.returncode == (0 if ok else 1) and len(cli.stdout.strip().splitlines()) == 1
+
+
+def test_driver_cuda_skips_without_a_driver_and_refuses_a_malformed_version():
+    from launch.doctor.versions import check_driver_cuda
+
+    assert check_driver_cuda({"nvidia-driver": None, "cuda": "12.4"}).status is Status.SKIP
+    assert check_driver_cuda({"nvidia-driver": "550.54.15", "cuda": None}).status is Status.SKIP
+    cli = subprocess.run([sys.executable, "-m", "launch.doctor.driver_cuda", "R550", "12.4"], capture_output=True,
+                         text=True, cwd=REPO, timeout=60)
+    assert cli.returncode == 2 and cli.stderr.strip() == "error: driver version 'R550' is not N.N"
+    assert "Traceback" not in cli.stderr

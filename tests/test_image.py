@@ -257,6 +257,33 @@ def test_wheelhouse_fetches_the_lock_with_the_controllers_pip(tmp_path: Path, lo
         wh.verify(house)
 
 
+def test_wheelhouse_for_the_containers_python_takes_its_wheels(tmp_path: Path, local_index: Path) -> None:
+    """`make wheelhouse os=ubuntu-24.04`: pip download for CPython 3.12 / glibc 2.39 (the Ubuntu
+    24.04 CT), not the image's 3.11: of two builds of one version it takes the cp312 file.
+    The two are a pip-built wheel under both platform names (no compiler needed)."""
+    from images.make_wheelhouse import main, target_for
+
+    target = target_for(wh.Target(), "ubuntu-24.04", None, None)
+    assert (target.python, target.glibc) == ("3.12", "2.39")
+    assert "--python-version 3.12 --implementation cp --abi cp312" in " ".join(target.pip_args())
+    built = _tiny_wheel(tmp_path / "g", tmp_path / "built", "gamma", "1.0", "G = 1\n")
+    cp312 = local_index / "gamma-1.0-cp312-cp312-manylinux_2_39_x86_64.whl"
+    cp311 = local_index / "gamma-1.0-cp311-cp311-manylinux_2_36_x86_64.whl"
+    shutil.copy2(built, cp312)
+    shutil.copy2(built, cp311)
+    with cp311.open("ab") as f:  # another build: other bytes
+        f.write(b"\0")
+    lock = tmp_path / "req.lock"
+    lock.write_text("gamma==1.0 --hash=sha256:" + hashlib.sha256(cp312.read_bytes()).hexdigest() + "\n")
+    house = tmp_path / "house"
+    sums = wh.build_wheelhouse(lock, wh.WheelhouseSpec(target=target), house, log=lambda _: None)
+    assert sorted(sums) == [cp312.name, "requirements.txt"]
+    with pytest.raises(wh.LaunchError):  # the image's own 3.11 target cannot use that lock
+        wh.build_wheelhouse(lock, wh.WheelhouseSpec(), tmp_path / "house311", log=lambda _: None)
+    # No lock for the CT's Python yet: one line naming the file to make.
+    assert main(["--flavour", "gpu", "--os", "ubuntu-24.04", "--out", str(tmp_path / "none")]) == 2
+
+
 def test_wheelhouse_refuses_a_wheel_whose_hash_differs_from_the_lock(tmp_path: Path, local_index: Path) -> None:
     alpha = _tiny_wheel(tmp_path / "a", local_index, "alpha", "1.0", "A = 1\n")
     lock = tmp_path / "req.lock"

@@ -14,6 +14,7 @@ from launch.doctor.caches import check_caches
 from launch.doctor.compiler import check_compiler
 from launch.doctor.context import DoctorContext
 from launch.doctor.device_policy import check_device_policy
+from launch.doctor.fabric import check_fabric
 from launch.doctor.gpus import check_gpus
 from launch.doctor.job import JobRequirements, load_job
 from launch.doctor.kernels import check_kernels
@@ -25,7 +26,7 @@ from launch.errors import LaunchError, debug
 
 def _check_groups() -> list[tuple[str, Callable]]:
     return [("kernels", check_kernels), ("triton", check_compiler), ("cache", check_caches),
-            ("gpus", check_gpus), ("versions", check_versions), ("slurm", check_slurm),
+            ("gpus", check_gpus), ("fabric", check_fabric), ("versions", check_versions), ("slurm", check_slurm),
             ("slurm.devices", check_device_policy)]
 
 

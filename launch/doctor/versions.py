@@ -111,10 +111,28 @@ def parse_lock_file(path: Path) -> list[LockLine]:
     return lines
 
 
+def check_driver_cuda(versions: dict[str, str | None]) -> CheckResult:
+    """The host driver's branch against the CUDA runtime torch brings (launch/doctor/driver_cuda.py)."""
+    from launch.doctor.driver_cuda import driver_cuda_problem
+
+    name, driver, cuda = "versions.driver_cuda", versions.get("nvidia-driver"), versions.get("cuda")
+    if not driver or not cuda:
+        return CheckResult(name, Status.SKIP, "no NVIDIA driver (nvidia-smi)" if not driver else "torch has no CUDA build")
+    try:
+        problem = driver_cuda_problem(driver, cuda)
+    except ValueError as exc:
+        return CheckResult(name, Status.WARN, str(exc))
+    if problem:
+        return CheckResult(name, Status.FAIL, problem,
+                           "upgrade the host's NVIDIA driver (and the containers' userspace: make provision), "
+                           "or install a torch built for an older CUDA")
+    return CheckResult(name, Status.PASS, f"driver {driver} runs CUDA {cuda}")
+
+
 def check_versions(ctx: DoctorContext) -> list[CheckResult]:
     versions = recorded_versions(ctx)
     shown = ", ".join(f"{k} {v}" for k, v in versions.items() if v) or "none of torch/transformers/fla/deepspeed installed"
-    results = [CheckResult("versions.recorded", Status.PASS, shown)]
+    results = [CheckResult("versions.recorded", Status.PASS, shown), check_driver_cuda(versions)]
 
     if ctx.lock_path is not None:
         entries, lock_name = parse_lock_file(ctx.lock_path), ctx.lock_path.name
