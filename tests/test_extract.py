@@ -23,21 +23,17 @@ def data(tmp_path: Path) -> Path:
 
 @pytest.fixture()
 def no_lm_head(monkeypatch):
-    """Every target built by the extractor gets an lm_head that fails the test if it is ever called."""
-    from train.stage1 import model as stage1_model
+    """Every target the extractor loads is the decoder stack alone: no lm_head exists to be called."""
+    from train.extract import target as target_mod
 
-    real = stage1_model.build_model
+    real = target_mod.load_target
 
-    def build(*args, **kwargs):
-        model, spec = real(*args, **kwargs)
+    def load(*args, **kwargs):
+        target = real(*args, **kwargs)
+        assert not any("lm_head" in n for n, _ in target.base.named_modules()), "the target has an lm_head"
+        return target
 
-        def refuse(_module, _inputs):
-            raise AssertionError("lm_head was called during extraction")
-
-        model.lm_head.register_forward_pre_hook(refuse)
-        return model, spec
-
-    monkeypatch.setattr(stage1_model, "build_model", build)
+    monkeypatch.setattr(ex, "load_target", load)
 
 
 def _run(out: Path, data: Path, *extra: str) -> int:

@@ -51,6 +51,7 @@ from train.dflash.model import (
 from train.dflash.online import BoundedSender, parse_topology, recv_batch
 from train.extract.data import DatasetError, TokenData, generate_synthetic
 from train.extract.shards import ShardError
+from train.extract.target import TargetError
 
 ENTRYPOINT = "train.dflash"
 
@@ -60,8 +61,11 @@ class DFlashConfig:
     mode: str = opt("offline", choices=("offline", "online"))
     data: str | None = opt(None, help="offline: extraction dir; online: jsonl (default: synthetic in <out>/data.jsonl)")
     topology: str = opt("2-1", help="online: k target ranks - 1 drafter rank")
-    preset: str = opt("tiny", help="online: the target's model shape")
-    init_from: str | None = opt(None, help="online: local checkpoint of the target")
+    preset: str = opt("tiny", help="online: model shape of a random-init target (with --init-from the "
+                                   "checkpoint's config.json is the shape)")
+    init_from: str | None = opt(None, help="online: local checkpoint of the target, used as it is")
+    target_dtype: str = opt("auto", choices=("auto", "bfloat16", "float16", "float32"),
+                            help="online: the target's compute dtype (auto: the checkpoint's own)")
     layers: str | None = opt(None, help="online: captured target layers (default: n_layers spread over 1..L-3)")
     n_layers: int = opt(5)
     tokenizer: str | None = opt(None, help="online: the target's tokenizer dir, for conversations (default: --init-from)")
@@ -117,7 +121,7 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
     return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=train, guard=guard,
-                          run_errors=(ShardError, DatasetError, FastPathError, ValueError))
+                          run_errors=(ShardError, DatasetError, FastPathError, TargetError, ValueError))
 
 
 def lr_at(cfg: DFlashConfig, step: int) -> float:
@@ -136,21 +140,19 @@ def step_generator(seed: int, step: int) -> torch.Generator:
 
 
 def build_target(cfg: DFlashConfig, device: torch.device):
+    """The target as its checkpoint is (train.extract.target), its captured layers and their hooks."""
     from train.common import fastpath
     from train.extract.extract import HiddenCapture, parse_layers
-    from train.stage1.model import build_model
+    from train.extract.target import load_target
 
     kernels = fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)
-    torch.manual_seed(cfg.seed)  # the same random-init target on every rank
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, spec = build_model(cfg.preset, device=device, dtype=dtype, init_from=cfg.init_from)
-    fastpath.install_kernels(model, kernels)
-    model.eval().requires_grad_(False)
-    layers = parse_layers(cfg.layers, model.config.num_hidden_layers, cfg.n_layers)
-    return model, spec, layers, HiddenCapture(model.model, layers)
+    target = load_target(cfg.init_from, cfg.preset, device, cfg.target_dtype, cfg.seed)
+    fastpath.install_kernels(target.base, kernels)
+    layers = parse_layers(cfg.layers, target.config.num_hidden_layers, cfg.n_layers)
+    return target, layers, HiddenCapture(target.base, layers)
 
 
-def target_batch(model, capture, samples: list[np.ndarray], cfg: DFlashConfig, step: int,
+def target_batch(base, capture, samples: list[np.ndarray], cfg: DFlashConfig, step: int,
                  device: torch.device, masks: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
     """What a target rank sends for one step: context, anchors (on loss-masked response tokens),
     the loss mask, and the final states at the anchor blocks."""
@@ -158,7 +160,7 @@ def target_batch(model, capture, samples: list[np.ndarray], cfg: DFlashConfig, s
 
     ids, lens = pad_batch(samples)
     loss_mask = pad_masks(masks, ids.shape[1]) if masks is not None else torch.ones_like(ids, dtype=torch.bool)
-    hidden, final = target_forward(model.model, capture, ids.to(device))
+    hidden, final = target_forward(base, capture, ids.to(device))
     lengths = torch.tensor(lens)
     anchors = sample_anchors(lengths, cfg.anchors, cfg.block_size, step_generator(cfg.seed, step), loss_mask)
     final_blocks = gather_block_positions(final, anchors.to(final.device), cfg.block_size)
@@ -167,13 +169,13 @@ def target_batch(model, capture, samples: list[np.ndarray], cfg: DFlashConfig, s
             "final_blocks": final_blocks.float(), "loss_mask": loss_mask.long()}
 
 
-def load_online_dataset(cfg: DFlashConfig, vocab_base: int, vocab: int, is_main: bool, barrier) -> TokenData:
+def load_online_dataset(cfg: DFlashConfig, vocab: int, is_main: bool, barrier) -> TokenData:
     """Token ids and loss masks (conversations through the target's tokenizer); truncation reported."""
     from train.extract.extract import load_token_data
 
     path = Path(cfg.data) if cfg.data else Path(cfg.out) / "data.jsonl"
     if not cfg.data and not path.exists() and is_main:
-        generate_synthetic(path, cfg.synthetic_samples, seed=cfg.seed, vocab=vocab_base)
+        generate_synthetic(path, cfg.synthetic_samples, seed=cfg.seed, vocab=vocab)
     barrier()
     data = load_token_data(cfg, path, vocab)  # reads cfg.tokenizer, cfg.init_from, cfg.max_len
     if data.truncated and is_main:
@@ -331,13 +333,22 @@ def load_source(cfg: DFlashConfig, rt: Runtime) -> Source:
         data.check_target(target)
         return Source(data.lengths, data.layers, data.hidden_size, embed_w, head_w, target, data.meta.get("preset"),
                       data=data)
-    target, spec, layers, capture = build_target(cfg, rt.device)
-    records = load_online_dataset(cfg, spec.vocab.base_vocab, target.config.vocab_size, rt.dist.is_main,
-                                  rt.barrier)
-    return Source(np.array([len(s) for s in records.ids]), layers, target.config.hidden_size,
-                  target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach(),
-                  TargetShape.from_config(target.config), cfg.preset, target=target, capture=capture,
-                  samples=records.ids, loss_masks=records.loss_masks)
+    from train.extract.extract import parse_layers
+    from train.extract.target import checkpoint_config, checkpoint_head, head_weights
+
+    base = capture = None
+    if rt.is_logger and cfg.init_from:  # the drafter rank needs the target's config and head, not the model
+        text = checkpoint_config(cfg.init_from)
+        layers = parse_layers(cfg.layers, text.num_hidden_layers, cfg.n_layers)
+        embed_w, head_w = checkpoint_head(cfg.init_from)
+    else:
+        target, layers, capture = build_target(cfg, rt.device)
+        text, base = target.config, target.base
+        embed_w, head_w = head_weights(target)
+    records = load_online_dataset(cfg, int(embed_w.shape[0]), rt.dist.is_main, rt.barrier)
+    return Source(np.array([len(s) for s in records.ids]), layers, text.hidden_size, embed_w, head_w,
+                  TargetShape.from_config(text), None if cfg.init_from else cfg.preset,
+                  target=base, capture=capture, samples=records.ids, loss_masks=records.loss_masks)
 
 
 def run_target_rank(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: BucketedSampler, start: int,
