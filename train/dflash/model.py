@@ -79,7 +79,9 @@ class DrafterConfig:
     head_dim: int = 128
     intermediate_size: int = 3584
     block_size: int = 16
-    mask_token_id: int = -1  # -1: the last (padding) row of the vocab
+    mask_token_id: int = -1  # a real id of the target's tokenizer (train.dflash.train.resolve_mask_token); -1: the last row
+    target: str = ""  # the target it is trained for (checkpoint dir or random:<shape>), named in the export
+    target_config_sha256: str = ""
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
     max_position_embeddings: int = 32768
@@ -101,19 +103,32 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
 
-# Drafter shapes by name. Heads, head size, RoPE and norm settings come from the target; so do the
-# width (the embedding and lm_head are the target's) and the captured layers.
-#   target: the published drafter, 5 layers shaped like the target's (width, heads, MLP).
-#   tiny:   2 layers with a 512-wide MLP, for CPU tests.
+# Drafter shapes by name. The width (the embedding and lm_head are the target's), the MLP width,
+# RoPE and norm settings and the captured layers always come from the target.
+#   qwen3.5: the published Qwen3.5/3.6 DFlash drafters' layout (SpecForge configs/qwen3.*-dflash*.json):
+#            5 layers, 32 query heads x 128, 8 key-value heads.
+#   target:  5 layers with the target's own full-attention head layout (this project's first preset).
+#   tiny:    2 layers with a 512-wide MLP, for CPU tests.
 DRAFTER_PRESETS: dict[str, dict[str, int]] = {
+    "qwen3.5": {"num_layers": 5, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128},
     "target": {"num_layers": 5},
     "tiny": {"num_layers": 2, "intermediate_size": 512},
 }
+SMALL_TARGET = 1024  # `auto` picks `tiny` for targets narrower than this (the test-sized ones)
 
 
-def default_drafter(target_preset: str | None) -> str:
-    """`--drafter auto`: `tiny` for the tiny target, the published 5-layer drafter for real ones."""
-    return "tiny" if target_preset in (None, "tiny") else "target"
+def default_drafter(target: TargetShape) -> str:
+    """`--drafter auto`: the published layout (`qwen3.5`) for real targets, `tiny` for test-sized ones."""
+    return "tiny" if target.hidden_size < SMALL_TARGET else "qwen3.5"
+
+
+# The DFlash paper's slot-weight decay per block size (gamma 7 at K=16, 5 at 10, 4 at 8).
+PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """gamma for `--block-size` when `--gamma` is not given: the published value, else 7 scaled by K/16."""
+    return PUBLISHED_GAMMA.get(block_size, round(7.0 * block_size / 16, 2))
 
 
 def drafter_config(spec: str, target: TargetShape, target_layer_ids: list[int], block_size: int
@@ -346,14 +361,21 @@ def anchor_candidates(lengths: torch.Tensor, block_size: int, loss_mask: torch.T
                       ) -> torch.Tensor:
     """[B, width] bool: where an anchor may go.
 
-    The rules (SpecForge's, with the strict mask): the anchor is a response token (loss mask on;
-    at inference it is a token the target sampled), a full block follows it in the row
-    (a <= len - block_size), and at least one context state precedes it (a >= 1).
+    SpecForge's rule: the anchor a and the token after it, a+1, are both response tokens (loss mask
+    on; at inference the anchor is a token the target sampled), so the block has at least one label;
+    the block may run past the end of the row, its labels there are masked (block_inputs). With the
+    strict mask a context state must precede the anchor: a >= 1. A 10-token final answer with K=16
+    so has 9 candidates (its last token has no next), where a full block after the anchor would
+    allow none. `block_size` is kept for callers; the rule does not depend on it.
     """
+    del block_size
     pos = torch.arange(width, device=lengths.device)
-    ok = (pos[None] >= 1) & (pos[None] <= (lengths[:, None] - block_size))
+    ok = (pos[None] >= 1) & (pos[None] + 1 < lengths[:, None])
     if loss_mask is not None:
-        ok &= loss_mask[:, :width].to(torch.bool)
+        on = loss_mask[:, :width].to(torch.bool)
+        nxt = torch.zeros_like(on)
+        nxt[:, :-1] = on[:, 1:]
+        ok &= on & nxt
     return ok
 
 
@@ -378,16 +400,20 @@ def sample_anchors(lengths: torch.Tensor, n_anchors: int, block_size: int, gen: 
 
 
 def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
-                 loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 loss_mask: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block token ids [B, A, K]: anchor token then masks; labels [B, A, K-1]: the true next tokens,
-    IGNORE_INDEX where there is no anchor or the loss mask is off: prompts are never targets)."""
+    IGNORE_INDEX where there is no anchor, past the end of the row (`lengths`, else the padded
+    width) or where the loss mask is off: prompts are never targets)."""
     offs = torch.arange(block_size, device=input_ids.device)
     valid = anchors >= 0
-    idx = (anchors.clamp(min=0)[:, :, None] + offs).clamp(max=input_ids.shape[1] - 1)  # [B, A, K]
+    raw = anchors.clamp(min=0)[:, :, None] + offs  # [B, A, K]
+    end = lengths.to(raw.device)[:, None, None] if lengths is not None else input_ids.shape[1]
+    idx = raw.clamp(max=input_ids.shape[1] - 1)
     truth = torch.gather(input_ids[:, None, :].expand(-1, anchors.shape[1], -1), 2, idx)
     blocks = torch.full_like(truth, mask_token_id)
     blocks[:, :, 0] = truth[:, :, 0]
-    keep = valid[:, :, None].expand(-1, -1, block_size - 1)
+    keep = valid[:, :, None] & (raw < end)[:, :, 1:]
     if loss_mask is not None:
         on = torch.gather(loss_mask.to(torch.bool)[:, None, :].expand(-1, anchors.shape[1], -1), 2, idx)
         keep = keep & on[:, :, 1:]

@@ -266,6 +266,7 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
     meta = {
         "preset": cfg.preset, "init_from": cfg.init_from, "layers": layers, "hidden_size": text.hidden_size,
         "vocab_size": target.vocab_size, "target": target.source, "target_config_sha256": target.config_sha256,
+        "tokenizer": cfg.tokenizer or cfg.init_from,
         "dtype": cfg.dtype, "data": str(data_path.resolve()),
         "samples": len(samples), "shards": len(plan), "token_budget": cfg.token_budget, "seed": cfg.seed,
         "plan_sha256": hashlib.sha256(json.dumps(plan).encode()).hexdigest(),
