@@ -255,9 +255,13 @@ class BlockAttention:
     """
 
     def __init__(self, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int,
-                 max_scores: int = 1 << 27) -> None:
+                 max_scores: int = 1 << 27, impl: str = "dense") -> None:
         self.anchors, self.lengths, self.t, self.k = anchors, lengths, ctx_len, block_size
         self.max_scores = max_scores
+        if impl not in ATTN_IMPLS:
+            raise ValueError(f"unknown drafter attention {impl!r} ({', '.join(ATTN_IMPLS)})")
+        self.impl = impl
+        self._block_mask = None
         pos = torch.arange(ctx_len, device=anchors.device)
         # [B, A, T]: context t is visible to anchor a's block iff t < a (and t is a real token)
         self.see_ctx = (pos[None, None] < anchors[:, :, None]) & (pos[None, None] < lengths[:, None, None])
@@ -268,8 +272,30 @@ class BlockAttention:
         step = max(1, min(n_anchor, self.max_scores // max(1, per_anchor)))
         return [(i, min(n_anchor, i + step)) for i in range(0, n_anchor, step)]
 
+    def block_mask(self, device: torch.device):
+        """flex_attention's block mask over keys [context T | all blocks' slots A*K]: query slot q of
+        block q // K sees context t < min(anchor, length) and the slots of its own block. Built once
+        per forward and shared by every layer; tiles (128 x 128) that no query of theirs sees are
+        skipped, so the work follows the real key counts (the context prefix of each anchor)."""
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            k, t = self.k, self.t
+            ctx_end = torch.minimum(self.anchors, self.lengths[:, None]).to(device)  # [B, A]
+
+            def visible(b, _h, q_idx, kv_idx):
+                blk = q_idx // k
+                return torch.where(kv_idx < t, kv_idx < ctx_end[b, blk], (kv_idx - t) // k == blk)
+
+            n_q = self.anchors.shape[1] * k
+            self._block_mask = create_block_mask(visible, self.anchors.shape[0], None, n_q, t + n_q,
+                                                 device=str(device), _compile=device.type == "cuda")
+        return self._block_mask
+
     def __call__(self, q, k_ctx, v_ctx, k_blk, v_blk) -> torch.Tensor:
         """q, k_blk, v_blk [B, heads, A*K, d]; k_ctx, v_ctx [B, kv_heads, T, d] -> [B, heads, A*K, d]."""
+        if self.impl == "flex":
+            return self._flex(q, k_ctx, v_ctx, k_blk, v_blk)
         bsz, heads, _, d = q.shape
         groups = heads // k_ctx.shape[1]
         if groups > 1:  # GQA: each key/value head serves `groups` query heads
@@ -292,6 +318,40 @@ class BlockAttention:
                 bsz, heads, a * k, d)
             outs.append(out)
         return torch.cat(outs, dim=2)
+
+    def _flex(self, q, k_ctx, v_ctx, k_blk, v_blk) -> torch.Tensor:
+        """One block-sparse flex_attention call over [context | blocks] keys (compiled on CUDA)."""
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        if q.shape[2] == 0:
+            return q
+        fn = _compiled_flex() if q.device.type == "cuda" else _eager_flex()
+        return fn(q, k.to(q.dtype), v.to(q.dtype), block_mask=self.block_mask(q.device),
+                  scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1])
+
+
+ATTN_IMPLS = ("dense", "flex")
+_FLEX: dict[str, Any] = {}
+
+
+def _eager_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def _compiled_flex():
+    """flex_attention compiled once per process (its fused kernel; eager flex is a dense reference)."""
+    if "cuda" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["cuda"]
+
+
+def default_attn_impl(device: torch.device) -> str:
+    """`auto`: block-sparse flex_attention on CUDA; the dense chunked reference on the CPU."""
+    return "flex" if device.type == "cuda" else "dense"
 
 
 class TargetHead(nn.Module):
@@ -320,7 +380,7 @@ class Drafter(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, hidden: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                lengths: torch.Tensor, max_scores: int = 1 << 27) -> torch.Tensor:
+                lengths: torch.Tensor, max_scores: int = 1 << 27, attn_impl: str = "dense") -> torch.Tensor:
         """Drafter hidden states of the block slots: every anchor of every row in one pass.
 
         hidden [B, T, n_layers*H] target context; block_embeds [B, A, K, H]; anchors [B, A] (-1 =
@@ -338,7 +398,7 @@ class Drafter(nn.Module):
         rope_q = rope_tables(pos_q, self.cfg.head_dim, self.cfg.rope_theta, dtype)
         rope_ctx = rope_tables(pos_ctx, self.cfg.head_dim, self.cfg.rope_theta, dtype)
         # anchor -1 (none): a position no context precedes, so its slots see only their block
-        attend = BlockAttention(torch.where(anchors >= 0, anchors, 0), lengths, t, k, max_scores)
+        attend = BlockAttention(torch.where(anchors >= 0, anchors, 0), lengths, t, k, max_scores, attn_impl)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_ctx, attend)
         return self.norm(x).view(bsz, n_anchor, k, h)
@@ -462,9 +522,34 @@ def acceptance_length(acc_slot: list[float]) -> float:
     return tau
 
 
+def _fused_loss(head: TargetHead, rows: torch.Tensor, y: torch.Tensor, w_rows: torch.Tensor, valid: torch.Tensor,
+                verifier_rows: torch.Tensor | None, chunk: int, impl: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The CE through stage-1's fused linear-cross-entropy kernel (train.common.losses: no logits
+    tensor in forward or backward); the accuracy's argmax is a no-grad pass in chunks."""
+    from train.common.losses import token_losses
+
+    weight = head.lm_head.weight.to(rows.dtype)
+    # token_losses predicts labels[t] from hidden[t-1]: give it each row with its label one step on
+    ce = token_losses(rows[:, None].expand(-1, 2, -1), weight,
+                      torch.stack([torch.full_like(y, IGNORE_INDEX), y], 1), impl)[:, 0]
+    loss = (ce * w_rows).sum() / w_rows.sum().clamp(min=1e-9)
+    with torch.no_grad():
+        argmax = torch.cat([(rows[lo:lo + chunk] @ weight.T).argmax(-1) for lo in range(0, len(rows), chunk)])
+    correct = argmax == y
+    acc_slot = slot_accuracies(correct, valid)
+    stats: dict[str, Any] = {"ce": float(ce.detach().mean()), "acc": float(correct.float().mean()),
+                             "acc_slot": acc_slot, "acc1": acc_slot[0], "tau": acceptance_length(acc_slot)}
+    if verifier_rows is not None:
+        with torch.no_grad():
+            agree = sum(int(((verifier_rows[lo:lo + chunk].to(rows.dtype) @ weight.T).argmax(-1)
+                             == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(rows), chunk))
+        stats["target_agree"] = agree / len(rows)
+    return loss, stats
+
+
 def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.Tensor,
                  target_final_at_blocks: torch.Tensor | None, kl_weight: float, gamma: float | None,
-                 chunk_rows: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+                 chunk_rows: int | None = None, loss_impl: str = "logits") -> tuple[torch.Tensor, dict[str, Any]]:
     """Weighted CE on the true tokens (+ kl_weight * KL to the verifier) over block slots only.
 
     The rows go through lm_head in chunks of `chunk_rows` (default: 2^30 logits per chunk), each
@@ -481,6 +566,8 @@ def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.T
     vocab = head.lm_head.weight.shape[0]
     chunk = chunk_rows or max(256, (1 << 30) // vocab)
     use_kl = kl_weight > 0 and verifier_rows is not None
+    if loss_impl != "logits" and not use_kl and len(rows):
+        return _fused_loss(head, rows, y, w_rows, valid, verifier_rows, chunk, loss_impl)
 
     def piece(r: torch.Tensor, yc: torch.Tensor, wc: torch.Tensor, vc: torch.Tensor | None):
         logits = head.lm_head(r).float()

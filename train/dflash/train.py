@@ -33,6 +33,7 @@ from train.common.config import ConfigError, opt, parse_config
 from train.common.distributed import slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
+from train.common.losses import LossImplError
 from train.common.runtime import Runtime
 from train.common.stepper import Stepper
 from train.dflash.data import ShardDataset, batch_stream, pad_samples
@@ -102,6 +103,10 @@ class DFlashConfig:
     # Matmuls of the drafter step in bf16 under autocast, fp32 weights and optimizer. auto: on
     # CUDA (an fp32 drafter was the bottleneck of the 1-1 topology on H200s), off on CPU.
     amp: str = opt("auto", choices=("auto", "bf16", "off"))
+    # auto: block-sparse flex_attention (compiled) on CUDA, the dense chunked reference on CPU
+    attn_impl: str = opt("auto", choices=("auto", "dense", "flex"))
+    # the anchor-block CE: auto = stage-1's fused kernel on CUDA (no logits tensor), logits on CPU
+    loss_impl: str = opt("auto", choices=("auto", "logits", "cce", "liger"))
 
 
 def parse_args(argv: list[str] | None) -> DFlashConfig:
@@ -127,7 +132,7 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
     return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=train, guard=guard,
-                          run_errors=(ShardError, DatasetError, FastPathError, TargetError, ValueError))
+                          run_errors=(ShardError, DatasetError, FastPathError, TargetError, LossImplError, ValueError))
 
 
 def lr_at(cfg: DFlashConfig, step: int) -> float:
@@ -260,6 +265,8 @@ class DrafterRun:
     n_targets: int
     wire: torch.device
     data: ShardDataset | None
+    attn_impl: str = "dense"
+    loss_impl: str = "logits"
     t_start: float = field(default_factory=time.perf_counter)
     real_tokens: int = 0
     first: float | None = None
@@ -416,7 +423,12 @@ def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucketed
                    "block_size": dcfg.block_size, "anchors": cfg.anchors, "buckets": sampler.edges,
                    "bucket_efficiency": f"{sampler.stats(0).efficiency:.3f}", "start_step": start,
                    "steps": cfg.steps, "device": device.type, "amp": "bf16" if amp_on else "off"})
-    return DrafterRun(head, drafter, dcfg, stepper, batch_stream(sampler, start), amp_on, n_targets, wire, src.data)
+    from train.common.losses import select_loss_impl
+    from train.dflash.model import default_attn_impl
+
+    attn = default_attn_impl(device) if cfg.attn_impl == "auto" else cfg.attn_impl
+    return DrafterRun(head, drafter, dcfg, stepper, batch_stream(sampler, start), amp_on, n_targets, wire, src.data,
+                      attn, select_loss_impl(device, cfg.loss_impl))
 
 
 def next_batch(cfg: DFlashConfig, run: DrafterRun, step: int, ids: Any, device: torch.device
@@ -441,8 +453,9 @@ def drafter_forward(cfg: DFlashConfig, run: DrafterRun, batch: dict[str, torch.T
                                   batch["loss_mask"].to(device), batch["lengths"].to(device))
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.amp_on):
         hidden = run.drafter(batch["hidden"].to(device), run.head.embed_tokens(blocks), anchors,
-                             batch["lengths"].to(device))
-        loss, stats = drafter_loss(run.head, hidden, labels, final_blocks, cfg.kl_weight, slot_gamma(cfg))
+                             batch["lengths"].to(device), attn_impl=run.attn_impl)
+        loss, stats = drafter_loss(run.head, hidden, labels, final_blocks, cfg.kl_weight, slot_gamma(cfg),
+                                   loss_impl=run.loss_impl)
     stats["anchors"] = int((anchors >= 0).sum())  # blocks in this step
     return loss, stats
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,32 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+MAPPED_BYTES = 512 << 20  # a shard is re-opened after this many bytes were read from its mapping
+
+
+def stream_tensors(path: Path, wanted) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, CPU tensor) for the keys `wanted(key)` accepts, shard by shard, one tensor at a time.
+
+    The file is memory-mapped; pages read stay resident (and count in the process's RSS) until the
+    mapping closes, so it is re-opened every MAPPED_BYTES: the host holds at most that much of a
+    shard plus one tensor, however large the shards are."""
+    from safetensors import safe_open
+
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            keys = [k for k in f.keys() if wanted(k)]
+        i = 0
+        while i < len(keys):
+            read = 0
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                while i < len(keys) and read < MAPPED_BYTES:
+                    t = f.get_tensor(keys[i])
+                    read += t.numel() * t.element_size()
+                    yield keys[i], t
+                    del t
+                    i += 1
+
+
 def _base_name(key: str) -> str | None:
     for prefix in BASE_PREFIXES:
         if key.startswith(prefix):
@@ -110,8 +137,6 @@ def load_target(init_from: str | Path | None, shape: str, device: torch.device, 
         torch.manual_seed(seed)  # the same random-init target on every rank and every resume
         base = _build_base(cfg, device, resolve_dtype(dtype, None, device), init=True)
         return Target(base.eval().requires_grad_(False), cfg, f"random:{shape}")
-    from safetensors import safe_open
-
     path = Path(init_from)
     try:
         config = load_config(path)
@@ -126,22 +151,15 @@ def load_target(init_from: str | Path | None, shape: str, device: torch.device, 
                           f"({' '.join(str(exc).split())[:200]})") from None
     params = dict(base.named_parameters()) | dict(base.named_buffers())
     loaded: set[str] = set()
-    for file in checkpoint_files(path):
-        # device=cpu: a tensor is read from the mapped file and moved; the host holds one at a time
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = _base_name(key)
-                if name is None or name not in params:
-                    continue
-                t = f.get_tensor(key)
-                dst = params[name]
-                if tuple(t.shape) != tuple(dst.shape):
-                    raise TargetError(f"--init-from {path}: {key} has shape {list(t.shape)}, its config.json "
-                                      f"makes {list(dst.shape)}")
-                with torch.no_grad():
-                    dst.copy_(t.to(dst.dtype))
-                loaded.add(name)
-                del t
+    for key, t in stream_tensors(path, lambda k: (_base_name(k) or "") in params):
+        dst = params[_base_name(key)]
+        if tuple(t.shape) != tuple(dst.shape):
+            raise TargetError(f"--init-from {path}: {key} has shape {list(t.shape)}, its config.json "
+                              f"makes {list(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(t.to(dst.dtype))
+        loaded.add(_base_name(key))
+        del t
     missing = sorted(n for n, _ in base.named_parameters() if n not in loaded)
     if missing:
         raise TargetError(f"--init-from {path}: the checkpoint lacks {len(missing)} weight(s) of its own "
@@ -161,19 +179,15 @@ def checkpoint_config(path: str | Path) -> Any:
 def checkpoint_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding, lm_head) read from the checkpoint's files alone, nothing else built: the head a
     drafter rank needs. A tied checkpoint's lm_head is its embedding."""
-    from safetensors import safe_open
-
     path = Path(path)
     top = json.loads((path / "config.json").read_text())
     tied = bool(top.get("tie_word_embeddings", (top.get("text_config") or {}).get("tie_word_embeddings", False)))
     embed = head = None
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if _base_name(key) == "embed_tokens.weight":
-                    embed = f.get_tensor(key)
-                elif key == HEAD_KEY:
-                    head = f.get_tensor(key)
+    for key, t in stream_tensors(path, lambda k: k == HEAD_KEY or _base_name(k) == "embed_tokens.weight"):
+        if key == HEAD_KEY:
+            head = t
+        else:
+            embed = t
     if embed is None:
         raise TargetError(f"--init-from {path}: no embed_tokens.weight in the checkpoint")
     if head is None:
