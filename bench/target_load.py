@@ -34,7 +34,11 @@ import resource, sys, time, torch
 sys.path.insert(0, {root!r})
 t = time.perf_counter()
 dev = torch.device({device!r})
-if {old!r}:
+if {mode!r} == "baseline":  # the runtime alone: torch, transformers, a CUDA context
+    import transformers
+    torch.ones(1, device=dev)
+    n = 0
+elif {mode!r} == "old":
     from train.stage1.model import build_model
     model, _ = build_model("qwen35-2b", device=dev, dtype=torch.bfloat16, init_from={path!r})
     n = sum(p.numel() for p in model.parameters())
@@ -90,8 +94,8 @@ def make_checkpoint(out: Path, layers: int, shard_gib: float) -> tuple[int, int]
     return n_params, largest
 
 
-def measure(path: Path, device: str, old: bool) -> tuple[int, int, float]:
-    code = LOAD.format(root=str(ROOT), device=device, old=old, path=str(path))
+def measure(path: Path, device: str, mode: str) -> tuple[int, int, float]:
+    code = LOAD.format(root=str(ROOT), device=device, mode=mode, path=str(path))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
     if done.returncode != 0 or not line:
@@ -116,9 +120,11 @@ def main() -> None:
           f"bound 1.3 x largest + 2 GiB = {bound / 2**30:.2f} GiB", flush=True)
     print("| loader | device | parameters loaded | peak host RSS GiB | bound GiB | within | seconds |")
     print("|---|---|---:|---:|---:|---|---:|")
-    for old in ([False, True] if args.old else [False]):
-        n, rss, sec = measure(out, args.device, old)
-        name = "stage-1 builder (before)" if old else "load_target"
+    names = {"baseline": "runtime only (torch, transformers, device context)", "new": "load_target",
+             "old": "stage-1 builder (before)"}
+    for mode in ["baseline", "new"] + (["old"] if args.old else []):
+        n, rss, sec = measure(out, args.device, mode)
+        name = names[mode]
         print(f"| {name} | {args.device} | {n / 1e9:.3f} B | {rss / 2**30:.2f} | {bound / 2**30:.2f} | "
               f"{'yes' if rss <= bound else 'NO'} | {sec:.1f} |", flush=True)
 

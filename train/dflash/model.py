@@ -280,16 +280,16 @@ class BlockAttention:
         if self._block_mask is None:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            k, t = self.k, self.t
+            k, t, n_anchor = self.k, self.t, self.anchors.shape[1]
             ctx_end = torch.minimum(self.anchors, self.lengths[:, None]).to(device)  # [B, A]
 
             def visible(b, _h, q_idx, kv_idx):
-                blk = q_idx // k
+                blk = torch.clamp(q_idx // k, max=n_anchor - 1)  # padding queries: as the last block
                 return torch.where(kv_idx < t, kv_idx < ctx_end[b, blk], (kv_idx - t) // k == blk)
 
-            n_q = self.anchors.shape[1] * k
-            self._block_mask = create_block_mask(visible, self.anchors.shape[0], None, n_q, t + n_q,
-                                                 device=str(device), _compile=device.type == "cuda")
+            n_kv = t + n_anchor * k
+            self._block_mask = create_block_mask(visible, self.anchors.shape[0], None, padded_queries(n_anchor * k),
+                                                 n_kv, device=str(device), _compile=device.type == "cuda")
         return self._block_mask
 
     def __call__(self, q, k_ctx, v_ctx, k_blk, v_blk) -> torch.Tensor:
@@ -323,14 +323,24 @@ class BlockAttention:
         """One block-sparse flex_attention call over [context | blocks] keys (compiled on CUDA)."""
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
-        if q.shape[2] == 0:
+        n_q = q.shape[2]
+        if n_q == 0:
             return q
+        # Queries padded to a multiple of 128: flex's decoding kernel, which it picks for short
+        # query lengths (4 anchors x 16 = 64), has no variant for these GQA shapes.
+        qp = F.pad(q, (0, 0, 0, padded_queries(n_q) - n_q))
         fn = _compiled_flex() if q.device.type == "cuda" else _eager_flex()
-        return fn(q, k.to(q.dtype), v.to(q.dtype), block_mask=self.block_mask(q.device),
-                  scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1])
+        out = fn(qp, k.to(q.dtype), v.to(q.dtype), block_mask=self.block_mask(q.device),
+                 scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1])
+        return out[:, :, :n_q]
 
 
 ATTN_IMPLS = ("dense", "flex")
+FLEX_TILE = 128
+
+
+def padded_queries(n: int) -> int:
+    return -(-n // FLEX_TILE) * FLEX_TILE
 _FLEX: dict[str, Any] = {}
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,28 +92,38 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-MAPPED_BYTES = 512 << 20  # a shard is re-opened after this many bytes were read from its mapping
+MAPPED_BYTES = 256 << 20  # a shard is re-opened after this many bytes were read from its mapping
 
 
-def stream_tensors(path: Path, wanted) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, CPU tensor) for the keys `wanted(key)` accepts, shard by shard, one tensor at a time.
+def stream_tensors(path: Path, wanted) -> Iterator[tuple[str, list[int], slice, torch.Tensor]]:
+    """(key, its full shape, rows, CPU tensor) for the keys `wanted(key)` accepts, shard by shard, in pieces of at
+    most MAPPED_BYTES (a large tensor, the embedding, in row slices).
 
     The file is memory-mapped; pages read stay resident (and count in the process's RSS) until the
-    mapping closes, so it is re-opened every MAPPED_BYTES: the host holds at most that much of a
-    shard plus one tensor, however large the shards are."""
+    mapping closes, so it is re-opened every MAPPED_BYTES: the host holds at most about that much
+    of a shard plus one piece, however large the shards are."""
     from safetensors import safe_open
 
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             keys = [k for k in f.keys() if wanted(k)]
+            shapes = {k: f.get_slice(k).get_shape() for k in keys}
+        pieces = []
+        for k in keys:
+            shape = shapes[k]
+            n_rows = shape[0] if shape else 1
+            row_bytes = max(1, math.prod(shape[1:]) * 4) if shape else 4
+            step = max(1, MAPPED_BYTES // row_bytes)
+            pieces += [(k, slice(lo, min(n_rows, lo + step))) for lo in range(0, n_rows, step)]
         i = 0
-        while i < len(keys):
+        while i < len(pieces):
             read = 0
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                while i < len(keys) and read < MAPPED_BYTES:
-                    t = f.get_tensor(keys[i])
+                while i < len(pieces) and read < MAPPED_BYTES:
+                    key, rows = pieces[i]
+                    t = f.get_slice(key)[rows] if shapes[key] else f.get_tensor(key)
                     read += t.numel() * t.element_size()
-                    yield keys[i], t
+                    yield key, list(shapes[key]), rows, t
                     del t
                     i += 1
 
@@ -151,13 +162,13 @@ def load_target(init_from: str | Path | None, shape: str, device: torch.device, 
                           f"({' '.join(str(exc).split())[:200]})") from None
     params = dict(base.named_parameters()) | dict(base.named_buffers())
     loaded: set[str] = set()
-    for key, t in stream_tensors(path, lambda k: (_base_name(k) or "") in params):
+    for key, shape, rows, t in stream_tensors(path, lambda k: (_base_name(k) or "") in params):
         dst = params[_base_name(key)]
-        if tuple(t.shape) != tuple(dst.shape):
-            raise TargetError(f"--init-from {path}: {key} has shape {list(t.shape)}, its config.json "
+        if shape != list(dst.shape):
+            raise TargetError(f"--init-from {path}: {key} has shape {shape}, its config.json "
                               f"makes {list(dst.shape)}")
         with torch.no_grad():
-            dst.copy_(t.to(dst.dtype))
+            (dst[rows] if dst.dim() else dst).copy_(t.to(dst.dtype))
         loaded.add(_base_name(key))
         del t
     missing = sorted(n for n, _ in base.named_parameters() if n not in loaded)
@@ -182,12 +193,11 @@ def checkpoint_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     path = Path(path)
     top = json.loads((path / "config.json").read_text())
     tied = bool(top.get("tie_word_embeddings", (top.get("text_config") or {}).get("tie_word_embeddings", False)))
-    embed = head = None
-    for key, t in stream_tensors(path, lambda k: k == HEAD_KEY or _base_name(k) == "embed_tokens.weight"):
-        if key == HEAD_KEY:
-            head = t
-        else:
-            embed = t
+    got: dict[str, list[torch.Tensor]] = {}
+    for key, _shape, _rows, t in stream_tensors(path, lambda k: k == HEAD_KEY or _base_name(k) == "embed_tokens.weight"):
+        got.setdefault("head" if key == HEAD_KEY else "embed", []).append(t)
+    embed = torch.cat(got["embed"]) if "embed" in got else None
+    head = torch.cat(got["head"]) if "head" in got else None
     if embed is None:
         raise TargetError(f"--init-from {path}: no embed_tokens.weight in the checkpoint")
     if head is None:
