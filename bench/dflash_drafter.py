@@ -150,6 +150,7 @@ def drafter_bench(args) -> None:
             outs[impl] = sec
             rows.append((impl, n_anchors, blocks_n, 1000 * sec, real / sec, flops / 1e12, attn_share,
                          flops / sec / H100_H200_PEAK, mem))
+            print("# " + row_line(rows[-1]), flush=True)  # as it lands: a later failure keeps it
         # same-step check: the two attention paths give the same drafter output on batch 0
         bt, anchors, blocks, _labels, _f = plans[0]
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
@@ -160,13 +161,19 @@ def drafter_bench(args) -> None:
               f"max |out| {float(a.abs().max()):.3e}", flush=True)
     print(f"\nbatches: {args.batches} of <= {args.token_budget} padded tokens (rows x longest), "
           f"{args.steps} timed passes after {args.warmup} warm-up, median per batch, averaged")
-    print("| attention:loss | anchors/seq | blocks/step | ms/step | real tok/s | TFLOP/step | attention share "
-          "| MFU | peak GiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(HEADER)
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:,.0f} | {r[3]:.1f} | {r[4]:,.0f} | {r[5]:.2f} | {100 * r[6]:.1f}% "
-              f"| {100 * r[7]:.1f}% | {r[8]:.1f} |")
+        print(row_line(r))
     sys.stdout.flush()
+
+
+HEADER = ("| attention:loss | anchors/seq | blocks/step | ms/step | real tok/s | TFLOP/step | attention share "
+          "| MFU | peak GiB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def row_line(r) -> str:
+    return (f"| {r[0]} | {r[1]} | {r[2]:,.0f} | {r[3]:.1f} | {r[4]:,.0f} | {r[5]:.2f} | {100 * r[6]:.1f}% "
+            f"| {100 * r[7]:.1f}% | {r[8]:.1f} |")
 
 
 def extract_bench(args) -> None:
