@@ -8,7 +8,8 @@ layers, vocab 248,320; 12 layers = 1.19 B parameters), its state dict's names an
 from a model built on the meta device, each tensor random bf16, written shard by shard with
 safetensors (at most `--shard-gib` per file, the index beside them, as save_pretrained lays out
 a sharded checkpoint), so the writer never holds more than one shard. Each load then runs in a
-fresh process that reports its own peak RSS (getrusage ru_maxrss):
+fresh process that reports its own peak RSS (/proc/self/status VmHWM; getrusage's ru_maxrss
+would carry the writing parent's peak over fork and exec):
   - new: train.extract.target.load_target (what extraction and online DFlash run), onto --device;
   - old (--old): the stage-1 builder as extraction used it before (fp32 from_pretrained on the
     host, codebook rows appended, then cast and moved).
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LOAD = """
-import resource, sys, time, torch
+import sys, time, torch
 sys.path.insert(0, {root!r})
 t = time.perf_counter()
 dev = torch.device({device!r})
@@ -48,7 +49,9 @@ else:
     n = sum(p.numel() for p in target.base.parameters())
 if dev.type == "cuda":
     torch.cuda.synchronize()
-print("RESULT", n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, time.perf_counter() - t)
+# VmHWM: this process image's own peak RSS (ru_maxrss keeps the forking parent's across exec)
+hwm = [int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:")][0]
+print("RESULT", n, hwm, time.perf_counter() - t)
 """
 
 

@@ -179,3 +179,32 @@ def test_block_sparse_flex_attention_equals_the_dense_reference_and_keeps_the_st
         moved_before = drafter(before, x, anchors, lengths, attn_impl="flex")
     torch.testing.assert_close(moved_at[0, 3], flex[0, 3], atol=0, rtol=0)
     assert (moved_before[0, 3] - flex[0, 3]).abs().max() > 1e-3
+
+
+def test_target_streamed_in_small_pieces_equals_from_pretrained_and_a_bad_checkpoint_is_one_line(
+        target, tmp_path, monkeypatch, capsys):
+    """With 64 KiB pieces (the embedding in row slices, the shard re-mapped many times) the decoder
+    stack equals transformers' own from_pretrained; a checkpoint lacking a weight is one line."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from train.extract import target as target_mod
+
+    monkeypatch.setattr(target_mod, "MAPPED_BYTES", 64 << 10)
+    got = target_mod.load_target(target, "tiny", torch.device("cpu"))
+    want = AutoModelForCausalLM.from_pretrained(str(target), local_files_only=True, dtype=torch.float32).model
+    mine = dict(got.base.named_parameters())
+    assert mine.keys() == dict(want.named_parameters()).keys()
+    for name, p in want.named_parameters():
+        assert torch.equal(mine[name], p), name
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in target.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(broken / "model.safetensors"))
+    weights.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()  # transformers' loading bar above
+    assert ex.main(["--out", str(tmp_path / "x"), "--init-from", str(broken), "--layers", "1,2"], guard=False) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lacks 1 weight(s)" in err[0] and "layers.1.mlp.up_proj.weight" in err[0], err
