@@ -197,6 +197,11 @@ def test_target_streamed_in_small_pieces_equals_from_pretrained_and_a_bad_checkp
     assert mine.keys() == dict(want.named_parameters()).keys()
     for name, p in want.named_parameters():
         assert torch.equal(mine[name], p), name
+    # what an online drafter rank reads instead of the model: the config and the head, from the files
+    embed, head = target_mod.checkpoint_head(target)
+    full = AutoModelForCausalLM.from_pretrained(str(target), local_files_only=True, dtype=torch.float32)
+    assert torch.equal(embed, full.get_input_embeddings().weight) and torch.equal(head, full.lm_head.weight)
+    assert target_mod.checkpoint_config(target).num_hidden_layers == want.config.num_hidden_layers
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in target.iterdir():

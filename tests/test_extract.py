@@ -252,7 +252,9 @@ def test_conversations_tokenized_with_the_targets_template_loss_mask_on_assistan
                     "--token-budget", "512", "--max-len", "20"], guard=False) == 0
     log = capsys.readouterr().out
     assert "# truncated 6 of 6 samples to --max-len 20" in log
-    assert json.loads((tmp_path / "y" / "meta.json").read_text())["truncated"] == 6
+    meta = json.loads((tmp_path / "y" / "meta.json").read_text())
+    assert meta["truncated"] == 6
+    assert f"shard     {meta['shards']}/{meta['shards']} |" in log  # progress as shard n/N
     # Without the tokenizer: one line naming the record.
     assert ex.main(["--out", str(tmp_path / "z"), "--data", str(convs), *SMALL], guard=False) == 1
     assert "chat.jsonl:1: a conversation record needs the target's tokenizer" in capsys.readouterr().err
