@@ -213,3 +213,25 @@ def test_target_streamed_in_small_pieces_equals_from_pretrained_and_a_bad_checkp
     assert ex.main(["--out", str(tmp_path / "x"), "--init-from", str(broken), "--layers", "1,2"], guard=False) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "lacks 1 weight(s)" in err[0] and "layers.1.mlp.up_proj.weight" in err[0], err
+
+
+def test_a_vision_checkpoint_is_a_target_through_its_language_model(tmp_path):
+    """A Qwen3.5 conditional-generation checkpoint (vision tower beside the text model): the target
+    is its language model, loaded as it is, the tower left out."""
+    from hf_fixtures import make_checkpoint
+    from transformers import AutoModelForImageTextToText
+
+    from train.extract.target import checkpoint_head, load_target
+
+    ckpt = make_checkpoint(tmp_path / "vl", vision=True)
+    got = load_target(ckpt, "tiny", torch.device("cpu"))
+    full = AutoModelForImageTextToText.from_pretrained(str(ckpt), local_files_only=True, dtype=torch.float32)
+    lm = full.model.language_model
+    assert not any("visual" in n for n, _ in got.base.named_parameters())
+    for name, p in lm.named_parameters():
+        assert torch.equal(dict(got.base.named_parameters())[name], p), name
+    ids = torch.randint(20, 500, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(got.base(input_ids=ids).last_hidden_state, lm(input_ids=ids).last_hidden_state)
+    embed, head = checkpoint_head(ckpt)
+    assert torch.equal(embed, lm.embed_tokens.weight) and torch.equal(head, full.lm_head.weight)
