@@ -179,6 +179,39 @@ def load_target(init_from: str | Path | None, shape: str, device: torch.device, 
     return Target(base.eval().requires_grad_(False), text_cfg, str(path), digest)
 
 
+def load_causal_lm(init_from: str | Path, device: torch.device, dtype: str = "auto") -> torch.nn.Module:
+    """The whole checkpoint, lm_head included, on `device`, built and filled as load_target does
+    (no host copy of the model): what regeneration needs to generate with the target."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    path = Path(init_from)
+    try:
+        config = load_config(path)
+    except ValueError as exc:
+        raise TargetError(str(exc)) from None
+    text_config_of(config).use_cache = True
+    with torch.device(device), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, config, device))
+    model.tie_weights()  # a tied lm_head is the embedding (save_pretrained stores it once)
+    params = dict(model.named_parameters()) | dict(model.named_buffers())  # tied weights: one name
+    loaded: set[str] = set()
+    for key, shape, rows, t in stream_tensors(path, lambda k: k in params):
+        dst = params[key]
+        if shape != list(dst.shape):
+            raise TargetError(f"--init-from {path}: {key} has shape {shape}, its config.json makes {list(dst.shape)}")
+        with torch.no_grad():
+            (dst[rows] if dst.dim() else dst).copy_(t.to(dst.dtype))
+        loaded.add(key)
+    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+    if missing:
+        raise TargetError(f"--init-from {path}: the checkpoint lacks {len(missing)} weight(s) of its own "
+                          f"config's model ({', '.join(missing[:3])})")
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    return model.eval()
+
+
 def checkpoint_config(path: str | Path) -> Any:
     """The text config of checkpoint `path` (TargetError, one line, if it has none)."""
     try:
@@ -215,5 +248,6 @@ def head_weights(target: Target) -> tuple[torch.Tensor, torch.Tensor]:
     return embed, embed.clone()
 
 
-__all__ = ["Target", "TargetError", "checkpoint_config", "checkpoint_head", "head_weights", "load_target",
+__all__ = ["Target", "TargetError", "checkpoint_config", "checkpoint_head", "head_weights", "load_causal_lm",
+           "load_target",
            "resolve_dtype"]
