@@ -351,11 +351,15 @@ def _eager_flex():
 
 
 def _compiled_flex():
-    """flex_attention compiled once per process (its fused kernel; eager flex is a dense reference)."""
+    """flex_attention compiled once per process (its fused kernel; eager flex is a dense reference).
+
+    Default dynamic-shape policy: the first batch shape compiles static, a second one recompiles
+    with dynamic sizes, so the bucketed batches' varying (rows, context, anchors) do not each
+    compile and exhaust the recompile limit (past it dynamo would run the eager, dense flex)."""
     if "cuda" not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+        _FLEX["cuda"] = torch.compile(flex_attention)
     return _FLEX["cuda"]
 
 
