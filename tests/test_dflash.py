@@ -139,13 +139,13 @@ def test_512_anchors_in_one_forward_equal_each_block_alone():
     loss_mask[0, 40:] = True  # a 40-token prompt, then the response
     loss_mask[1, 100:200] = True
     anchors = sample_anchors(lengths, 512, 16, torch.Generator().manual_seed(1), loss_mask)
-    assert anchors.shape == (2, 512) and (anchors[0] >= 40).all() and (anchors[0] <= n - 16).all()
+    assert anchors.shape == (2, 512) and (anchors[0] >= 40).all() and (anchors[0] <= n - 2).all()
     row1 = anchors[1][anchors[1] >= 0]
-    assert len(row1) == 200 - 16 - 100 + 1 and (row1 >= 100).all()  # clamped to the positions available
+    assert len(row1) == 99 and (row1 >= 100).all()  # clamped to the positions available (100..198)
     ids = torch.randint(0, 299, (2, n))
     hidden = torch.randn(2, n, 128)
     emb = torch.nn.Embedding(300, 64)
-    blocks, labels = block_inputs(ids, anchors, 16, cfg.mask_token_id, loss_mask)
+    blocks, labels = block_inputs(ids, anchors, 16, cfg.mask_token_id, loss_mask, lengths)
     assert (labels[1][anchors[1] < 0] == -100).all()
     with torch.no_grad():
         # max_scores small enough that the 512 x 16 queries run in several attention chunks
@@ -155,13 +155,19 @@ def test_512_anchors_in_one_forward_equal_each_block_alone():
             torch.testing.assert_close(out[r, j], alone[0, 0], atol=2e-5, rtol=1e-4)
 
 
+def _candidates_by_rule(length: int, mask: list[bool]) -> set[int]:
+    """SpecForge's anchor rule, spelled out: a and a+1 are response tokens, a context state before a."""
+    return {a for a in range(1, length - 1) if mask[a] and mask[a + 1]}
+
+
 def test_anchor_sampling_and_gather():
     gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor([20, 5, 9])
     anchors = sample_anchors(lengths, 4, 8, gen)
-    assert (anchors[0] >= 0).all() and (anchors[0] <= 12).all() and len(set(anchors[0].tolist())) == 4
-    assert (anchors[1] == -1).all()  # too short for one block
-    assert anchors[2, 0] in (0, 1) and anchors[2, 2] == -1
+    for r, n in enumerate(lengths.tolist()):
+        picked = [a for a in anchors[r].tolist() if a >= 0]
+        want = _candidates_by_rule(n, [True] * n)
+        assert set(picked) <= want and len(picked) == min(4, len(want)) == len(set(picked))
     final = torch.arange(3 * 20, dtype=torch.float32).view(3, 20, 1)
     got = gather_block_positions(final, anchors, 8)
     assert got.shape == (3, 4, 7, 1)
@@ -169,18 +175,64 @@ def test_anchor_sampling_and_gather():
     assert got[0, 1, :, 0].tolist() == [float(a + j) for j in range(7)]
 
 
+def test_short_final_answers_get_anchors_up_to_their_last_token_and_labels_stop_at_the_end():
+    """K=16 and final answers of 10 and 18 tokens (the row ends with the answer): every a with a and
+    a+1 in the answer is a candidate (9 and 17 of them), where a full block after the anchor allowed
+    0 and 3; labels past the row's end and on the prompt are masked, the rest are the true tokens."""
+    k = 16
+    prompt = 30
+    lengths = torch.tensor([prompt + 10, prompt + 18])
+    width = int(lengths.max())
+    loss_mask = torch.zeros(2, width, dtype=torch.bool)
+    for r, n in enumerate(lengths.tolist()):
+        loss_mask[r, prompt:n] = True
+    ok = sample_anchors(lengths, 512, k, torch.Generator().manual_seed(0), loss_mask)
+    for r, (n, answer) in enumerate(zip(lengths.tolist(), (10, 18), strict=True)):
+        picked = sorted(a for a in ok[r].tolist() if a >= 0)
+        assert picked == sorted(_candidates_by_rule(n, loss_mask[r].tolist()))
+        assert len(picked) == answer - 1  # the answer's last token has no next token
+    ids = torch.randint(5, 200, (2, width))
+    blocks, labels = block_inputs(ids, ok, k, 3, loss_mask, lengths)
+    for r in range(2):
+        for j, a in enumerate(ok[r].tolist()):
+            if a < 0:
+                assert (labels[r, j] == -100).all()
+                continue
+            for s in range(1, k):
+                pos = a + s
+                want = int(ids[r, pos]) if pos < int(lengths[r]) and loss_mask[r, pos] else -100
+                assert int(labels[r, j, s - 1]) == want, (r, a, s)
+    # the last candidate of the 10-token answer: one label (the answer's last token), 14 masked
+    last = max(a for a in ok[0].tolist())
+    row = labels[0, ok[0].tolist().index(last)]
+    assert (row != -100).sum() == 1 and int(row[0]) == int(ids[0, last + 1])
+
+
+def test_default_gamma_and_published_drafter_layout():
+    from train.dflash.model import default_drafter, default_gamma
+
+    assert [default_gamma(k) for k in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    assert default_gamma(32) == 14.0
+    big = TargetShape(hidden_size=2048, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=256, intermediate_size=6144, vocab_size=248320)
+    cfg = drafter_config(default_drafter(big), big, [1, 6, 11, 16, 21], 16)
+    assert (cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.num_kv_heads) == (5, 32, 128, 8)
+    assert cfg.vocab_size == 248320 and cfg.intermediate_size == 6144
+    assert default_drafter(SHAPE) == "tiny"
+    args = ["--mode", "offline", "--data", "x"]
+    assert dflash_train.slot_gamma(dflash_train.parse_args([*args, "--block-size", "8"])) == 4.0
+    assert dflash_train.slot_gamma(dflash_train.parse_args([*args, "--gamma", "3"])) == 3.0
+    assert dflash_train.slot_gamma(dflash_train.parse_args([*args, "--gamma", "0"])) is None
+
+
 def test_online_target_side_never_calls_lm_head(tmp_path):
     cfg = dflash_train.DFlashConfig(mode="online", layers="1,2", block_size=4, anchors=2, out=str(tmp_path))
-    model, _spec, layers, capture = dflash_train.build_target(cfg, torch.device("cpu"))
-
-    def refuse(_m, _i):
-        raise AssertionError("target lm_head called")
-
-    model.lm_head.register_forward_pre_hook(refuse)
+    target, layers, capture = dflash_train.build_target(cfg, torch.device("cpu"))
+    assert not any("lm_head" in n for n, _ in target.base.named_modules())  # the decoder stack alone
     import numpy as np
 
     samples = [np.arange(32, 52), np.arange(40, 50)]
-    batch = dflash_train.target_batch(model, capture, samples, cfg, step=0, device=torch.device("cpu"))
+    batch = dflash_train.target_batch(target.base, capture, samples, cfg, step=0, device=torch.device("cpu"))
     assert batch["hidden"].shape == (2, 20, 2 * 256)
     assert batch["final_blocks"].shape == (2, 2, 3, 256)
 

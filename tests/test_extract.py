@@ -23,21 +23,17 @@ def data(tmp_path: Path) -> Path:
 
 @pytest.fixture()
 def no_lm_head(monkeypatch):
-    """Every target built by the extractor gets an lm_head that fails the test if it is ever called."""
-    from train.stage1 import model as stage1_model
+    """Every target the extractor loads is the decoder stack alone: no lm_head exists to be called."""
+    from train.extract import target as target_mod
 
-    real = stage1_model.build_model
+    real = target_mod.load_target
 
-    def build(*args, **kwargs):
-        model, spec = real(*args, **kwargs)
+    def load(*args, **kwargs):
+        target = real(*args, **kwargs)
+        assert not any("lm_head" in n for n, _ in target.base.named_modules()), "the target has an lm_head"
+        return target
 
-        def refuse(_module, _inputs):
-            raise AssertionError("lm_head was called during extraction")
-
-        model.lm_head.register_forward_pre_hook(refuse)
-        return model, spec
-
-    monkeypatch.setattr(stage1_model, "build_model", build)
+    monkeypatch.setattr(ex, "load_target", load)
 
 
 def _run(out: Path, data: Path, *extra: str) -> int:
@@ -256,7 +252,9 @@ def test_conversations_tokenized_with_the_targets_template_loss_mask_on_assistan
                     "--token-budget", "512", "--max-len", "20"], guard=False) == 0
     log = capsys.readouterr().out
     assert "# truncated 6 of 6 samples to --max-len 20" in log
-    assert json.loads((tmp_path / "y" / "meta.json").read_text())["truncated"] == 6
+    meta = json.loads((tmp_path / "y" / "meta.json").read_text())
+    assert meta["truncated"] == 6
+    assert f"shard     {meta['shards']}/{meta['shards']} |" in log  # progress as shard n/N
     # Without the tokenizer: one line naming the record.
     assert ex.main(["--out", str(tmp_path / "z"), "--data", str(convs), *SMALL], guard=False) == 1
     assert "chat.jsonl:1: a conversation record needs the target's tokenizer" in capsys.readouterr().err

@@ -107,6 +107,7 @@ class Schema:
     plots: tuple[Plot, ...]
     throughput: str  # the one throughput figure of summary.json, named for what it counts
     first_label: str = "step"
+    total_key: str | None = None  # a record field holding the count of first_label's units: `shard 3/12`
     per_task: bool = False  # a task_loss{task: loss} dict, one console column and one curve per task
     per_rank: bool = False  # rank_fwd_ms lists on runs of several ranks
 
@@ -175,6 +176,7 @@ SCHEMAS: dict[str, Schema] = {
         ),
         throughput="samples_per_s",
         first_label="shard",
+        total_key="shards",
     ),
 }
 
@@ -197,7 +199,8 @@ def _value(x: Any, spec: str, scale: float, missing: str) -> str:
 
 def step_line(schema: Schema, record: dict[str, Any], tasks: tuple[str, ...] = ()) -> str:
     """The console line of one step record: the same columns at every step, `-` where absent."""
-    parts = [f"{schema.first_label} {record['step']:>5}"]
+    total = record.get(schema.total_key) if schema.total_key else None
+    parts = [f"{schema.first_label} {record['step']:>5}" + (f"/{total}" if total is not None else "")]
     for col in schema.columns:
         value = _value(record.get(col.key), col.spec, col.scale, col.missing)
         unit = col.unit if value not in ("-", col.missing) else ""

@@ -112,3 +112,43 @@ def peak_flops(device_name: str) -> float | None:
         if key in device_name:
             return value
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# DFlash: the frozen target's forward (extraction) and the drafter's training step.
+
+
+def extraction_flops_per_token(config: Any, seq_len: int) -> float:
+    """Forward-only FLOPs per token of the target's decoder stack, as extraction runs it: the
+    convention above divided by 3 (forward only: 2 flops per weight, 4*L_full*h*d*row_len for
+    attention, 6*L_gdn*H_v*d_k*d_v for the recurrence), WITHOUT the lm_head (never called)."""
+    layer_types = list(_get(config, "layer_types"))
+    n_full = layer_types.count("full_attention")
+    no_head = matmul_params(config) - _get(config, "hidden_size") * _get(config, "vocab_size")
+    attention = 4 * n_full * _get(config, "num_attention_heads") * _get(config, "head_dim") * seq_len
+    return float(2 * no_head + attention + gated_delta_rule_flops(config) / 3)
+
+
+def drafter_step_flops(cfg: Any, vocab: int, ctx_tokens: int, block_tokens: int, key_count: int,
+                       head_rows: int) -> dict[str, float]:
+    """FLOPs of one DFlash drafter training step (forward + backward), by part.
+
+    ``cfg`` is a DrafterConfig. ``ctx_tokens``: real context tokens (the sum of row lengths);
+    ``block_tokens``: block slots of real anchors (anchors x K); ``key_count``: the sum over those
+    slots of the keys each really attends (its anchor's context prefix min(a, len) plus the K slots
+    of its block); ``head_rows``: slots with a label (the rows through the frozen lm_head).
+      - layers, 6N: per block slot the q/k/v/o projections and the SwiGLU MLP of every layer; per
+        context token `fc` and every layer's k/v projections (trained: they get gradients);
+      - attention: 12 * heads * head_dim per (query, key) pair per layer (QK^T and AV, fwd + bwd),
+        by the real key counts, not a dense T x T bound;
+      - frozen head, 4N: lm_head forward and the gradient to its input (its weight is frozen).
+    Not counted: the no-grad argmax for the accuracy statistics, recomputation of checkpointed chunks.
+    """
+    h, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    per_slot = cfg.num_layers * (h * hq * d * 2 + 2 * h * hkv * d + 3 * h * cfg.intermediate_size)
+    per_ctx = cfg.n_target_layers * h * h + cfg.num_layers * 2 * h * hkv * d
+    parts = {"layers": 6.0 * (per_slot * block_tokens + per_ctx * ctx_tokens),
+             "attention": 12.0 * cfg.num_layers * hq * d * key_count,
+             "head": 4.0 * h * vocab * head_rows}
+    parts["total"] = sum(parts.values())
+    return parts

@@ -65,7 +65,27 @@ def hf_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
                           "mask_token_id": cfg.mask_token_id},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        # not read by the engines: which target this drafter was trained for (README.md says it too)
+        "dflash_target": {"path": cfg.target, "config_sha256": cfg.target_config_sha256},
     }
+
+
+def readme(cfg: DrafterConfig) -> str:
+    """README.md of an export: the target it belongs to, and what the engines read."""
+    return "\n".join([
+        "# DFlash drafter", "",
+        f"Trained for the target `{cfg.target or 'unknown'}` (config.json sha256 "
+        f"`{cfg.target_config_sha256 or 'unknown'}`). Serve it next to exactly that target: the drafter "
+        "has no embedding or lm_head and uses the target's, and its inputs are that target's hidden states.", "",
+        f"- target layers captured (0-based): {list(cfg.target_layer_ids)} of {cfg.num_target_layers}",
+        f"- block size: {cfg.block_size}",
+        f"- mask token id: {cfg.mask_token_id} (a token of the target's tokenizer; embedded with the target's "
+        "embedding)",
+        f"- vocab size: {cfg.vocab_size} (the target's)",
+        f"- drafter: {cfg.num_layers} layers, {cfg.num_heads} x {cfg.head_dim} query heads, {cfg.num_kv_heads} "
+        f"key-value heads, MLP {cfg.intermediate_size}", "",
+        "config.json follows the published DFlash drafters (`DFlashDraftModel`, `dflash_config`); "
+        "model.safetensors holds `layers.*`, `fc`, `hidden_norm` and `norm`.", ""])
 
 
 def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
@@ -79,7 +99,9 @@ def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
         head_dim=int(data["head_dim"]), intermediate_size=int(data["intermediate_size"]),
         block_size=int(dflash.get("block_size", data.get("block_size", 16))),
         mask_token_id=int(dflash["mask_token_id"]), rope_theta=float(rope.get("rope_theta", data.get("rope_theta"))),
-        rms_eps=float(data["rms_norm_eps"]), max_position_embeddings=int(data["max_position_embeddings"]))
+        rms_eps=float(data["rms_norm_eps"]), max_position_embeddings=int(data["max_position_embeddings"]),
+        target=str((data.get("dflash_target") or {}).get("path") or ""),
+        target_config_sha256=str((data.get("dflash_target") or {}).get("config_sha256") or ""))
 
 
 def write_export(drafter: Drafter, out: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -94,6 +116,7 @@ def write_export(drafter: Drafter, out: Path, dtype: torch.dtype = torch.bfloat1
     weights = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     atomic_write_bytes(tmp / WEIGHTS, save(weights, metadata={"format": "pt"}))
     atomic_write_text(tmp / CONFIG, json.dumps(hf_config(drafter.cfg, name), indent=2) + "\n")
+    atomic_write_text(tmp / "README.md", readme(drafter.cfg))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

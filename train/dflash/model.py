@@ -79,7 +79,9 @@ class DrafterConfig:
     head_dim: int = 128
     intermediate_size: int = 3584
     block_size: int = 16
-    mask_token_id: int = -1  # -1: the last (padding) row of the vocab
+    mask_token_id: int = -1  # a real id of the target's tokenizer (train.dflash.train.resolve_mask_token); -1: the last row
+    target: str = ""  # the target it is trained for (checkpoint dir or random:<shape>), named in the export
+    target_config_sha256: str = ""
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
     max_position_embeddings: int = 32768
@@ -101,19 +103,32 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
 
-# Drafter shapes by name. Heads, head size, RoPE and norm settings come from the target; so do the
-# width (the embedding and lm_head are the target's) and the captured layers.
-#   target: the published drafter, 5 layers shaped like the target's (width, heads, MLP).
-#   tiny:   2 layers with a 512-wide MLP, for CPU tests.
+# Drafter shapes by name. The width (the embedding and lm_head are the target's), the MLP width,
+# RoPE and norm settings and the captured layers always come from the target.
+#   qwen3.5: the published Qwen3.5/3.6 DFlash drafters' layout (SpecForge configs/qwen3.*-dflash*.json):
+#            5 layers, 32 query heads x 128, 8 key-value heads.
+#   target:  5 layers with the target's own full-attention head layout (this project's first preset).
+#   tiny:    2 layers with a 512-wide MLP, for CPU tests.
 DRAFTER_PRESETS: dict[str, dict[str, int]] = {
+    "qwen3.5": {"num_layers": 5, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128},
     "target": {"num_layers": 5},
     "tiny": {"num_layers": 2, "intermediate_size": 512},
 }
+SMALL_TARGET = 1024  # `auto` picks `tiny` for targets narrower than this (the test-sized ones)
 
 
-def default_drafter(target_preset: str | None) -> str:
-    """`--drafter auto`: `tiny` for the tiny target, the published 5-layer drafter for real ones."""
-    return "tiny" if target_preset in (None, "tiny") else "target"
+def default_drafter(target: TargetShape) -> str:
+    """`--drafter auto`: the published layout (`qwen3.5`) for real targets, `tiny` for test-sized ones."""
+    return "tiny" if target.hidden_size < SMALL_TARGET else "qwen3.5"
+
+
+# The DFlash paper's slot-weight decay per block size (gamma 7 at K=16, 5 at 10, 4 at 8).
+PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """gamma for `--block-size` when `--gamma` is not given: the published value, else 7 scaled by K/16."""
+    return PUBLISHED_GAMMA.get(block_size, round(7.0 * block_size / 16, 2))
 
 
 def drafter_config(spec: str, target: TargetShape, target_layer_ids: list[int], block_size: int
@@ -240,9 +255,13 @@ class BlockAttention:
     """
 
     def __init__(self, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int,
-                 max_scores: int = 1 << 27) -> None:
+                 max_scores: int = 1 << 27, impl: str = "dense") -> None:
         self.anchors, self.lengths, self.t, self.k = anchors, lengths, ctx_len, block_size
         self.max_scores = max_scores
+        if impl not in ATTN_IMPLS:
+            raise ValueError(f"unknown drafter attention {impl!r} ({', '.join(ATTN_IMPLS)})")
+        self.impl = impl
+        self._block_mask = None
         pos = torch.arange(ctx_len, device=anchors.device)
         # [B, A, T]: context t is visible to anchor a's block iff t < a (and t is a real token)
         self.see_ctx = (pos[None, None] < anchors[:, :, None]) & (pos[None, None] < lengths[:, None, None])
@@ -253,8 +272,30 @@ class BlockAttention:
         step = max(1, min(n_anchor, self.max_scores // max(1, per_anchor)))
         return [(i, min(n_anchor, i + step)) for i in range(0, n_anchor, step)]
 
+    def block_mask(self, device: torch.device):
+        """flex_attention's block mask over keys [context T | all blocks' slots A*K]: query slot q of
+        block q // K sees context t < min(anchor, length) and the slots of its own block. Built once
+        per forward and shared by every layer; tiles (128 x 128) that no query of theirs sees are
+        skipped, so the work follows the real key counts (the context prefix of each anchor)."""
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            k, t, n_anchor = self.k, self.t, self.anchors.shape[1]
+            ctx_end = torch.minimum(self.anchors, self.lengths[:, None]).to(device)  # [B, A]
+
+            def visible(b, _h, q_idx, kv_idx):
+                blk = torch.clamp(q_idx // k, max=n_anchor - 1)  # padding queries: as the last block
+                return torch.where(kv_idx < t, kv_idx < ctx_end[b, blk], (kv_idx - t) // k == blk)
+
+            n_kv = t + n_anchor * k
+            self._block_mask = create_block_mask(visible, self.anchors.shape[0], None, padded_queries(n_anchor * k),
+                                                 n_kv, device=str(device), _compile=device.type == "cuda")
+        return self._block_mask
+
     def __call__(self, q, k_ctx, v_ctx, k_blk, v_blk) -> torch.Tensor:
         """q, k_blk, v_blk [B, heads, A*K, d]; k_ctx, v_ctx [B, kv_heads, T, d] -> [B, heads, A*K, d]."""
+        if self.impl == "flex":
+            return self._flex(q, k_ctx, v_ctx, k_blk, v_blk)
         bsz, heads, _, d = q.shape
         groups = heads // k_ctx.shape[1]
         if groups > 1:  # GQA: each key/value head serves `groups` query heads
@@ -277,6 +318,54 @@ class BlockAttention:
                 bsz, heads, a * k, d)
             outs.append(out)
         return torch.cat(outs, dim=2)
+
+    def _flex(self, q, k_ctx, v_ctx, k_blk, v_blk) -> torch.Tensor:
+        """One block-sparse flex_attention call over [context | blocks] keys (compiled on CUDA)."""
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        n_q = q.shape[2]
+        if n_q == 0:
+            return q
+        # Queries padded to a multiple of 128: flex's decoding kernel, which it picks for short
+        # query lengths (4 anchors x 16 = 64), has no variant for these GQA shapes.
+        qp = F.pad(q, (0, 0, 0, padded_queries(n_q) - n_q))
+        fn = _compiled_flex() if q.device.type == "cuda" else _eager_flex()
+        out = fn(qp, k.to(q.dtype), v.to(q.dtype), block_mask=self.block_mask(q.device),
+                 scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1])
+        return out[:, :, :n_q]
+
+
+ATTN_IMPLS = ("dense", "flex")
+FLEX_TILE = 128
+
+
+def padded_queries(n: int) -> int:
+    return -(-n // FLEX_TILE) * FLEX_TILE
+_FLEX: dict[str, Any] = {}
+
+
+def _eager_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def _compiled_flex():
+    """flex_attention compiled once per process (its fused kernel; eager flex is a dense reference).
+
+    Default dynamic-shape policy: the first batch shape compiles static, a second one recompiles
+    with dynamic sizes, so the bucketed batches' varying (rows, context, anchors) do not each
+    compile and exhaust the recompile limit (past it dynamo would run the eager, dense flex)."""
+    if "cuda" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX["cuda"] = torch.compile(flex_attention)
+    return _FLEX["cuda"]
+
+
+def default_attn_impl(device: torch.device) -> str:
+    """`auto`: block-sparse flex_attention on CUDA; the dense chunked reference on the CPU."""
+    return "flex" if device.type == "cuda" else "dense"
 
 
 class TargetHead(nn.Module):
@@ -305,7 +394,7 @@ class Drafter(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, hidden: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                lengths: torch.Tensor, max_scores: int = 1 << 27) -> torch.Tensor:
+                lengths: torch.Tensor, max_scores: int = 1 << 27, attn_impl: str = "dense") -> torch.Tensor:
         """Drafter hidden states of the block slots: every anchor of every row in one pass.
 
         hidden [B, T, n_layers*H] target context; block_embeds [B, A, K, H]; anchors [B, A] (-1 =
@@ -323,7 +412,7 @@ class Drafter(nn.Module):
         rope_q = rope_tables(pos_q, self.cfg.head_dim, self.cfg.rope_theta, dtype)
         rope_ctx = rope_tables(pos_ctx, self.cfg.head_dim, self.cfg.rope_theta, dtype)
         # anchor -1 (none): a position no context precedes, so its slots see only their block
-        attend = BlockAttention(torch.where(anchors >= 0, anchors, 0), lengths, t, k, max_scores)
+        attend = BlockAttention(torch.where(anchors >= 0, anchors, 0), lengths, t, k, max_scores, attn_impl)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_ctx, attend)
         return self.norm(x).view(bsz, n_anchor, k, h)
@@ -346,14 +435,21 @@ def anchor_candidates(lengths: torch.Tensor, block_size: int, loss_mask: torch.T
                       ) -> torch.Tensor:
     """[B, width] bool: where an anchor may go.
 
-    The rules (SpecForge's, with the strict mask): the anchor is a response token (loss mask on;
-    at inference it is a token the target sampled), a full block follows it in the row
-    (a <= len - block_size), and at least one context state precedes it (a >= 1).
+    SpecForge's rule: the anchor a and the token after it, a+1, are both response tokens (loss mask
+    on; at inference the anchor is a token the target sampled), so the block has at least one label;
+    the block may run past the end of the row, its labels there are masked (block_inputs). With the
+    strict mask a context state must precede the anchor: a >= 1. A 10-token final answer with K=16
+    so has 9 candidates (its last token has no next), where a full block after the anchor would
+    allow none. `block_size` is kept for callers; the rule does not depend on it.
     """
+    del block_size
     pos = torch.arange(width, device=lengths.device)
-    ok = (pos[None] >= 1) & (pos[None] <= (lengths[:, None] - block_size))
+    ok = (pos[None] >= 1) & (pos[None] + 1 < lengths[:, None])
     if loss_mask is not None:
-        ok &= loss_mask[:, :width].to(torch.bool)
+        on = loss_mask[:, :width].to(torch.bool)
+        nxt = torch.zeros_like(on)
+        nxt[:, :-1] = on[:, 1:]
+        ok &= on & nxt
     return ok
 
 
@@ -378,16 +474,20 @@ def sample_anchors(lengths: torch.Tensor, n_anchors: int, block_size: int, gen: 
 
 
 def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
-                 loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 loss_mask: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block token ids [B, A, K]: anchor token then masks; labels [B, A, K-1]: the true next tokens,
-    IGNORE_INDEX where there is no anchor or the loss mask is off: prompts are never targets)."""
+    IGNORE_INDEX where there is no anchor, past the end of the row (`lengths`, else the padded
+    width) or where the loss mask is off: prompts are never targets)."""
     offs = torch.arange(block_size, device=input_ids.device)
     valid = anchors >= 0
-    idx = (anchors.clamp(min=0)[:, :, None] + offs).clamp(max=input_ids.shape[1] - 1)  # [B, A, K]
+    raw = anchors.clamp(min=0)[:, :, None] + offs  # [B, A, K]
+    end = lengths.to(raw.device)[:, None, None] if lengths is not None else input_ids.shape[1]
+    idx = raw.clamp(max=input_ids.shape[1] - 1)
     truth = torch.gather(input_ids[:, None, :].expand(-1, anchors.shape[1], -1), 2, idx)
     blocks = torch.full_like(truth, mask_token_id)
     blocks[:, :, 0] = truth[:, :, 0]
-    keep = valid[:, :, None].expand(-1, -1, block_size - 1)
+    keep = valid[:, :, None] & (raw < end)[:, :, 1:]
     if loss_mask is not None:
         on = torch.gather(loss_mask.to(torch.bool)[:, None, :].expand(-1, anchors.shape[1], -1), 2, idx)
         keep = keep & on[:, :, 1:]
@@ -436,9 +536,34 @@ def acceptance_length(acc_slot: list[float]) -> float:
     return tau
 
 
+def _fused_loss(head: TargetHead, rows: torch.Tensor, y: torch.Tensor, w_rows: torch.Tensor, valid: torch.Tensor,
+                verifier_rows: torch.Tensor | None, chunk: int, impl: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The CE through stage-1's fused linear-cross-entropy kernel (train.common.losses: no logits
+    tensor in forward or backward); the accuracy's argmax is a no-grad pass in chunks."""
+    from train.common.losses import token_losses
+
+    weight = head.lm_head.weight.to(rows.dtype)
+    # token_losses predicts labels[t] from hidden[t-1]: give it each row with its label one step on
+    ce = token_losses(rows[:, None].expand(-1, 2, -1), weight,
+                      torch.stack([torch.full_like(y, IGNORE_INDEX), y], 1), impl)[:, 0]
+    loss = (ce * w_rows).sum() / w_rows.sum().clamp(min=1e-9)
+    with torch.no_grad():
+        argmax = torch.cat([(rows[lo:lo + chunk] @ weight.T).argmax(-1) for lo in range(0, len(rows), chunk)])
+    correct = argmax == y
+    acc_slot = slot_accuracies(correct, valid)
+    stats: dict[str, Any] = {"ce": float(ce.detach().mean()), "acc": float(correct.float().mean()),
+                             "acc_slot": acc_slot, "acc1": acc_slot[0], "tau": acceptance_length(acc_slot)}
+    if verifier_rows is not None:
+        with torch.no_grad():
+            agree = sum(int(((verifier_rows[lo:lo + chunk].to(rows.dtype) @ weight.T).argmax(-1)
+                             == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(rows), chunk))
+        stats["target_agree"] = agree / len(rows)
+    return loss, stats
+
+
 def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.Tensor,
                  target_final_at_blocks: torch.Tensor | None, kl_weight: float, gamma: float | None,
-                 chunk_rows: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+                 chunk_rows: int | None = None, loss_impl: str = "logits") -> tuple[torch.Tensor, dict[str, Any]]:
     """Weighted CE on the true tokens (+ kl_weight * KL to the verifier) over block slots only.
 
     The rows go through lm_head in chunks of `chunk_rows` (default: 2^30 logits per chunk), each
@@ -455,6 +580,8 @@ def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.T
     vocab = head.lm_head.weight.shape[0]
     chunk = chunk_rows or max(256, (1 << 30) // vocab)
     use_kl = kl_weight > 0 and verifier_rows is not None
+    if loss_impl != "logits" and not use_kl and len(rows):
+        return _fused_loss(head, rows, y, w_rows, valid, verifier_rows, chunk, loss_impl)
 
     def piece(r: torch.Tensor, yc: torch.Tensor, wc: torch.Tensor, vc: torch.Tensor | None):
         logits = head.lm_head(r).float()

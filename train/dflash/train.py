@@ -33,6 +33,7 @@ from train.common.config import ConfigError, opt, parse_config
 from train.common.distributed import slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
+from train.common.losses import LossImplError
 from train.common.runtime import Runtime
 from train.common.stepper import Stepper
 from train.dflash.data import ShardDataset, batch_stream, pad_samples
@@ -43,6 +44,7 @@ from train.dflash.model import (
     TargetShape,
     block_inputs,
     default_drafter,
+    default_gamma,
     drafter_config,
     drafter_loss,
     gather_block_positions,
@@ -51,6 +53,7 @@ from train.dflash.model import (
 from train.dflash.online import BoundedSender, parse_topology, recv_batch
 from train.extract.data import DatasetError, TokenData, generate_synthetic
 from train.extract.shards import ShardError
+from train.extract.target import TargetError
 
 ENTRYPOINT = "train.dflash"
 
@@ -60,13 +63,20 @@ class DFlashConfig:
     mode: str = opt("offline", choices=("offline", "online"))
     data: str | None = opt(None, help="offline: extraction dir; online: jsonl (default: synthetic in <out>/data.jsonl)")
     topology: str = opt("2-1", help="online: k target ranks - 1 drafter rank")
-    preset: str = opt("tiny", help="online: the target's model shape")
-    init_from: str | None = opt(None, help="online: local checkpoint of the target")
+    preset: str = opt("tiny", help="online: model shape of a random-init target (with --init-from the "
+                                   "checkpoint's config.json is the shape)")
+    init_from: str | None = opt(None, help="online: local checkpoint of the target, used as it is")
+    target_dtype: str = opt("auto", choices=("auto", "bfloat16", "float16", "float32"),
+                            help="online: the target's compute dtype (auto: the checkpoint's own)")
     layers: str | None = opt(None, help="online: captured target layers (default: n_layers spread over 1..L-3)")
     n_layers: int = opt(5)
     tokenizer: str | None = opt(None, help="online: the target's tokenizer dir, for conversations (default: --init-from)")
-    drafter: str = opt("auto", help="drafter preset (target: 5 layers shaped like the target; tiny) or JSON file "
-                                    "of DrafterConfig fields; auto: tiny for the tiny target, target otherwise")
+    drafter: str = opt("auto", help="drafter preset (qwen3.5: the published 5 layers of 32x128 heads, 8 kv heads; "
+                                    "target: 5 layers with the target's head layout; tiny) or JSON file of "
+                                    "DrafterConfig fields; auto: qwen3.5, tiny for test-sized targets")
+    mask_token: str = opt("auto", help="the block's mask token: an id or a token of the target's tokenizer; auto: "
+                                       "248070 for a Qwen3.5 vocab (the published configs'), else the tokenizer's "
+                                       "pad token, else the last row")
     block_size: int = opt(16)
     anchors: int = opt(512, help="anchors per sequence (SpecForge's default), clamped to its response positions")
     max_bad_fraction: float = opt(0.01, help="offline: shards failing verification are skipped up to this share")
@@ -77,7 +87,8 @@ class DFlashConfig:
     warmup: int = opt(4)
     weight_decay: float = opt(0.0)
     grad_clip: float = opt(1.0)
-    gamma: float | None = opt(7.0, help="slot loss weights exp(-(j-1)/gamma); 0 = uniform")
+    gamma: float | None = opt(None, parse=float, help="slot loss weights exp(-(j-1)/gamma); 0 = uniform; default: "
+                                                     "from --block-size (7 at 16, 5 at 10, 4 at 8, else 7K/16)")
     kl_weight: float = opt(0.0, help="weight of KL(verifier || drafter) on the anchor blocks")
     queue_depth: int = opt(4, help="online: messages in flight per target rank")
     seed: int = opt(0)
@@ -92,6 +103,10 @@ class DFlashConfig:
     # Matmuls of the drafter step in bf16 under autocast, fp32 weights and optimizer. auto: on
     # CUDA (an fp32 drafter was the bottleneck of the 1-1 topology on H200s), off on CPU.
     amp: str = opt("auto", choices=("auto", "bf16", "off"))
+    # auto: block-sparse flex_attention (compiled) on CUDA, the dense chunked reference on CPU
+    attn_impl: str = opt("auto", choices=("auto", "dense", "flex"))
+    # the anchor-block CE: auto = stage-1's fused kernel on CUDA (no logits tensor), logits on CPU
+    loss_impl: str = opt("auto", choices=("auto", "logits", "cce", "liger"))
 
 
 def parse_args(argv: list[str] | None) -> DFlashConfig:
@@ -117,7 +132,7 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
     return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=train, guard=guard,
-                          run_errors=(ShardError, DatasetError, FastPathError, ValueError))
+                          run_errors=(ShardError, DatasetError, FastPathError, TargetError, LossImplError, ValueError))
 
 
 def lr_at(cfg: DFlashConfig, step: int) -> float:
@@ -136,21 +151,19 @@ def step_generator(seed: int, step: int) -> torch.Generator:
 
 
 def build_target(cfg: DFlashConfig, device: torch.device):
+    """The target as its checkpoint is (train.extract.target), its captured layers and their hooks."""
     from train.common import fastpath
     from train.extract.extract import HiddenCapture, parse_layers
-    from train.stage1.model import build_model
+    from train.extract.target import load_target
 
     kernels = fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path)
-    torch.manual_seed(cfg.seed)  # the same random-init target on every rank
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, spec = build_model(cfg.preset, device=device, dtype=dtype, init_from=cfg.init_from)
-    fastpath.install_kernels(model, kernels)
-    model.eval().requires_grad_(False)
-    layers = parse_layers(cfg.layers, model.config.num_hidden_layers, cfg.n_layers)
-    return model, spec, layers, HiddenCapture(model.model, layers)
+    target = load_target(cfg.init_from, cfg.preset, device, cfg.target_dtype, cfg.seed)
+    fastpath.install_kernels(target.base, kernels)
+    layers = parse_layers(cfg.layers, target.config.num_hidden_layers, cfg.n_layers)
+    return target, layers, HiddenCapture(target.base, layers)
 
 
-def target_batch(model, capture, samples: list[np.ndarray], cfg: DFlashConfig, step: int,
+def target_batch(base, capture, samples: list[np.ndarray], cfg: DFlashConfig, step: int,
                  device: torch.device, masks: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
     """What a target rank sends for one step: context, anchors (on loss-masked response tokens),
     the loss mask, and the final states at the anchor blocks."""
@@ -158,7 +171,7 @@ def target_batch(model, capture, samples: list[np.ndarray], cfg: DFlashConfig, s
 
     ids, lens = pad_batch(samples)
     loss_mask = pad_masks(masks, ids.shape[1]) if masks is not None else torch.ones_like(ids, dtype=torch.bool)
-    hidden, final = target_forward(model.model, capture, ids.to(device))
+    hidden, final = target_forward(base, capture, ids.to(device))
     lengths = torch.tensor(lens)
     anchors = sample_anchors(lengths, cfg.anchors, cfg.block_size, step_generator(cfg.seed, step), loss_mask)
     final_blocks = gather_block_positions(final, anchors.to(final.device), cfg.block_size)
@@ -167,13 +180,13 @@ def target_batch(model, capture, samples: list[np.ndarray], cfg: DFlashConfig, s
             "final_blocks": final_blocks.float(), "loss_mask": loss_mask.long()}
 
 
-def load_online_dataset(cfg: DFlashConfig, vocab_base: int, vocab: int, is_main: bool, barrier) -> TokenData:
+def load_online_dataset(cfg: DFlashConfig, vocab: int, is_main: bool, barrier) -> TokenData:
     """Token ids and loss masks (conversations through the target's tokenizer); truncation reported."""
     from train.extract.extract import load_token_data
 
     path = Path(cfg.data) if cfg.data else Path(cfg.out) / "data.jsonl"
     if not cfg.data and not path.exists() and is_main:
-        generate_synthetic(path, cfg.synthetic_samples, seed=cfg.seed, vocab=vocab_base)
+        generate_synthetic(path, cfg.synthetic_samples, seed=cfg.seed, vocab=vocab)
     barrier()
     data = load_token_data(cfg, path, vocab)  # reads cfg.tokenizer, cfg.init_from, cfg.max_len
     if data.truncated and is_main:
@@ -188,11 +201,13 @@ def pad_masks(masks: list[np.ndarray], width: int) -> torch.Tensor:
     return out
 
 
-def make_drafter_config(cfg: DFlashConfig, target: TargetShape, layers: list[int], target_preset: str | None
-                        ) -> DrafterConfig:
-    """`--drafter auto`: tiny for the tiny target, the published 5-layer target-shaped one otherwise."""
-    spec = default_drafter(target_preset) if cfg.drafter == "auto" else cfg.drafter
+def make_drafter_config(cfg: DFlashConfig, target: TargetShape, layers: list[int], mask_token_id: int,
+                        identity: tuple[str, str] = ("", "")) -> DrafterConfig:
+    """`--drafter auto`: the published layout for real targets, tiny for test-sized ones."""
+    spec = default_drafter(target) if cfg.drafter == "auto" else cfg.drafter
     dcfg = drafter_config(spec, target, layers, cfg.block_size)
+    dcfg.mask_token_id = mask_token_id
+    dcfg.target, dcfg.target_config_sha256 = identity
     # A JSON file may set any field; these must be the data's, or the first step fails on shapes.
     given = {"target_layer_ids": (dcfg.target_layer_ids, list(layers)), "hidden_size": (dcfg.hidden_size,
              target.hidden_size), "vocab_size": (dcfg.vocab_size, target.vocab_size)}
@@ -204,16 +219,17 @@ def make_drafter_config(cfg: DFlashConfig, target: TargetShape, layers: list[int
 
 
 def check_lengths(cfg: DFlashConfig, lengths: np.ndarray, say) -> None:
-    """A block needs an anchor with a context state before it and --block-size - 1 tokens after:
-    refuse a block size no sample can hold; say so when --anchors exceeds what the longest offers."""
+    """An anchor needs a context state before it and a label after it (positions 1 .. len-2; the
+    block may run past the row's end): refuse data where none fits; say so when --anchors
+    exceeds what the longest sample offers."""
     longest = int(lengths.max()) if len(lengths) else 0
-    room = longest - cfg.block_size  # anchor positions 1 .. len - block_size
+    room = longest - 2  # anchor positions 1 .. len - 2
     if room < 1:
-        raise ConfigError(f"--block-size {cfg.block_size}: the longest sample has {longest} tokens, so no "
-                          f"anchor fits (a block needs {cfg.block_size + 1}); lower --block-size")
+        raise ConfigError(f"the longest sample has {longest} tokens: no anchor fits (an anchor needs a token "
+                          "before it and one after it)")
     if cfg.anchors > room:
-        say(f"# --anchors {cfg.anchors}: the longest sample offers at most {room} anchor positions "
-            f"(--block-size {cfg.block_size}); each row takes what its response tokens offer")
+        say(f"# --anchors {cfg.anchors}: the longest sample offers at most {room} anchor positions; "
+            "each row takes what its response tokens offer")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +245,8 @@ class Source:
     embed_w: torch.Tensor
     head_w: torch.Tensor
     target_shape: TargetShape | None = None  # what the drafter takes from the target's config
-    target_preset: str | None = None
+    tokenizer: str | None = None  # the target's tokenizer dir, when known (the mask token is one of its ids)
+    identity: tuple[str, str] = ("", "")  # (target checkpoint or random:<shape>, its config.json's sha256)
     data: ShardDataset | None = None
     target: Any = None
     capture: Any = None
@@ -248,6 +265,8 @@ class DrafterRun:
     n_targets: int
     wire: torch.device
     data: ShardDataset | None
+    attn_impl: str = "dense"
+    loss_impl: str = "logits"
     t_start: float = field(default_factory=time.perf_counter)
     real_tokens: int = 0
     first: float | None = None
@@ -329,15 +348,28 @@ def load_source(cfg: DFlashConfig, rt: Runtime) -> Source:
         embed_w, head_w = data.head_weights()
         target = data.target_shape(embed_w.shape[0])
         data.check_target(target)
-        return Source(data.lengths, data.layers, data.hidden_size, embed_w, head_w, target, data.meta.get("preset"),
-                      data=data)
-    target, spec, layers, capture = build_target(cfg, rt.device)
-    records = load_online_dataset(cfg, spec.vocab.base_vocab, target.config.vocab_size, rt.dist.is_main,
-                                  rt.barrier)
-    return Source(np.array([len(s) for s in records.ids]), layers, target.config.hidden_size,
-                  target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach(),
-                  TargetShape.from_config(target.config), cfg.preset, target=target, capture=capture,
-                  samples=records.ids, loss_masks=records.loss_masks)
+        meta = data.meta
+        return Source(data.lengths, data.layers, data.hidden_size, embed_w, head_w, target,
+                      cfg.tokenizer or meta.get("tokenizer") or meta.get("init_from"),
+                      (meta.get("target") or meta.get("init_from") or f"random:{meta.get('preset')}",
+                       meta.get("target_config_sha256") or ""), data=data)
+    from train.extract.extract import parse_layers
+    from train.extract.target import checkpoint_config, checkpoint_head, head_weights
+
+    base = capture = None
+    if rt.is_logger and cfg.init_from:  # the drafter rank needs the target's config and head, not the model
+        text = checkpoint_config(cfg.init_from)
+        layers = parse_layers(cfg.layers, text.num_hidden_layers, cfg.n_layers)
+        embed_w, head_w = checkpoint_head(cfg.init_from)
+    else:
+        target, layers, capture = build_target(cfg, rt.device)
+        text, base = target.config, target.base
+        embed_w, head_w = head_weights(target)
+    records = load_online_dataset(cfg, int(embed_w.shape[0]), rt.dist.is_main, rt.barrier)
+    digest = target_identity(cfg.init_from) if cfg.init_from else ""
+    return Source(np.array([len(s) for s in records.ids]), layers, text.hidden_size, embed_w, head_w,
+                  TargetShape.from_config(text), cfg.tokenizer or cfg.init_from,
+                  (cfg.init_from or f"random:{cfg.preset}", digest), target=base, capture=capture, samples=records.ids, loss_masks=records.loss_masks)
 
 
 def run_target_rank(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: BucketedSampler, start: int,
@@ -372,7 +404,8 @@ def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucketed
                   start: int, n_targets: int, wire: torch.device) -> DrafterRun:
     device = rt.device
     assert src.target_shape is not None
-    dcfg = make_drafter_config(cfg, src.target_shape, src.layers, src.target_preset)
+    mask = resolve_mask_token(cfg.mask_token, src.target_shape.vocab_size, src.tokenizer)
+    dcfg = make_drafter_config(cfg, src.target_shape, src.layers, mask, src.identity)
     head = TargetHead(src.embed_w.to(device), src.head_w.to(device)).to(device)
     src.target = None  # the drafter rank needs only the target's head
     drafter = Drafter(dcfg).to(device)
@@ -390,7 +423,12 @@ def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucketed
                    "block_size": dcfg.block_size, "anchors": cfg.anchors, "buckets": sampler.edges,
                    "bucket_efficiency": f"{sampler.stats(0).efficiency:.3f}", "start_step": start,
                    "steps": cfg.steps, "device": device.type, "amp": "bf16" if amp_on else "off"})
-    return DrafterRun(head, drafter, dcfg, stepper, batch_stream(sampler, start), amp_on, n_targets, wire, src.data)
+    from train.common.losses import select_loss_impl
+    from train.dflash.model import default_attn_impl
+
+    attn = default_attn_impl(device) if cfg.attn_impl == "auto" else cfg.attn_impl
+    return DrafterRun(head, drafter, dcfg, stepper, batch_stream(sampler, start), amp_on, n_targets, wire, src.data,
+                      attn, select_loss_impl(device, cfg.loss_impl))
 
 
 def next_batch(cfg: DFlashConfig, run: DrafterRun, step: int, ids: Any, device: torch.device
@@ -412,13 +450,62 @@ def drafter_forward(cfg: DFlashConfig, run: DrafterRun, batch: dict[str, torch.T
                     device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
     input_ids, anchors = batch["input_ids"].to(device), batch["anchors"].to(device)
     blocks, labels = block_inputs(input_ids, anchors, run.dcfg.block_size, run.dcfg.mask_token_id,
-                                  batch["loss_mask"].to(device))
+                                  batch["loss_mask"].to(device), batch["lengths"].to(device))
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.amp_on):
         hidden = run.drafter(batch["hidden"].to(device), run.head.embed_tokens(blocks), anchors,
-                             batch["lengths"].to(device))
-        loss, stats = drafter_loss(run.head, hidden, labels, final_blocks, cfg.kl_weight, cfg.gamma or None)
+                             batch["lengths"].to(device), attn_impl=run.attn_impl)
+        loss, stats = drafter_loss(run.head, hidden, labels, final_blocks, cfg.kl_weight, slot_gamma(cfg),
+                                   loss_impl=run.loss_impl)
     stats["anchors"] = int((anchors >= 0).sum())  # blocks in this step
     return loss, stats
+
+
+def slot_gamma(cfg: DFlashConfig) -> float | None:
+    """The slot-weight decay: --gamma, or the block size's published value; None (uniform) for 0."""
+    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
+    return gamma or None
+
+
+# The published Qwen3.5 DFlash configs' mask token (SpecForge configs/qwen3.5-4b-vl-dflash.json,
+# qwen3.6-27b-dflash2.json): a reserved special token of the Qwen3.5 tokenizer's 248,320 rows.
+QWEN35_VOCAB, QWEN35_MASK = 248320, 248070
+
+
+def resolve_mask_token(spec: str, vocab: int, tokenizer_dir: str | None) -> int:
+    """The mask token id: `spec` as an id or a token of the target's tokenizer, or (auto) the
+    published Qwen3.5 id for a Qwen3.5 vocab, else the tokenizer's pad token, else the last row.
+
+    The serving engines embed it with the TARGET's embedding, so it must be one of its rows, and
+    when the tokenizer is known, one of its tokens (ConfigError otherwise)."""
+    tok = None
+    if tokenizer_dir and Path(tokenizer_dir).is_dir():
+        from train.common.hf_local import has_tokenizer, load_tokenizer
+
+        tok = load_tokenizer(tokenizer_dir) if has_tokenizer(tokenizer_dir) else None
+    if spec == "auto":
+        pad = getattr(tok, "pad_token_id", None) if tok is not None else None
+        mask = QWEN35_MASK if vocab == QWEN35_VOCAB else pad if pad is not None else vocab - 1
+    elif spec.lstrip("-").isdigit():
+        mask = int(spec)
+    else:
+        if tok is None:
+            raise ConfigError(f"--mask-token {spec!r}: a token needs the target's tokenizer (--tokenizer DIR)")
+        mask = tok.convert_tokens_to_ids(spec)
+        if mask is None or mask == getattr(tok, "unk_token_id", None):
+            raise ConfigError(f"--mask-token {spec!r}: not a token of the target's tokenizer {tokenizer_dir}")
+    if not 0 <= mask < vocab:
+        raise ConfigError(f"--mask-token {spec}: id {mask} is not a row of the target's {vocab}-row embedding")
+    if tok is not None and mask >= len(tok):
+        raise ConfigError(f"--mask-token {spec}: id {mask} is a padding row, not a token of the target's "
+                          f"tokenizer ({len(tok)} tokens)")
+    return int(mask)
+
+
+def target_identity(path: str) -> str:
+    """sha256 of the target checkpoint's config.json (named in the export's README)."""
+    import hashlib
+
+    return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
 
 
 def finish(cfg: DFlashConfig, run: DrafterRun, rt: Runtime) -> None:

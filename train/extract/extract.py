@@ -55,6 +55,7 @@ from train.extract.shards import (
     write_index,
     write_shard,
 )
+from train.extract.target import Target, TargetError, head_weights, load_target
 
 ENTRYPOINT = "train.extract"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -62,8 +63,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 @dataclass
 class ExtractConfig:
-    preset: str = opt("tiny", help="the target's model shape (train/stage1/model.py)")
-    init_from: str | None = opt(None, help="local transformers checkpoint dir of the target")
+    preset: str = opt("tiny", help="model shape of a random-init target (train/common/shapes.py); with "
+                                   "--init-from the checkpoint's own config.json is the shape")
+    init_from: str | None = opt(None, help="local transformers checkpoint dir of the target, used as it is")
+    target_dtype: str = opt("auto", choices=("auto", *DTYPES),
+                            help="the target's compute dtype (auto: the checkpoint's own; random init: bf16 "
+                                 "on GPU, fp32 on CPU)")
     data: str | None = opt(None, help='jsonl, one {"id", "input_ids": [...]} or {"id", "conversations": [...]} '
                                       "per line (default: <out>/data.jsonl, synthetic, made when absent)")
     tokenizer: str | None = opt(None, help="local dir of the target's tokenizer + chat template, for "
@@ -196,7 +201,7 @@ def sync_shard(cfg: ExtractConfig, path: Path, entry: ShardEntry) -> str:
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
     return run_entrypoint(ENTRYPOINT, argv, parse=parse_args, run=extract, guard=guard,
-                          run_errors=(DatasetError, ShardError, FastPathError, ValueError))
+                          run_errors=(DatasetError, ShardError, FastPathError, TargetError, ValueError))
 
 
 @dataclass
@@ -236,37 +241,36 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
     from safetensors.torch import save
 
     from train.common import fastpath
-    from train.stage1.model import build_model
 
     out, dist_info = rt.out, rt.dist
     out.mkdir(parents=True, exist_ok=True)
     kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path)
-    torch.manual_seed(cfg.seed)  # the same random-init target on every rank and every resume
-    model_dtype = torch.bfloat16 if rt.device.type == "cuda" else torch.float32
-    model, spec = build_model(cfg.preset, device=rt.device, dtype=model_dtype, init_from=cfg.init_from)
-    fastpath.install_kernels(model, kernels)
-    model.eval().requires_grad_(False)
-    layers = parse_layers(cfg.layers, model.config.num_hidden_layers, cfg.n_layers)
+    target = load_target(cfg.init_from, cfg.preset, rt.device, cfg.target_dtype, cfg.seed)
+    fastpath.install_kernels(target.base, kernels)
+    text = target.config
+    layers = parse_layers(cfg.layers, text.num_hidden_layers, cfg.n_layers)
 
     data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
     if not cfg.data:
         if dist_info.is_main and not data_path.exists():
-            generate_synthetic(data_path, cfg.synthetic_samples, seed=cfg.seed, vocab=spec.vocab.base_vocab)
+            generate_synthetic(data_path, cfg.synthetic_samples, seed=cfg.seed, vocab=target.vocab_size)
         rt.barrier()  # every rank reads the file rank 0 wrote
-    records = load_token_data(cfg, data_path, model.config.vocab_size)
+    records = load_token_data(cfg, data_path, target.vocab_size)
     samples = records.ids
     if records.truncated:
         rt.print(records.report(cfg.max_len))
     lengths = np.array([len(s) for s in samples])
     plan = plan_batches(lengths, cfg.token_budget)
     # Before anything is written: the estimate, and a refusal when the filesystem lacks the space.
-    check_disk(out, disk_needed(out, plan, lengths, len(layers), model, cfg), rt.print)
+    check_disk(out, disk_needed(out, plan, lengths, len(layers), target, cfg), rt.print)
     meta = {
-        "preset": cfg.preset, "init_from": cfg.init_from, "layers": layers, "hidden_size": model.config.hidden_size,
-        "vocab_size": model.config.vocab_size, "dtype": cfg.dtype, "data": str(data_path.resolve()),
+        "preset": cfg.preset, "init_from": cfg.init_from, "layers": layers, "hidden_size": text.hidden_size,
+        "vocab_size": target.vocab_size, "target": target.source, "target_config_sha256": target.config_sha256,
+        "tokenizer": cfg.tokenizer or cfg.init_from,
+        "dtype": cfg.dtype, "data": str(data_path.resolve()),
         "samples": len(samples), "shards": len(plan), "token_budget": cfg.token_budget, "seed": cfg.seed,
         "plan_sha256": hashlib.sha256(json.dumps(plan).encode()).hexdigest(),
-        "truncated": records.truncated, "target_config": target_config(model),
+        "truncated": records.truncated, "target_config": target_config(text),
     }
     old = load_meta(out / META, ("preset", "layers", "samples", "plan_sha256")) if (out / META).exists() else None
     if old is not None:
@@ -276,8 +280,8 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
                               "use a new --out or the same arguments as before")
     elif dist_info.is_main:
         # The head first, then meta.json: a directory with a meta.json always has its head.
-        head = {"embed_tokens": model.model.embed_tokens.weight.detach().cpu().contiguous(),
-                "lm_head": model.lm_head.weight.detach().cpu().clone()}  # a copy: tied weights share memory
+        embed, lm_head = head_weights(target)  # lm_head read from the files: the base model has none
+        head = {"embed_tokens": embed.contiguous(), "lm_head": lm_head.contiguous()}
         atomic_write_bytes(out / HEAD, save(head))
         atomic_write_text(out / META, json.dumps(meta, indent=1) + "\n")
 
@@ -294,7 +298,7 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
     write_index(out, dist_info.rank, mine)
     rt.log.header({"preset": cfg.preset, "layers": layers, "samples": len(samples), "shards": len(plan),
                    "world": dist_info.world_size, "device": rt.device.type, "lm_head": "never called"})
-    return Extraction(cfg, model.model, HiddenCapture(model.model, layers), samples, records.loss_masks, lengths,
+    return Extraction(cfg, target.base, HiddenCapture(target.base, layers), samples, records.loss_masks, lengths,
                       plan, mine, ident)
 
 
@@ -404,24 +408,24 @@ def load_token_data(cfg: ExtractConfig, data_path: Path, vocab: int) -> TokenDat
     return load_records(data_path, vocab=vocab, max_len=cfg.max_len, tokenizer=load_tokenizer(tokenizer_dir, "--tokenizer" if cfg.tokenizer else "--init-from"))
 
 
-def target_config(model: torch.nn.Module) -> dict:
+def target_config(text_config) -> dict:
     """The target's text config fields the drafter is shaped by (train.dflash.model.TargetShape)."""
     from train.dflash.model import TargetShape
 
-    return asdict(TargetShape.from_config(getattr(model.config, "text_config", model.config)))
+    return asdict(TargetShape.from_config(text_config))
 
 
-def disk_needed(out: Path, plan: list[list[int]], lengths: np.ndarray, n_layers: int, model: torch.nn.Module,
+def disk_needed(out: Path, plan: list[list[int]], lengths: np.ndarray, n_layers: int, target: Target,
                 cfg: ExtractConfig) -> int:
     """Bytes still to write under `out`: bytes/token x tokens of the shards not yet indexed (with a
     verified sync, shards are deleted once copied: only the largest is here at a time), plus the
     target head if it is not there yet."""
     done = read_index(out) if out.is_dir() else {}
-    per_token = bytes_per_token(n_layers, model.config.hidden_size, cfg.dtype)
+    per_token = bytes_per_token(n_layers, target.config.hidden_size, cfg.dtype)
     sizes = [per_token * int(lengths[b].sum()) for k, b in enumerate(plan) if shard_name(k) not in done]
     need = (max(sizes) if cfg.sync_check_cmd else sum(sizes)) if sizes else 0
     if not (out / HEAD).exists():
-        need += 4 * (model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel())
+        need += 2 * target.base.embed_tokens.weight.numel() * target.base.embed_tokens.weight.element_size()
     return need
 
 

@@ -124,17 +124,23 @@ def check_target_dir(cfg: RegenConfig) -> None:
 
 
 def load_target(cfg: RegenConfig, device: torch.device):
-    from transformers import AutoModelForCausalLM
+    """The target checkpoint as it is, straight onto `device` in its own dtype (bf16 on CUDA when it
+    says fp32), without a host copy of the model (train.extract.target.load_causal_lm)."""
+    from train.extract.target import TargetError, load_causal_lm
 
     path = Path(cfg.init_from)
     check_target_dir(cfg)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = "auto" if device.type == "cuda" else "float32"
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+        model = load_causal_lm(path, device, dtype)
+    except TargetError as exc:
+        raise ConfigError(str(exc)) from None
     except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' messages run to paragraphs
         first = one_line(exc).split(". ")[0]  # the reason, not transformers' upgrade advice
         raise ConfigError(f"--init-from {path}: the target does not load ({first})") from None
-    return model.to(device).eval()
+    if device.type == "cuda" and next(model.parameters()).dtype == torch.float32:
+        model = model.to(torch.bfloat16)  # an fp32 checkpoint generates in bf16 on GPUs, as before
+    return model
 
 
 def generate_turns(model, tok, prompts: list[list[dict[str, str]]], cfg: RegenConfig, seed: int,

@@ -1,0 +1,242 @@
+"""DFlash drafter training step, today's dense attention against block-sparse flex_attention, and
+the target's extraction forward, on one GPU. Prints markdown tables (bench/RESULTS.md).
+
+    python bench/dflash_drafter.py drafter [--anchors 4,512] [--impls dense:logits,flex:cce] [--steps 6]
+    python bench/dflash_drafter.py extract [--steps 4] [--token-budget 65536]
+
+Workload: a Qwen3.5-2B-shaped target (hidden 2048, 24 layers, vocab 248,320, the model shape
+`qwen35-2b` without codebook rows), 5 captured layers, the published `qwen3.5` drafter (5 layers,
+32 x 128 query heads, 8 kv heads, MLP 6144), K = 16, bf16 autocast with fp32 weights and fused
+AdamW, as the trainer runs it. Conversations of 1-4k tokens from the reference length mix
+(train.common.bucketing.long_tail_lengths, median 1,800, clipped to [1024, 4096]), the first
+quarter of each the prompt, the rest the response; batches of the bucketed shuffle under
+--token-budget padded tokens. Hidden states are random (the drafter's cost does not depend on
+their values).
+
+FLOPs (train.common.mfu.drafter_step_flops): drafter layers 6N per block slot and per context
+token, attention 12 * heads * head_dim per (query, key) pair by the REAL key counts (anchor prefix
++ own block), the frozen lm_head 4N per labelled slot; MFU against 989 TFLOP/s (bf16 dense).
+Extraction: forward only (train.common.mfu.extraction_flops_per_token, no lm_head) per padded
+token (all-token MFU) and per real token (useful MFU).
+
+k* projection: ceil(target seconds per batch / drafter seconds per batch), both measured here on
+the same batch size: the number of target ranks one drafter rank keeps up with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train.common.bucketing import BucketedSampler, long_tail_lengths  # noqa: E402
+from train.common.mfu import H100_H200_PEAK, drafter_step_flops, extraction_flops_per_token  # noqa: E402
+from train.dflash.model import (  # noqa: E402
+    Drafter,
+    TargetHead,
+    TargetShape,
+    block_inputs,
+    drafter_config,
+    drafter_loss,
+    sample_anchors,
+)
+
+TARGET = TargetShape(hidden_size=2048, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                     head_dim=256, intermediate_size=6144, vocab_size=248320, rope_theta=1e7)
+LAYERS = [1, 6, 11, 16, 21]
+K = 16
+
+
+def conversations(n: int, seed: int) -> np.ndarray:
+    return np.clip(long_tail_lengths(n, seed=seed, lo=1024, hi=4096, median=1800.0, sigma=0.5), 1024, 4096)
+
+
+def batches(n_batches: int, budget: int, seed: int) -> list[np.ndarray]:
+    lengths = conversations(4 * n_batches * max(1, budget // 1024), seed)
+    got = BucketedSampler(lengths, budget, seed=seed).batches(0)[:n_batches]
+    return [lengths[b] for b in got]
+
+
+def make_batch(lens: np.ndarray, dev: torch.device, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    b, t = len(lens), int(lens.max())
+    lengths = torch.tensor(lens, dtype=torch.long)
+    pos = torch.arange(t)
+    mask = (pos[None] >= (lengths[:, None] // 4)) & (pos[None] < lengths[:, None])
+    return {"lengths": lengths, "loss_mask": mask,
+            "input_ids": torch.randint(0, TARGET.vocab_size, (b, t), generator=gen),
+            "hidden": torch.randn(b, t, len(LAYERS) * TARGET.hidden_size, generator=gen).to(dev)}
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def train_step(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_impl: str) -> float:
+    """One drafter step as the trainer runs it (bf16 autocast, fp32 weights); its seconds."""
+    dev = anchors.device
+    sync(dev)
+    t0 = time.perf_counter()
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        hid = drafter(bt["hidden"], head.embed_tokens(blocks), anchors, bt["lengths"].to(dev), attn_impl=attn)
+        loss, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=loss_impl)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+def drafter_bench(args) -> None:
+    global TARGET
+    dev = torch.device(args.device)
+    if args.smoke:  # a CPU check of this script's own logic, tiny shapes
+        TARGET = TargetShape(hidden_size=64, num_hidden_layers=24, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, intermediate_size=128, vocab_size=300)
+    cfg = drafter_config("tiny" if args.smoke else "qwen3.5", TARGET, LAYERS, K)
+    cfg.mask_token_id = TARGET.vocab_size - 250 if args.smoke else 248070
+    torch.manual_seed(0)
+    drafter = Drafter(cfg).to(dev)
+    head = TargetHead(torch.randn(TARGET.vocab_size, TARGET.hidden_size) * 0.02,
+                      torch.randn(TARGET.vocab_size, TARGET.hidden_size) * 0.02).to(dev)
+    drafter.match_output_scale(head.lm_head.weight)
+    opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=1e-4, fused=dev.type == "cuda")
+    gen = torch.Generator().manual_seed(0)
+    data = [make_batch(lens, dev, gen) for lens in batches(args.batches, args.token_budget, 0)]
+    rows = []
+    for n_anchors in [int(x) for x in args.anchors.split(",")]:
+        plans = []
+        for i, bt in enumerate(data):
+            anchors = sample_anchors(bt["lengths"], n_anchors, K, torch.Generator().manual_seed(i), bt["loss_mask"])
+            blocks, labels = block_inputs(bt["input_ids"], anchors, K, cfg.mask_token_id, bt["loss_mask"],
+                                          bt["lengths"])
+            valid = anchors >= 0
+            keys = int(((torch.minimum(anchors, bt["lengths"][:, None]) + K) * valid).sum()) * K
+            flops = drafter_step_flops(cfg, TARGET.vocab_size, int(bt["lengths"].sum()), int(valid.sum()) * K, keys,
+                                       int((labels != -100).sum()))
+            plans.append((bt, anchors.to(dev), blocks.to(dev), labels.to(dev), flops))
+        outs = {}
+        for impl in args.impls.split(","):
+            attn, loss_impl = impl.split(":")
+
+            def step(bt, anchors, blocks, labels, record, attn=attn, loss_impl=loss_impl):
+                t = train_step(drafter, head, opt, bt, anchors, blocks, labels, attn, loss_impl)
+                if record is not None:
+                    record.append(t)
+
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            for _ in range(args.warmup):  # every batch shape once per pass: compiles happen here
+                for bt, anchors, blocks, labels, _f in plans:
+                    step(bt, anchors, blocks, labels, None)
+            per_batch = [[] for _ in plans]
+            for _ in range(args.steps):
+                for j, (bt, anchors, blocks, labels, _f) in enumerate(plans):
+                    step(bt, anchors, blocks, labels, per_batch[j])
+            mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
+            med = [statistics.median(x) for x in per_batch]
+            sec = sum(med) / len(med)
+            flops = sum(p[4]["total"] for p in plans) / len(plans)
+            real = sum(int(p[0]["lengths"].sum()) for p in plans) / len(plans)
+            blocks_n = sum(int((p[1] >= 0).sum()) for p in plans) / len(plans)
+            attn_share = sum(p[4]["attention"] for p in plans) / sum(p[4]["total"] for p in plans)
+            outs[impl] = sec
+            rows.append((impl, n_anchors, blocks_n, 1000 * sec, real / sec, flops / 1e12, attn_share,
+                         flops / sec / H100_H200_PEAK, mem))
+            print("# " + row_line(rows[-1]), flush=True)  # as it lands: a later failure keeps it
+        # same-step check: the two attention paths give the same drafter output on batch 0
+        bt, anchors, blocks, _labels, _f = plans[0]
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
+            emb = head.embed_tokens(blocks)
+            a = drafter(bt["hidden"], emb, anchors, bt["lengths"].to(dev), attn_impl="dense").float()
+            b = drafter(bt["hidden"], emb, anchors, bt["lengths"].to(dev), attn_impl="flex").float()
+        print(f"# anchors {n_anchors}: dense vs flex drafter output, max |diff| {float((a - b).abs().max()):.3e}, "
+              f"max |out| {float(a.abs().max()):.3e}", flush=True)
+    print(f"\nbatches: {args.batches} of <= {args.token_budget} padded tokens (rows x longest), "
+          f"{args.steps} timed passes after {args.warmup} warm-up, median per batch, averaged")
+    print(HEADER)
+    for r in rows:
+        print(row_line(r))
+    sys.stdout.flush()
+
+
+HEADER = ("| attention:loss | anchors/seq | blocks/step | ms/step | real tok/s | TFLOP/step | attention share "
+          "| MFU | peak GiB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def row_line(r) -> str:
+    return (f"| {r[0]} | {r[1]} | {r[2]:,.0f} | {r[3]:.1f} | {r[4]:,.0f} | {r[5]:.2f} | {100 * r[6]:.1f}% "
+            f"| {100 * r[7]:.1f}% | {r[8]:.1f} |")
+
+
+def extract_bench(args) -> None:
+    from train.common import fastpath
+    from train.extract.extract import HiddenCapture, pad_batch, plan_batches, target_forward
+    from train.extract.target import load_target
+
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    target = load_target(None, "qwen35-2b", dev)
+    fastpath.install_kernels(target.base, fastpath.select_kernels(dev))
+    print(f"# target built in {time.perf_counter() - t0:.1f}s, vocab {target.vocab_size}", flush=True)
+    capture = HiddenCapture(target.base, LAYERS)
+    lengths = conversations(400, 1)
+    plan = plan_batches(lengths, args.token_budget)[: args.batches]
+    gen = np.random.default_rng(0)
+    samples = [gen.integers(0, target.vocab_size, size=int(n)) for n in lengths]
+    times = []
+    for i in range(args.warmup + args.steps):
+        b = plan[i % len(plan)]
+        ids, lens = pad_batch([samples[j] for j in b])
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hidden, final = target_forward(target.base, capture, ids.to(dev))
+        hidden.to("cpu", torch.bfloat16)  # what a shard write needs from the GPU
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        print(f"# batch {i}: {len(b)} x {ids.shape[1]} in {dt:.3f}s", flush=True)
+        if i >= args.warmup:
+            times.append((dt, ids.numel(), sum(lens), ids.shape[1]))
+    sec = sum(t[0] for t in times)
+    padded = sum(t[1] for t in times)
+    real = sum(t[2] for t in times)
+    flops = sum(t[1] * extraction_flops_per_token(target.config, t[3]) for t in times)
+    useful = sum(t[2] * extraction_flops_per_token(target.config, t[3]) for t in times)
+    n = len(times)
+    print("\n| target | batches | padded tok/batch | s/batch | samples/s | real tok/s | MFU (all tokens) "
+          "| MFU (useful) | s per 16k real tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    samples_s = sum(len(plan[(args.warmup + i) % len(plan)]) for i in range(n)) / sec
+    print(f"| qwen35-2b (random, bf16) | {n} | {padded / n:,.0f} | {sec / n:.3f} | {samples_s:.1f} | "
+          f"{real / sec:,.0f} | {100 * flops / sec / H100_H200_PEAK:.1f}% | "
+          f"{100 * useful / sec / H100_H200_PEAK:.1f}% | {16384 / (real / sec):.3f} |")
+    print(f"# k* projection: target s per 16,384 real tokens {16384 / (real / sec):.3f}; "
+          "k* = ceil(that / drafter s per 16k-token batch)", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=("drafter", "extract"))
+    p.add_argument("--anchors", default="4,512")
+    p.add_argument("--impls", default="dense:logits,flex:cce")
+    p.add_argument("--token-budget", type=int, default=None)
+    p.add_argument("--batches", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
+    args = p.parse_args()
+    if args.token_budget is None:
+        args.token_budget = 16384 if args.what == "drafter" else 65536
+    (drafter_bench if args.what == "drafter" else extract_bench)(args)
+
+
+if __name__ == "__main__":
+    main()
