@@ -133,7 +133,8 @@ def pending_words(reason: str, job_id: str = "") -> str:
     words = PENDING_REASONS.get(key)
     if words is None:
         return key or "no reason given yet"
-    return f"{words.replace('JOBID', job_id or 'JOBID')} [{key}]"
+    words = words.replace("JOBID", job_id or "JOBID")
+    return words if key == "None" else f"{words} [{key}]"  # Slurm's "None" names no reason
 
 
 def _blank(state: str, reason: str = "") -> dict[str, str]:

@@ -21,16 +21,18 @@ from launch import feasibility, registry, values
 from launch.errors import LaunchError
 from launch.executor import SlurmOptions, make_executor, sbatch_failure, sbatch_script
 from launch.fsutil import launch_home
-from launch.jobs_cli import follow
+from launch.jobs_cli import follow, next_line
 from launch.jobspec import JobSpec, ResolvedJob, find_spec, known_jobs
 from launch.runner import EntrypointRun, entry_parser, entry_task_check
 from launch.slurmenv import describe_slurm, require_cluster, slurm_env
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.usage = "launch submit JOB [--preset P] [resources] [Slurm options] [options] [-- ARGS]"
     p.epilog = (f"jobs: {', '.join(known_jobs())}; `launch submit JOB --list-presets` lists a job's presets "
-                "with their descriptions and resources")
-    p.add_argument("job", help="job name (stage1, dflash, extract) or path to a job spec .yaml")
+                "with their descriptions and resources. ARGS after a bare `--` reach the entrypoint verbatim "
+                "(e.g. `launch submit stage1 --preset tiny -- --lr 1e-3`).")
+    p.add_argument("job", help=f"job name ({', '.join(known_jobs())}) or path to a job spec .yaml")
     p.add_argument("--preset", help="preset from the job spec (see --list-presets)")
     p.add_argument("--list-presets", action="store_true", help="list the job's presets with their resources; submit nothing")
     r = p.add_argument_group("resources (override the preset's)")
@@ -63,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--follow", "-f", action="store_true", help="stream the main task's log until the job ends")
     out.add_argument("--json", action="store_true", help="print the submitted job as JSON")
     out.add_argument("--parsable", action="store_true", help="print only the job id")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="with --follow: every line of the log (submitit's INFO lines, progress bars, the whole preflight)")
     # Arguments after a bare `--` reach the entrypoint verbatim (split off in launch.cli).
     p.set_defaults(extra=[])
 
@@ -104,6 +108,8 @@ def _check_option_combinations(args: argparse.Namespace) -> None:
             raise LaunchError(f"--env {key} given twice ({env[key]!r}, then {value!r}); give it once")
         env[key] = value
     printed = [f for f, on in (("--follow", args.follow), ("--json", args.json), ("--parsable", args.parsable)) if on]
+    if args.verbose and not args.follow:
+        raise LaunchError("--verbose is about what --follow shows; add --follow (or use `launch logs JOB --verbose`)")
     if args.dry_run and printed:
         raise LaunchError(f"{printed[0]} is about a submitted job, and --dry-run submits none; drop one of them")
     if args.list_presets:
@@ -242,11 +248,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"  logs: {rec.stdout}")
     if args.follow:
         try:
-            return follow(rec, sys.stdout, from_start=True)
+            return follow(rec, sys.stdout, from_start=True, verbose=args.verbose)
         except KeyboardInterrupt:
             print(f"launch submit: stopped following; job {job_id} keeps running (`launch logs -f {job_id}`, "
                   f"`launch cancel {job_id}`)", file=sys.stderr)
             return 130
+    print(f"next: {next_line(rec, completed=None)}")
     return 0
 
 
