@@ -1,0 +1,112 @@
+"""What a follow shows by default (launch/quiet.py), judged against the real producers of the
+chatter: the doctor's own table renderer, tqdm's own bars, submitit's own log format. And, on the
+session cluster, a follow of the tiny stage-1 on CPU: at most 10 lines before the first step, the
+summary and a `next:` line at the end, `logs --tail 3` ending in step lines."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_launch
+
+from launch.doctor.results import CheckResult, Status, render_table
+from launch.jobs_cli import elapsed_words, format_seconds
+from launch.quiet import QuietFilter, short_header
+
+
+def _rows(*statuses: Status) -> list[CheckResult]:
+    return [CheckResult(f"check.{n}", s, "found " + "x" * 90, "fix it" if s in (Status.WARN, Status.FAIL) else "")
+            for n, s in enumerate(statuses)]
+
+
+def test_a_passing_preflight_is_one_line() -> None:
+    table = render_table(_rows(Status.PASS, Status.SKIP, Status.PASS)).splitlines()
+    assert len(table) > 5  # the oracle's table wraps long cells: several lines a row
+    out = QuietFilter().feed([*table, "step     1 | loss 8.0"])
+    assert out == ["[launch] preflight: 3 checks, none failed or warned (the table is in the log)",
+                   "step     1 | loss 8.0"]
+
+
+def test_a_warning_row_is_shown_whole_with_the_header() -> None:
+    table = render_table(_rows(Status.PASS, Status.WARN, Status.SKIP)).splitlines()
+    out = QuietFilter().feed(table)
+    row = next(i for i, ln in enumerate(table) if ln.startswith("check.1 "))
+    end = next(i for i in range(row + 1, len(table)) if not table[i].startswith(" "))
+    assert end - row >= 2  # the oracle wrapped the WARN row: its continuation lines must come too
+    assert out == [table[0], *table[row:end], "3 checks: 0 FAIL, 1 WARN"]
+
+
+def test_submitit_info_and_progress_bars_stay_in_the_log() -> None:
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s (%(asctime)s) - %(message)s"))  # submitit's format
+    log = logging.getLogger("submitit")
+    log.addHandler(handler)
+    try:
+        log.setLevel(logging.INFO)
+        log.info("Starting with JobEnvironment(job_id=1)")
+        log.warning("Bypassing signal SIGCONT")
+        log.error("Submitted job triggered an exception")
+    finally:
+        log.removeHandler(handler)
+    from tqdm import tqdm
+
+    bars = io.StringIO()
+    for _ in tqdm(range(3), desc="Writing model shards", file=bars):
+        pass
+    lines = [*buf.getvalue().splitlines(), *bars.getvalue().rstrip("\n").split("\n"), "# done: {\"steps\": 3}",
+             "[launch] running train.stage1 --steps 3"]
+    out = QuietFilter().feed(lines)
+    assert out == [buf.getvalue().splitlines()[2]]  # the ERROR line only
+    assert "submitit ERROR" in out[0]
+
+
+def test_setup_comments_before_the_first_step_are_cut_to_the_header() -> None:
+    header = ("# trainer=stage1 shape=tiny params=5160600 vocab=5120 tokenizer=byte-level stand-in (random init) "
+              "device=cpu world=1 deepspeed=False row_len=256 start_step=0 steps=60 mfu_peak=n/a (cpu: peak unknown)")
+    lines = [header, "# MFU (torchtitan): flops/token = ...", "# kernels[cpu]: gated-delta-rule=reference",
+             "# resumed from /runs/1/checkpoints/step_20 at step 20", "step 1 | loss 8", "# checkpoint at step 1"]
+    out = QuietFilter().feed(lines)
+    assert out == ["# trainer=stage1 shape=tiny params=5.2M device=cpu world=1 steps=60",
+                   "# resumed from /runs/1/checkpoints/step_20 at step 20", "step 1 | loss 8", "# checkpoint at step 1"]
+    assert short_header(header.replace("start_step=0", "start_step=20")).endswith("start_step=20 steps=60")
+
+
+def test_task_prefixes_survive() -> None:
+    out = QuietFilter().feed(["[task 1] submitit INFO (x) - hello", "[task 1] step 2 | loss 1"])
+    assert out == ["[task 1] step 2 | loss 1"]
+
+
+def test_elapsed_has_one_form_running_or_ended() -> None:
+    # squeue while running, sacct once ended: the same duration reads the same
+    assert elapsed_words("2:03") == elapsed_words("00:02:03") == "2:03"
+    assert elapsed_words("1-00:00:05") == format_seconds(86405) == "1-00:00:05"
+    assert elapsed_words("01:00:00") == "1:00:00"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_follow_of_tiny_stage1_is_short_before_the_first_step(slurm_cluster, tmp_path: Path) -> None:
+    env = {**os.environ, **slurm_cluster.env(), "LAUNCH_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
+    env.pop("LAUNCH_JOBS_PATH", None)
+    out = run_launch(["submit", "stage1", "--preset", "tiny", "--follow", "--arg", "steps=3", "--arg", "row_len=128",
+                      "--arg", "batch_rows=1", "--arg", "synthetic_samples=60"], env, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    first_step = next(i for i, ln in enumerate(lines) if ln.startswith("step "))
+    assert first_step <= 10, "\n".join(lines[:first_step])
+    assert any(ln.startswith("[launch] preflight: ") for ln in lines[:first_step])
+    assert not any(ln.startswith(("submitit INFO", "# done:")) or "\r" in ln for ln in lines)
+    job = lines[0].split()[-1]
+    assert lines[-1].startswith("next: ") and f"launch report {job}" in lines[-1]
+    assert any(ln.strip().startswith("loss ") and "->" in ln for ln in lines)
+    tail = run_launch(["logs", job, "--tail", "3", "--stderr"], env).stdout
+    out_tail = run_launch(["logs", job, "--tail", "3"], env).stdout.split("<==\n")[1].splitlines()[:3]
+    assert [ln.split("|")[0].split()[:2] for ln in out_tail] == [["step", "1"], ["step", "2"], ["step", "3"]], out_tail
+    assert "submitit INFO" not in tail
+    verbose = run_launch(["logs", job, "--verbose"], env).stdout
+    assert "submitit INFO" in verbose and "# done: " in verbose
