@@ -26,6 +26,7 @@ def run_demo(preset: str = "tiny") -> int:
     print("   started" if started else "   already up; reusing it", flush=True)
 
     print(f"== 2/3 launch submit stage1 --preset {preset} --follow", flush=True)
+    # The follow's own summary and next: line come first; the demo's summary adds what it checked.
     code = launch_main(["submit", "stage1", "--preset", preset, "--follow"])
     rec = registry.all_jobs()[-1] if registry.all_jobs() else None
     if code != 0 or rec is None:
@@ -49,7 +50,8 @@ def run_demo(preset: str = "tiny") -> int:
     print(f"   logs         {rec.stdout}")
     print(f"   metrics      {summary.get('metrics', Path(rec.folder) / 'metrics.jsonl')}")
     print(f"   wall time    {time.monotonic() - t0:.0f} s")
-    print(f"   next         launch logs {rec.job_id} | launch report {rec.job_id} | launch cluster down")
+    print("   launch       in a new shell: `. .venv/bin/activate` (or once: `make install-cli`, a link in ~/.local/bin)")
+    print(f"next: launch status {rec.job_id}   |   launch report {rec.job_id}   |   launch cluster down")
     if not last < first:
         print(f"demo: error: the loss did not go down ({first:.3f} -> {last:.3f})", file=sys.stderr)
         return 1

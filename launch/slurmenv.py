@@ -39,6 +39,12 @@ def slurm_env() -> dict[str, str]:
     return {}
 
 
+def is_embedded(env_extra: dict[str, str]) -> bool:
+    """Is this the embedded cluster under $LAUNCH_HOME (the one `launch cluster up` starts)?"""
+    conf = env_extra.get("SLURM_CONF")
+    return bool(conf) and Path(conf) == EmbeddedCluster().slurm_conf
+
+
 def describe_slurm(env_extra: dict[str, str]) -> str:
     conf = env_extra.get("SLURM_CONF")
     if conf:

@@ -24,7 +24,7 @@ from launch.fsutil import launch_home
 from launch.jobs_cli import follow, next_line
 from launch.jobspec import JobSpec, ResolvedJob, find_spec, known_jobs
 from launch.runner import EntrypointRun, entry_parser, entry_task_check
-from launch.slurmenv import describe_slurm, require_cluster, slurm_env
+from launch.slurmenv import describe_slurm, is_embedded, require_cluster, slurm_env
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -178,6 +178,23 @@ def check_entrypoint_args(spec: JobSpec, argv: list[str], tasks: int | None = No
                       f"(see `python -m {spec.entrypoint} --help`); nothing submitted")
 
 
+def too_big_advice(spec: JobSpec, job: ResolvedJob, cluster: feasibility.Cluster, env_extra: dict[str, str]) -> str:
+    """What to do about a request no node can run. A job whose arguments fix its task count
+    (DFlash online k-1: check_tasks) cannot ask for fewer GPUs; the embedded cluster can be
+    restarted bigger (its GPUs on CPU are only a task count)."""
+    try:
+        fixed = entry_task_check(spec.entrypoint) is not None
+    except ImportError:
+        fixed = False
+    hint = feasibility.embedded_up_hint(job.resources, cluster) if is_embedded(env_extra) else None
+    if fixed:
+        advice = (f"its arguments fix the task count at {job.resources.total_tasks}, so fewer GPUs will not do; "
+                  f"pick a smaller preset (`launch submit {spec.name} --list-presets`)")
+    else:
+        advice = feasibility.ASK_LESS
+    return f"{advice}, or give the embedded cluster that much: `{hint}`" if hint else advice
+
+
 def list_presets(spec: JobSpec, as_json: bool) -> int:
     rows = []
     for name in spec.presets:
@@ -215,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(executor, spec, job, argv, what)
     env_extra = require_cluster()
-    problem = feasibility.check(job.resources, feasibility.query_cluster(env_extra), what)
+    cluster = feasibility.query_cluster(env_extra)
+    problem = feasibility.check(job.resources, cluster, what, too_big_advice(spec, job, cluster, env_extra))
     if problem:
         raise LaunchError(problem)
     os.environ.update(env_extra)  # submitit calls sbatch with our environment
@@ -271,7 +289,7 @@ def dry_run(executor, spec: JobSpec, job: ResolvedJob, argv: list[str], what: st
         print(f"# slurm:      feasibility not checked: {exc}")
         return 0
     print(f"# slurm:      {describe_slurm(env_extra)}")
-    problem = feasibility.check(job.resources, cluster, what)
+    problem = feasibility.check(job.resources, cluster, what, too_big_advice(spec, job, cluster, env_extra))
     if problem:
         raise LaunchError(problem)
     print("# feasible:   yes, some nodes can run it")

@@ -7,6 +7,6 @@ SAMPLE_DATA_SHAPE ?= qwen35-2b
 
 # A small synthetic stage-1 dataset in the real format: one jsonl manifest per task, PNG
 # images, 3D asset .npz files. `make sample-data SAMPLE_DATA_DIR=/tmp/d SAMPLE_DATA_N=500`
-sample-data: venv
+sample-data: venv  ## an example stage-1 dataset in runs/sample-data
 	$(PY) -m train.stage1.synthetic --out $(SAMPLE_DATA_DIR) --samples $(SAMPLE_DATA_N) --shape $(SAMPLE_DATA_SHAPE)
 	@echo "format: see the docstring of train/stage1/data.py; e.g. head -2 $(SAMPLE_DATA_DIR)/gen_img.jsonl"

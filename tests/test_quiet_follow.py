@@ -110,3 +110,27 @@ def test_follow_of_tiny_stage1_is_short_before_the_first_step(slurm_cluster, tmp
     assert "submitit INFO" not in tail
     verbose = run_launch(["logs", job, "--verbose"], env).stdout
     assert "submitit INFO" in verbose and "# done: " in verbose
+
+
+def test_a_fixed_topology_on_the_demo_cluster_is_told_how_to_grow_it(tmp_path: Path, monkeypatch) -> None:
+    from launch import feasibility
+    from launch.cluster.embedded import EmbeddedCluster
+    from launch.jobspec import find_spec
+    from launch.submit import too_big_advice
+
+    monkeypatch.setenv("LAUNCH_HOME", str(tmp_path))
+    demo = feasibility.parse_sinfo("vm|debug*|2|15000|(null)|infinite\n")  # what `make demo` starts on 2 cores
+    spec = find_spec("dflash")
+    job = spec.resolve("tiny-online")
+    embedded = {"SLURM_CONF": str(EmbeddedCluster().slurm_conf)}
+    said = feasibility.check(job.resources, demo, "dflash (preset tiny-online)",
+                             too_big_advice(spec, job, demo, embedded))
+    assert said.endswith("`launch cluster down && launch cluster up --gpus 3 --cpus 4`"), said
+    assert "task count at 3" in said and "--gpus-per-node" not in said
+    # another Slurm is not restarted from here: no such hint
+    other = too_big_advice(spec, job, demo, {"SLURM_CONF": "/etc/slurm/slurm.conf"})
+    assert "cluster up" not in other
+    # a job whose task count is free may ask for fewer GPUs
+    stage1 = find_spec("stage1")
+    big = stage1.resolve("qwen35-2b")
+    assert too_big_advice(stage1, big, demo, {}) == feasibility.ASK_LESS
