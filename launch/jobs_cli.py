@@ -19,7 +19,7 @@ from collections import deque
 from pathlib import Path
 from typing import TextIO
 
-from launch import registry, values
+from launch import registry, runconfig, values
 from launch.errors import LaunchError
 from launch.quiet import QuietFilter
 from launch.registry import JobRecord
@@ -152,6 +152,8 @@ def run_status(args: argparse.Namespace) -> int:
     failed = st["state"] in TERMINAL_STATES - {"COMPLETED"}
     if failed:
         row["error"] = job_error(rec, st["state"])
+    config = runconfig.read(rec.run_folder)
+    row["config"] = config
     if args.json:
         print(json.dumps(row))
         return 1 if failed else 0
@@ -162,6 +164,10 @@ def run_status(args: argparse.Namespace) -> int:
     if requeued:
         print(f"  {requeued}")
     print(f"  folder: {rec.folder}")
+    if config is not None:
+        print(f"  config: {rec.run_folder / runconfig.CONFIG}")
+        for line in runconfig.summary(config):
+            print(f"    {line}")
     if rec.tasks > 1:
         states = ", ".join(f"{k} {row['task_states'].get(str(k), 'not started')}" for k in range(rec.tasks))
         print(f"  tasks (main {rec.main_task}): {states}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -239,7 +240,10 @@ def run(args: argparse.Namespace) -> int:
     os.environ.update(env_extra)  # submitit calls sbatch with our environment
     # The in-job preflight finds the spec (its lock) by name when it is a known job, else by path.
     spec_ref = spec.name if known_jobs().get(spec.name) == spec.source else str(spec.source.resolve())
-    runner = EntrypointRun(spec.entrypoint, argv, spec_ref, preflight=not args.no_preflight, main_task=job.main_task)
+    meta = {"job": spec.name, "preset": job.preset, "spec": str(spec.source.resolve()),
+            "resources": dataclasses.asdict(job.resources)}
+    runner = EntrypointRun(spec.entrypoint, argv, spec_ref, preflight=not args.no_preflight, main_task=job.main_task,
+                           meta=meta)
     registry.check_writable()  # a job queued but not recorded could not be followed from here
     try:
         folder.mkdir(parents=True, exist_ok=True)

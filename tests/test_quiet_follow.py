@@ -110,6 +110,9 @@ def test_follow_of_tiny_stage1_is_short_before_the_first_step(slurm_cluster, tmp
     assert "submitit INFO" not in tail
     verbose = run_launch(["logs", job, "--verbose"], env).stdout
     assert "submitit INFO" in verbose and "# done: " in verbose
+    status = run_launch(["status", job], env).stdout
+    config = Path(env["LAUNCH_HOME"]) / "runs" / "stage1" / job / "config.yaml"
+    assert f"config: {config}" in status and "argv: --shape tiny" in status, status
 
 
 def test_a_fixed_topology_on_the_demo_cluster_is_told_how_to_grow_it(tmp_path: Path, monkeypatch) -> None:
