@@ -23,6 +23,7 @@ from launch.errors import LaunchError, debug
 VERBS: dict[str, tuple[str, str]] = {
     "cluster": ("launch.cluster.cli", "embedded single-node Slurm: up | down | status"),
     "submit": ("launch.submit", "submit a bundled job (stage1, dflash, extract) through submitit"),
+    "resume": ("launch.resume", "continue a job's run (same folder, from its last checkpoint) as a new job"),
     "status": ("launch.jobs_cli", "state of one job, or of the recent ones"),
     "logs": ("launch.jobs_cli", "print (or -f follow) a job's log"),
     "cancel": ("launch.jobs_cli", "cancel a job"),

@@ -89,7 +89,7 @@ def job_outcome(rec: JobRecord, slurm_state: str | None = None) -> dict | None:
     if error is None and slurm_state is None:
         return None
     state = "failed" if error or slurm_state is None else slurm_state.lower()
-    return {"state": state, "step": last_step(Path(rec.folder) / "metrics.jsonl"), "error": error}
+    return {"state": state, "step": last_step(rec.run_folder / "metrics.jsonl"), "error": error}
 
 
 def _pickled_error(rec: JobRecord) -> str | None:
@@ -123,7 +123,7 @@ def job_error(rec: JobRecord, slurm_state: str | None = None) -> str | None:
 def _row(rec: JobRecord, st: dict[str, str]) -> dict:
     row = {"job_id": rec.job_id, "name": rec.name, "kind": rec.kind, "preset": rec.preset, "state": st["state"],
            "elapsed": elapsed_words(st["elapsed"]), "nodes": st["nodes"], "submitted_at": rec.submitted_at, "folder": rec.folder,
-           "tasks": rec.tasks, "main_task": rec.main_task}
+           "tasks": rec.tasks, "main_task": rec.main_task, "run_dir": str(rec.run_folder), "resumes": rec.resumes}
     if st["state"] == "PENDING":
         row["pending"] = pending_words(st["reason"], rec.job_id)
     return row
@@ -154,6 +154,8 @@ def run_status(args: argparse.Namespace) -> int:
         row["error"] = job_error(rec, st["state"])
     config = runconfig.read(rec.run_folder)
     row["config"] = config
+    run_jobs = registry.jobs_of_run(rec.run_folder)
+    row["run_jobs"] = [j.job_id for j in run_jobs]
     if args.json:
         print(json.dumps(row))
         return 1 if failed else 0
@@ -164,6 +166,8 @@ def run_status(args: argparse.Namespace) -> int:
     if requeued:
         print(f"  {requeued}")
     print(f"  folder: {rec.folder}")
+    if len(run_jobs) > 1 or rec.run_dir:
+        print(f"  run: {rec.run_folder} (jobs {', '.join(j.job_id for j in run_jobs)})")
     if config is not None:
         print(f"  config: {rec.run_folder / runconfig.CONFIG}")
         for line in runconfig.summary(config):
@@ -205,7 +209,8 @@ def run_list(args: argparse.Namespace) -> int:
         return 0
     print(f"{HEADER} SUBMITTED")
     for row in rows:
-        print(f"{_line(row)} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(row['submitted_at']))}")
+        resumes = f"  (resumes {row['resumes']})" if row["resumes"] else ""
+        print(f"{_line(row)} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(row['submitted_at']))}{resumes}")
     return 0
 
 

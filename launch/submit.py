@@ -223,6 +223,13 @@ def run(args: argparse.Namespace) -> int:
     job = spec.resolve(args.preset)
     _apply_overrides(job, args)
     argv = job.argv(args.extra)
+    return submit_job(args, spec, job, argv)
+
+
+def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: list[str],
+               run_dir: Path | None = None, resumes: str | None = None) -> int:
+    """Check, queue, record and report one job (`launch submit`, and `launch resume` with the
+    run folder it continues)."""
     check_entrypoint_args(spec, argv, job.resources.total_tasks)
     folder = job_folder(args, spec)
     scratch = args.scratch or spec.scratch
@@ -256,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     job_id = str(submitted.job_id)
     rec = registry.JobRecord(job_id=job_id, name=spec.name, preset=job.preset, folder=str(folder / job_id),
                              submitted_at=registry.now(), slurm_conf=env_extra.get("SLURM_CONF"), argv=argv,
-                             tasks=job.resources.total_tasks, main_task=job.main_task)
+                             tasks=job.resources.total_tasks, main_task=job.main_task,
+                             run_dir=str(run_dir) if run_dir else None, resumes=resumes)
     registry.record(rec)
     if args.parsable:
         print(job_id)
@@ -264,15 +272,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"job_id": job_id, "name": spec.name, "preset": job.preset, "folder": rec.folder,
                           "log": str(rec.stdout), "tasks": rec.tasks, "main_task": rec.main_task,
-                          "slurm_conf": rec.slurm_conf, "argv": argv}))
+                          "slurm_conf": rec.slurm_conf, "argv": argv, "run_dir": str(rec.run_folder),
+                          "resumes": resumes}))
         return 0
-    print(f"submitted {what} as job {job_id}")
+    print(f"submitted {what} as job {job_id}" + (f", continuing job {resumes}'s run" if resumes else ""))
+    if run_dir:
+        print(f"  run:  {run_dir}")
     print(f"  logs: {rec.stdout}")
     if args.follow:
         try:
             return follow(rec, sys.stdout, from_start=True, verbose=args.verbose)
         except KeyboardInterrupt:
-            print(f"launch submit: stopped following; job {job_id} keeps running (`launch logs -f {job_id}`, "
+            print(f"launch {getattr(args, 'verb', 'submit')}: stopped following; job {job_id} keeps running (`launch logs -f {job_id}`, "
                   f"`launch cancel {job_id}`)", file=sys.stderr)
             return 130
     print(f"next: {next_line(rec, completed=None)}")
