@@ -108,6 +108,15 @@ CASES = [
          job_record=True),
     Case("cli", "logs-from-start-alone", ["logs", "1", "--from-start"], r"--from-start goes with -f", job_record=True),
     Case("cli", "cluster-gpus-negative", ["cluster", "up", "--gpus", "-1"], r"--gpus: must be between 0"),
+    # ---- `resume`: a continuation of a job's run, never of nothing or into another preset
+    Case("cli", "resume-no-checkpoints", ["resume", "1", "--steps", "40"],
+         r"job 1 has no checkpoints in .*runs/1: nothing to resume from", job_record=True),
+    Case("cli", "resume-other-preset", ["resume", "1", "--preset", "slow"],
+         r"--preset: a resume continues JOB's run with JOB's preset and folder", job_record=True),
+    Case("cli", "resume-unknown", ["resume", "424242"], r"job 424242 was not submitted from here"),
+    Case("cli", "resume-steps-zero", ["resume", "1", "--steps", "0"], r"--steps must be >= 1", job_record=True,
+         setup=_mkdir("runs/1/checkpoints")),
+    Case("cli", "verbose-without-follow", ["submit", "fixture", "--verbose"], r"--verbose is about what --follow shows"),
     # ---- no Slurm reachable: one line saying which Slurm was tried and how to bring one up
     Case("cli", "submit-no-cluster", ["submit", "fixture"],
          r"no Slurm reachable: tried SLURM_CONF=.*no-slurm.conf, and that file does not exist; start the embedded "
