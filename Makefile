@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 LAUNCH  := $(VENV)/bin/launch
-EXTRAS  ?= train,provision,test
+EXTRAS  ?= train,provision,test,metrics
 # The CPU build of torch 2.13.0 lies on the CI disk; a bare `torch` would pull a
 # multi-GB CUDA build there. On a GPU login node: make TORCH_SPEC='torch' ...
 TORCH_SPEC ?= torch==2.13.0
