@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -96,6 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"launch {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `launch list --json | head`: the reader left. Point stdout at /dev/null so the
+        # interpreter's final flush cannot raise again; exit like a command killed by SIGPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

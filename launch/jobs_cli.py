@@ -448,6 +448,8 @@ def run_logs(args: argparse.Namespace) -> int:
                     lines = (shown for ln in lines for shown in quiet.feed([ln]))
                 for line in (deque(lines, maxlen=args.tail) if args.tail else lines):
                     print(prefix + line)
+        except BrokenPipeError:  # the reader left (`| head`): launch.cli ends quietly
+            raise
         except OSError as exc:
             raise LaunchError(f"cannot read {path} ({exc.strerror})") from None
     if not found:

@@ -137,3 +137,23 @@ def test_a_fixed_topology_on_the_demo_cluster_is_told_how_to_grow_it(tmp_path: P
     stage1 = find_spec("stage1")
     big = stage1.resolve("qwen35-2b")
     assert too_big_advice(stage1, big, demo, {}) == feasibility.ASK_LESS
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    home, folder = tmp_path / "home", tmp_path / "runs" / "1"
+    folder.mkdir(parents=True)
+    home.mkdir()
+    (folder / "1_0_log.out").write_text("".join(f"step {n} | loss 1.0\n" for n in range(1, 200_001)))
+    (home / "jobs.jsonl").write_text(json.dumps({"job_id": "1", "name": "fixture", "preset": None, "folder": str(folder),
+                                                 "submitted_at": 0.0, "slurm_conf": None, "argv": []}) + "\n")
+    env = {**os.environ, "LAUNCH_HOME": str(home), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "launch", "logs", "1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout.readline().startswith(b"==> ")  # `| head -1`
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == "", err
