@@ -181,7 +181,10 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
     if schema.per_task and tasks:
         fig, ax = plt.subplots(figsize=(7, 4))
         for task in tasks:
-            ax.plot(x, [losses.get(task, float("nan")) for losses in task_losses], lw=1.2, label=task)
+            # A task is absent from the steps whose batch had none of it: drawn through the steps
+            # it has (NaN gaps would cut each curve into fragments, or isolated dots).
+            points = [(step, losses[task]) for step, losses in zip(x, task_losses, strict=True) if task in losses]
+            ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, marker=".", ms=3, label=task)
         ax.set(xlabel="step", ylabel="loss", title=f"{title}: loss per task")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)

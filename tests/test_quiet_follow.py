@@ -157,3 +157,31 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and err == "", err
+
+
+def test_task_loss_curves_join_the_steps_each_task_has(tmp_path: Path, monkeypatch) -> None:
+    import math
+
+    import matplotlib
+    from matplotlib.axes import Axes
+
+    from launch.report import write_plots
+    from toolkit.metrics import SCHEMAS
+
+    matplotlib.use("Agg")
+    drawn: dict[str, tuple[list, list]] = {}
+    real_plot = Axes.plot
+
+    def spy(self, xs, ys, *a, **k):  # noqa: ANN001, ANN202 - records what matplotlib is asked to draw
+        if k.get("label") in ("und", "gen_txt"):
+            drawn[k["label"]] = (list(xs), list(ys))
+        return real_plot(self, xs, ys, *a, **k)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    # gen_txt only in every third batch, as a sampled task mix gives it
+    steps = [{"step": s, "loss": 5.0, "task_loss": {"und": 1.0 / s, **({"gen_txt": 2.0} if s % 3 == 0 else {})}}
+             for s in range(1, 10)]
+    written = write_plots(steps, tmp_path, "t", SCHEMAS["stage1"])
+    assert tmp_path / "task_loss.png" in written
+    assert drawn["gen_txt"] == ([3, 6, 9], [2.0, 2.0, 2.0])  # joined, no NaN gaps
+    assert drawn["und"][0] == list(range(1, 10)) and not any(math.isnan(v) for v in drawn["und"][1])
