@@ -52,6 +52,8 @@ def test_resume_a_finished_run_to_40_steps(slurm_cluster, tmp_path: Path) -> Non
 
     assert AutoConfig.from_pretrained(tmp_path / "exported", local_files_only=True).model_type
     assert "40" in (tmp_path / "exported" / "README.md").read_text()
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "exported").iterdir()}
+    assert set(modes.values()) == {0o644}, modes  # model.safetensors like the rest
 
     status = run_launch(["status", job2], env).stdout
     assert f"run: {run_dir} (jobs {job1}, {job2})" in status, status
