@@ -108,6 +108,12 @@ CASES = [
          job_record=True),
     Case("cli", "logs-from-start-alone", ["logs", "1", "--from-start"], r"--from-start goes with -f", job_record=True),
     Case("cli", "cluster-gpus-negative", ["cluster", "up", "--gpus", "-1"], r"--gpus: must be between 0"),
+    # ---- a checkpoint to start from is checked at submit, not minutes later in the job
+    Case("cli", "init-from-absent-at-submit", ["submit", "regen", "--preset", "tiny", "--arg", "init_from={tmp}/nope",
+                                               "--arg", "data={tmp}/c.jsonl"],
+         r"regen does not accept these arguments: --init-from: checkpoint \S*nope: not a directory .*nothing submitted"),
+    Case("cli", "init-from-no-config-at-submit", ["submit", "stage1", "--preset", "tiny", "--arg", "init_from={tmp}"],
+         r"stage1 does not accept these arguments: --init-from: checkpoint \S*: no config.json there"),
     # ---- `resume`: a continuation of a job's run, never of nothing or into another preset
     Case("cli", "resume-no-checkpoints", ["resume", "1", "--steps", "40"],
          r"job 1 has no checkpoints in .*runs/1: nothing to resume from", job_record=True),

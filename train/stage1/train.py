@@ -37,7 +37,7 @@ from train.common.config import ConfigError, json_object, opt, parse_config
 from train.common.distributed import DistInfo, slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
-from train.common.hf_local import HFLocalError, has_vision_tower
+from train.common.hf_local import HFLocalError, check_init_from, has_vision_tower
 from train.common.levers import Levers, apply_levers
 from train.common.losses import LossImplError, select_loss_impl
 from train.common.metrics import compile_counts, peak_memory_mb, require_sink
@@ -129,6 +129,7 @@ def vision_on(cfg: Stage1Config) -> bool:
 
 
 def validate(cfg: Stage1Config) -> None:
+    check_init_from(cfg.init_from)
     if cfg.tensorboard:
         require_sink("tensorboard")
     if cfg.wandb_project:
