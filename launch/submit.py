@@ -91,12 +91,26 @@ def _apply_overrides(job: ResolvedJob, args: argparse.Namespace) -> None:
         if "\0" in value:
             raise LaunchError(f"--arg {item!r}: the value contains a NUL byte, which no command line can carry")
         key = key.replace("-", "_")
+        value = job_output(value, f"--arg {key}")
         if given.get(key, value) != value:
             raise LaunchError(f"--arg {key} given twice ({given[key]!r}, then {value!r}); give it once")
         given[key] = job.args[key] = value
     for item in args.extra:
         if "\0" in item:
             raise LaunchError(f"argument {item!r} after --: contains a NUL byte, which no command line can carry")
+
+
+def job_output(value: str, what: str) -> str:
+    """`job:<id>`: the run folder of a job submitted from here (an extraction's shards for DFlash,
+    a regen's conversations for extraction); any other value as it is."""
+    if not value.startswith("job:"):
+        return value
+    job_id = value.removeprefix("job:")
+    try:
+        rec = registry.find(job_id)
+    except LaunchError as exc:
+        raise LaunchError(f"{what}={value}: {exc}") from None
+    return str(rec.run_folder)
 
 
 def _check_option_combinations(args: argparse.Namespace) -> None:

@@ -185,3 +185,19 @@ def test_task_loss_curves_join_the_steps_each_task_has(tmp_path: Path, monkeypat
     assert tmp_path / "task_loss.png" in written
     assert drawn["gen_txt"] == ([3, 6, 9], [2.0, 2.0, 2.0])  # joined, no NaN gaps
     assert drawn["und"][0] == list(range(1, 10)) and not any(math.isnan(v) for v in drawn["und"][1])
+
+
+def test_arg_job_id_is_that_jobs_run_folder(tmp_path: Path, monkeypatch) -> None:
+    from launch import registry
+    from launch.submit import job_output
+
+    monkeypatch.setenv("LAUNCH_HOME", str(tmp_path))
+    first = registry.JobRecord("7", "extract", "tiny", str(tmp_path / "runs/extract/7"), 0.0, None, [])
+    resumed = registry.JobRecord("9", "extract", "tiny", str(tmp_path / "runs/extract/9"), 1.0, None, [],
+                                 run_dir=first.folder, resumes="7")
+    registry.record(first)
+    registry.record(resumed)
+    assert job_output("job:7", "--arg data") == first.folder
+    assert job_output("job:9", "--arg data") == first.folder  # a resumed job's output is its run's
+    assert job_output("/data/x", "--arg data") == "/data/x"
+    assert [j.job_id for j in registry.jobs_of_run(Path(first.folder))] == ["7", "9"]

@@ -114,6 +114,10 @@ CASES = [
          r"regen does not accept these arguments: --init-from: checkpoint \S*nope: not a directory .*nothing submitted"),
     Case("cli", "init-from-no-config-at-submit", ["submit", "stage1", "--preset", "tiny", "--arg", "init_from={tmp}"],
          r"stage1 does not accept these arguments: --init-from: checkpoint \S*: no config.json there"),
+    Case("cli", "arg-job-output-unknown", ["submit", "fixture", "--arg", "sleep=job:424242", "--dry-run"],
+         r"--arg sleep=job:424242: job 424242 was not submitted from here"),
+    Case("cli", "arg-job-output-not-an-id", ["submit", "fixture", "--arg", "sleep=job:x1", "--dry-run"],
+         r"--arg sleep=job:x1: 'x1' is not a Slurm job id"),
     # ---- `resume`: a continuation of a job's run, never of nothing or into another preset
     Case("cli", "resume-no-checkpoints", ["resume", "1", "--steps", "40"],
          r"job 1 has no checkpoints in .*runs/1: nothing to resume from", job_record=True),
