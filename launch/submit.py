@@ -101,16 +101,18 @@ def _apply_overrides(job: ResolvedJob, args: argparse.Namespace) -> None:
 
 
 def job_output(value: str, what: str) -> str:
-    """`job:<id>`: the run folder of a job submitted from here (an extraction's shards for DFlash,
-    a regen's conversations for extraction); any other value as it is."""
+    """`job:<id>`: the run folder of a job submitted from here (an extraction's shards for DFlash),
+    `job:<id>/<path>` a file in it (a regen's `data.jsonl` for extraction); any other value as it is."""
     if not value.startswith("job:"):
         return value
-    job_id = value.removeprefix("job:")
+    job_id, _, inside = value.removeprefix("job:").partition("/")
     try:
         rec = registry.find(job_id)
     except LaunchError as exc:
         raise LaunchError(f"{what}={value}: {exc}") from None
-    return str(rec.run_folder)
+    if ".." in Path(inside).parts:
+        raise LaunchError(f"{what}={value}: the path after job:<id>/ stays inside that job's run folder (no '..')")
+    return str(rec.run_folder / inside) if inside else str(rec.run_folder)
 
 
 def _check_option_combinations(args: argparse.Namespace) -> None:

@@ -189,6 +189,7 @@ def test_task_loss_curves_join_the_steps_each_task_has(tmp_path: Path, monkeypat
 
 def test_arg_job_id_is_that_jobs_run_folder(tmp_path: Path, monkeypatch) -> None:
     from launch import registry
+    from launch.errors import LaunchError
     from launch.submit import job_output
 
     monkeypatch.setenv("LAUNCH_HOME", str(tmp_path))
@@ -200,4 +201,7 @@ def test_arg_job_id_is_that_jobs_run_folder(tmp_path: Path, monkeypatch) -> None
     assert job_output("job:7", "--arg data") == first.folder
     assert job_output("job:9", "--arg data") == first.folder  # a resumed job's output is its run's
     assert job_output("/data/x", "--arg data") == "/data/x"
+    assert job_output("job:7/data.jsonl", "--arg data") == f"{first.folder}/data.jsonl"
+    with pytest.raises(LaunchError, match="stays inside"):
+        job_output("job:7/../../etc", "--arg data")
     assert [j.job_id for j in registry.jobs_of_run(Path(first.folder))] == ["7", "9"]
