@@ -10,3 +10,9 @@ SAMPLE_DATA_SHAPE ?= qwen35-2b
 sample-data: venv  ## an example stage-1 dataset in runs/sample-data
 	$(PY) -m train.stage1.synthetic --out $(SAMPLE_DATA_DIR) --samples $(SAMPLE_DATA_N) --shape $(SAMPLE_DATA_SHAPE)
 	@echo "format: see the docstring of train/stage1/data.py; e.g. head -2 $(SAMPLE_DATA_DIR)/gen_img.jsonl"
+
+# A tiny chat target (tiny Qwen3.5 + a BPE trained here, ChatML template) and conversations, for
+# the regen -> extract -> dflash walk-through in README.md. `make sample-target SAMPLE_TARGET_DIR=...`
+SAMPLE_TARGET_DIR ?= runs/sample-target
+sample-target: venv  ## a tiny chat target + conversations in runs/sample-target (regen/extract/dflash on CPU)
+	$(PY) -m train.common.sample_target --out $(SAMPLE_TARGET_DIR)
