@@ -14,7 +14,7 @@ from toolkit.metrics import logged_step_records
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-TINY = ["--arg", "row_len=64", "--arg", "batch_rows=1", "--arg", "synthetic_samples=60", "--arg", "ckpt_every=10"]
+TINY = ["--arg", "export=off", "--arg", "row_len=64", "--arg", "batch_rows=1", "--arg", "synthetic_samples=60", "--arg", "ckpt_every=10"]
 
 
 def test_resume_a_finished_run_to_40_steps(slurm_cluster, tmp_path: Path) -> None:
