@@ -205,3 +205,17 @@ def test_arg_job_id_is_that_jobs_run_folder(tmp_path: Path, monkeypatch) -> None
     with pytest.raises(LaunchError, match="stays inside"):
         job_output("job:7/../../etc", "--arg data")
     assert [j.job_id for j in registry.jobs_of_run(Path(first.folder))] == ["7", "9"]
+
+
+@pytest.mark.slurm
+def test_doctor_on_cluster_suggests_only_its_own_options(launch_env) -> None:
+    # 8 GPUs a node on the session cluster's 4: refused before anything is queued
+    out = run_launch(["doctor", "--on-cluster", "--job", "stage1", "--preset", "qwen35-2b"], launch_env)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "check a smaller --preset" in out.stderr and "--gpus-per-node" not in out.stderr, out.stderr
+    # and every option named there is one `launch doctor` accepts
+    import re
+
+    help_text = run_launch(["doctor", "--help"], launch_env).stdout
+    for option in re.findall(r"--[a-z-]+", out.stderr):
+        assert option in help_text, option
