@@ -2,7 +2,7 @@
 
 The log files keep every line; the terminal gets the run. Left out of the terminal:
 - submitit's INFO and WARNING lines (job environment, pickles, "Bypassing signal SIGCONT",
-  "Job completed successfully"); its ERROR lines stay;
+  "Job completed successfully"), and srun's "got SIGCONT"; submitit's ERROR lines stay;
 - progress bars (tqdm's `NN%|###| k/n [...]`, often several joined by carriage returns);
 - the preflight table, when every row PASSed or was SKIPped: one `[launch] preflight:` line
   instead; a WARN or FAIL row is shown whole, with the table's header;
@@ -70,7 +70,7 @@ class QuietFilter:
         if _TABLE_HEAD.match(body):
             self.table, self.table_bad = [body], False
             return []
-        if body.startswith(("submitit INFO", "submitit WARNING")) or _TQDM.search(body):
+        if body.startswith(("submitit INFO", "submitit WARNING", "srun: got SIGCONT")) or _TQDM.search(body):
             return []
         if body.startswith("[launch] running "):
             return []

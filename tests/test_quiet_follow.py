@@ -77,7 +77,7 @@ def test_setup_comments_before_the_first_step_are_cut_to_the_header() -> None:
 
 
 def test_task_prefixes_survive() -> None:
-    out = QuietFilter().feed(["[task 1] submitit INFO (x) - hello", "[task 1] step 2 | loss 1"])
+    out = QuietFilter().feed(["[task 1] submitit INFO (x) - hello", "[task 1] srun: got SIGCONT", "[task 1] step 2 | loss 1"])
     assert out == ["[task 1] step 2 | loss 1"]
 
 
