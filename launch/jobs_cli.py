@@ -26,7 +26,7 @@ from launch.registry import JobRecord
 from launch.runner import last_step, read_task_outcome
 from launch.runs import requeue_line
 from launch.slurmenv import TERMINAL_STATES, job_state, job_states, pending_words, require_cluster, run_slurm
-from toolkit.metrics import SCHEMAS, step_records
+from toolkit.metrics import SCHEMAS, logged_step_records
 from toolkit.outcome import describe, read_outcome
 
 HEARTBEAT_S = 30.0
@@ -343,8 +343,8 @@ def follow(rec: JobRecord, out: TextIO, poll_s: float = 1.0, from_start: bool = 
 def last_progress(rec: JobRecord) -> dict | None:
     """The last step record of the run: step, and where the trainer logs them, steps_total,
     eta_s and stall. None before the first step (or with no readable metrics)."""
-    try:
-        steps = step_records(rec.run_folder / "metrics.jsonl")
+    try:  # in file order: after a requeue or a resume, the step the run is at now comes last
+        steps = logged_step_records(rec.run_folder / "metrics.jsonl")
     except (OSError, ValueError):
         return None
     return steps[-1] if steps else None
@@ -388,6 +388,11 @@ def elapsed_words(elapsed: str) -> str:
     return format_seconds(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
+# summary.json's throughput figure (toolkit.metrics Schema.throughput), as the summary says it
+THROUGHPUT_WORDS = {"tok_s_all_ranks": "tokens/s  {:,.0f} (all ranks, padding included)",
+                    "real_tok_s": "tokens/s  {:,.0f} (real tokens)", "samples_per_s": "samples/s {:,.1f}"}
+
+
 def summary_lines(rec: JobRecord) -> list[str]:
     """The run's summary.json in a few lines (steps, loss, throughput, where things are)."""
     folder = rec.run_folder
@@ -406,7 +411,8 @@ def summary_lines(rec: JobRecord) -> list[str]:
     for schema in SCHEMAS.values():
         value = summary.get(schema.throughput)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            lines.append(f"  {schema.throughput.replace('_', ' '):<9} {value:,.1f}")
+            words = THROUGHPUT_WORDS.get(schema.throughput, schema.throughput + " {:,.1f}")
+            lines.append("  " + words.format(value))
             break
     lines.append(f"  run       {folder}")
     if isinstance(summary.get("export"), str):

@@ -6,7 +6,7 @@ The log files keep every line; the terminal gets the run. Left out of the termin
 - progress bars (tqdm's `NN%|###| k/n [...]`, often several joined by carriage returns);
 - the preflight table, when every row PASSed or was SKIPped: one `[launch] preflight:` line
   instead; a WARN or FAIL row is shown whole, with the table's header;
-- before the first step: the trainer's set-up comments (`# kernels[...]`, `# MFU ...`, ...)
+- before the first step of each attempt (a requeued job starts again): the trainer's set-up comments (`# kernels[...]`, `# MFU ...`, ...)
   except its header, cut to the facts a reader checks first (trainer, shape, params, device,
   ranks, steps), and comments about resuming, restarting, warnings or errors;
 - the trainer's `# done: {json}` (the launcher prints the summary itself) and the launcher's
@@ -67,12 +67,13 @@ class QuietFilter:
                 return []
         if self.table is not None:
             return [prefix + ln for ln in self._table_line(body)]
-        if _TABLE_HEAD.match(body):
-            self.table, self.table_bad = [body], False
+        if _TABLE_HEAD.match(body):  # a preflight: a (requeued) attempt starts, its set-up comments follow
+            self.table, self.table_bad, self.stepped = [body], False, False
             return []
         if body.startswith(("submitit INFO", "submitit WARNING", "srun: got SIGCONT")) or _TQDM.search(body):
             return []
         if body.startswith("[launch] running "):
+            self.stepped = False
             return []
         if body.startswith("step "):
             self.stepped = True

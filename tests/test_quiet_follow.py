@@ -219,3 +219,26 @@ def test_doctor_on_cluster_suggests_only_its_own_options(launch_env) -> None:
     help_text = run_launch(["doctor", "--help"], launch_env).stdout
     for option in re.findall(r"--[a-z-]+", out.stderr):
         assert option in help_text, option
+
+
+def test_a_requeued_attempt_is_quiet_again_and_the_heartbeat_says_where_it_is(tmp_path: Path) -> None:
+    import json
+
+    from launch.jobs_cli import progress_words, summary_lines
+    from launch.registry import JobRecord
+
+    first = ["[launch] running train.stage1 --steps 60", "# kernels[cpu]: x", "step 59 | loss 1"]
+    again = ["[launch] running train.stage1 --steps 60", "# resumed from ck/step_50 at step 50", "# kernels[cpu]: x",
+             "# packing: rows", "step 51 | loss 2"]
+    assert QuietFilter().feed(first + again) == ["step 59 | loss 1", "# resumed from ck/step_50 at step 50",
+                                                 "step 51 | loss 2"]
+    # metrics after a requeue at step 59 resumed from 50: the last line is where the run is now
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"event": "step", "step": s, "loss": 1.0, **extra}) + "\n"
+        for s, extra in [(58, {}), (59, {}), (51, {"steps_total": 60, "eta_s": 100.4, "stall": "data wait 3 s"})]))
+    rec = JobRecord("5", "stage1", "tiny", str(tmp_path), 0.0, None, [])
+    assert progress_words(rec) == "step 51/60, ETA 1:40, stalled: data wait 3 s"
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 60, "first_loss": 8.5, "last_loss": 1.38,
+                                                       "tok_s_all_ranks": 42.1}))
+    assert summary_lines(rec)[:3] == ["  steps     60", "  loss      8.500 -> 1.380",
+                                      "  tokens/s  42 (all ranks, padding included)"]
