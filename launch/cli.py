@@ -1,6 +1,6 @@
 """`launch`: the command line of the toolkit.
 
-Verbs follow submitit/SkyPilot habits: submit, status, logs -f, cancel, list, doctor,
+Verbs follow submitit/SkyPilot habits: submit, resume, status, logs -f, cancel, list, doctor,
 cluster up|down|status, keepalive, report. Every user error is one line on stderr and a
 non-zero exit (2 for a bad command line or input); tracebacks are for bugs only (set
 LAUNCH_DEBUG=1 to see them for errors too). A new verb is one VERBS entry naming its module.
