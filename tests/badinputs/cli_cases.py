@@ -111,9 +111,9 @@ CASES = [
     # ---- a checkpoint to start from is checked at submit, not minutes later in the job
     Case("cli", "init-from-absent-at-submit", ["submit", "regen", "--preset", "tiny", "--arg", "init_from={tmp}/nope",
                                                "--arg", "data={tmp}/c.jsonl"],
-         r"regen does not accept these arguments: --init-from: checkpoint \S*nope: not a directory .*nothing submitted"),
+         r"regen does not accept these arguments: --init-from \S*nope: not a directory .*nothing submitted"),
     Case("cli", "init-from-no-config-at-submit", ["submit", "stage1", "--preset", "tiny", "--arg", "init_from={tmp}"],
-         r"stage1 does not accept these arguments: --init-from: checkpoint \S*: no config.json there"),
+         r"stage1 does not accept these arguments: --init-from \S*: no config.json there"),
     Case("cli", "arg-job-output-unknown", ["submit", "fixture", "--arg", "sleep=job:424242", "--dry-run"],
          r"--arg sleep=job:424242: job 424242 was not submitted from here"),
     Case("cli", "arg-job-output-not-an-id", ["submit", "fixture", "--arg", "sleep=job:x1", "--dry-run"],

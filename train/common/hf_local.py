@@ -50,7 +50,8 @@ def check_init_from(path: str | os.PathLike[str] | None, flag: str = "--init-fro
     try:
         load_config(path)
     except HFLocalError as exc:
-        raise ConfigError(f"{flag}: {exc}") from None
+        said = str(exc).removeprefix(f"checkpoint {Path(path)}: ").removeprefix(f"checkpoint {Path(path)} ")
+        raise ConfigError(f"{flag} {path}: {said}") from None
 
 
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:
