@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 LAUNCH  := $(VENV)/bin/launch
-EXTRAS  ?= train,provision,test
+EXTRAS  ?= train,provision,test,metrics
 # The CPU build of torch 2.13.0 lies on the CI disk; a bare `torch` would pull a
 # multi-GB CUDA build there. On a GPU login node: make TORCH_SPEC='torch' ...
 TORCH_SPEC ?= torch==2.13.0
@@ -14,17 +14,24 @@ TORCH_SPEC ?= torch==2.13.0
 DEB_PACKAGES := slurm-wlm slurmdbd slurm-client munge mariadb-server mariadb-client \
                 lxc debootstrap zstd xz-utils rsync gcc python3-dev iproute2 procps
 
-.PHONY: help demo test lint deps deps-system venv cluster-up cluster-down sample-data bench-submit clean
+.PHONY: help install-cli demo test lint deps deps-system venv cluster-up cluster-down sample-data bench-submit clean
 
-help:
-	@echo "make demo    - embedded Slurm cluster + 'launch submit stage1 --preset tiny --follow'"
-	@echo "make test    - the test suite (real Slurm, real LXC where available)"
-	@echo "make lint    - ruff"
-	@echo "make deps    - Debian packages (as root) + .venv"
+# Every target of this Makefile and mk/*.mk that has a `## what it does` after its prerequisites.
+help:  ## this list
+	@awk 'match($$0, /^[a-zA-Z0-9_-]+:[^=]*## /) { t = substr($$0, 1, index($$0, ":") - 1); \
+	  d = substr($$0, RSTART + RLENGTH); printf "  make %-18s %s\n", t, d }' $(MAKEFILE_LIST)
 
-deps: deps-system venv
+# `launch` on PATH in every new shell: a link to .venv/bin/launch in ~/.local/bin (or BINDIR).
+BINDIR ?= $(HOME)/.local/bin
+install-cli: venv  ## link .venv/bin/launch into ~/.local/bin (BINDIR=...), so `launch` works in any shell
+	@mkdir -p '$(BINDIR)' && ln -sfn '$(abspath $(LAUNCH))' '$(BINDIR)/launch'
+	@echo "linked $(BINDIR)/launch -> $(abspath $(LAUNCH))"
+	@case ":$$PATH:" in *":$(BINDIR):"*) "$(BINDIR)/launch" --version ;; \
+	  *) echo "$(BINDIR) is not on PATH: add  export PATH=\"$(BINDIR):\$$PATH\"  to ~/.bashrc (or run . .venv/bin/activate)" ;; esac
 
-deps-system:
+deps: deps-system venv  ## Debian packages (as root) + .venv
+
+deps-system:  ## only the Debian packages (prints the apt-get line when not root)
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then \
@@ -36,7 +43,7 @@ deps-system:
 	  exit 1; \
 	fi
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed  ## .venv with torch and the package's extras
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -45,26 +52,26 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	@touch $@
 
-test: deps
+test: deps  ## the whole test suite (real Slurm, real LXC where available)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-lint: venv
+lint: venv  ## ruff + ansible-lint + playbook syntax
 	$(PY) -m ruff check launch train toolkit tests bench images
 	$(MAKE) --no-print-directory provision-lint provision-syntax
 
-demo: deps
+demo: deps  ## embedded Slurm + 'launch submit stage1 --preset tiny --follow' + a summary
 	$(PY) -m launch.demo
 
-cluster-up: deps
+cluster-up: deps  ## start the embedded Slurm cluster [gpus=N]
 	$(LAUNCH) cluster up $(if $(gpus),--gpus $(gpus))
 
-cluster-down: venv
+cluster-down: venv  ## stop the embedded Slurm cluster
 	$(LAUNCH) cluster down
 
-bench-submit: deps
+bench-submit: deps  ## submit-latency benchmark
 	$(PY) bench/submit_latency.py
 
-clean:
+clean:  ## remove build outputs and caches
 	rm -rf build *.egg-info .pytest_cache .ruff_cache
 
 # Provisioning and image targets live beside their code.

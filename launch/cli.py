@@ -1,6 +1,6 @@
 """`launch`: the command line of the toolkit.
 
-Verbs follow submitit/SkyPilot habits: submit, status, logs -f, cancel, list, doctor,
+Verbs follow submitit/SkyPilot habits: submit, resume, status, logs -f, cancel, list, doctor,
 cluster up|down|status, keepalive, report. Every user error is one line on stderr and a
 non-zero exit (2 for a bad command line or input); tracebacks are for bugs only (set
 LAUNCH_DEBUG=1 to see them for errors too). A new verb is one VERBS entry naming its module.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -23,6 +24,7 @@ from launch.errors import LaunchError, debug
 VERBS: dict[str, tuple[str, str]] = {
     "cluster": ("launch.cluster.cli", "embedded single-node Slurm: up | down | status"),
     "submit": ("launch.submit", "submit a bundled job (stage1, dflash, extract) through submitit"),
+    "resume": ("launch.resume", "continue a job's run (same folder, from its last checkpoint) as a new job"),
     "status": ("launch.jobs_cli", "state of one job, or of the recent ones"),
     "logs": ("launch.jobs_cli", "print (or -f follow) a job's log"),
     "cancel": ("launch.jobs_cli", "cancel a job"),
@@ -95,6 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"launch {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `launch list --json | head`: the reader left. Point stdout at /dev/null so the
+        # interpreter's final flush cannot raise again; exit like a command killed by SIGPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

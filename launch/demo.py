@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 from launch import registry
 from launch.cli import main as launch_main
@@ -26,6 +25,7 @@ def run_demo(preset: str = "tiny") -> int:
     print("   started" if started else "   already up; reusing it", flush=True)
 
     print(f"== 2/3 launch submit stage1 --preset {preset} --follow", flush=True)
+    # The follow's own summary and next: line come first; the demo's summary adds what it checked.
     code = launch_main(["submit", "stage1", "--preset", preset, "--follow"])
     rec = registry.all_jobs()[-1] if registry.all_jobs() else None
     if code != 0 or rec is None:
@@ -34,7 +34,7 @@ def run_demo(preset: str = "tiny") -> int:
         return 1
 
     print("== 3/3 summary", flush=True)
-    summary_path = Path(rec.folder) / "summary.json"
+    summary_path = rec.run_folder / "summary.json"
     try:
         summary = json.loads(summary_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -47,9 +47,10 @@ def run_demo(preset: str = "tiny") -> int:
     print(f"   loss         {first:.3f} -> {last:.3f}")
     print(f"   tokens/s     {tok_s:,.0f} (all ranks, padding included)")
     print(f"   logs         {rec.stdout}")
-    print(f"   metrics      {summary.get('metrics', Path(rec.folder) / 'metrics.jsonl')}")
+    print(f"   metrics      {summary.get('metrics', rec.run_folder / 'metrics.jsonl')}")
     print(f"   wall time    {time.monotonic() - t0:.0f} s")
-    print(f"   next         launch logs {rec.job_id} | launch report {rec.job_id} | launch cluster down")
+    print("   launch       in a new shell: `. .venv/bin/activate` (or once: `make install-cli`, a link in ~/.local/bin)")
+    print(f"next: launch status {rec.job_id}   |   launch report {rec.job_id}   |   launch cluster down")
     if not last < first:
         print(f"demo: error: the loss did not go down ({first:.3f} -> {last:.3f})", file=sys.stderr)
         return 1

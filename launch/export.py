@@ -43,7 +43,7 @@ def resolve(job: str, spec: str | None = None) -> tuple[Path, str]:
     if os.sep in job:
         raise LaunchError(f"{job}: no such job directory")
     rec = registry.find(job)
-    return Path(rec.folder), spec or rec.name
+    return rec.run_folder, spec or rec.name  # a resumed job's checkpoints are in the run it continued
 
 
 def run(args: argparse.Namespace) -> int:

@@ -85,8 +85,25 @@ def query_cluster(env_extra: dict[str, str]) -> Cluster:
     return parse_sinfo(proc.stdout)
 
 
-def check(r: Resources, cluster: Cluster, what: str) -> str:
-    """'' when some nodes can run `r`, else the one-line reason it never can."""
+ASK_LESS = "ask for less (--gpus-per-node, --cpus-per-task, --nodes) or a smaller preset"
+
+
+def embedded_up_hint(r: Resources, cluster: Cluster) -> str | None:
+    """The `launch cluster up` that would make an embedded cluster big enough for `r`, or None
+    when its nodes' memory (the machine's) is what is short. CPUs: at least what the nodes have
+    now (a cluster made for one job should still run the others), rounded up to an even count."""
+    mem_mb = int(r.mem_gb * 1024) if r.mem_gb else 0
+    if not cluster.nodes or any(n.mem_mb < mem_mb for n in cluster.nodes):
+        return None
+    cpus = max(r.tasks_per_node * r.cpus_per_task, max(n.cpus for n in cluster.nodes))
+    cpus += cpus % 2
+    nodes = f"--nodes {r.nodes} " if r.nodes > 1 else ""
+    return f"launch cluster down && launch cluster up {nodes}--gpus {r.gpus_per_node} --cpus {cpus}"
+
+
+def check(r: Resources, cluster: Cluster, what: str, advice: str = ASK_LESS) -> str:
+    """'' when some nodes can run `r`, else the one-line reason it never can; `advice` ends a
+    request too big for every node (the options the caller accepts)."""
     partition = r.partition or cluster.default_partition
     known = sorted(cluster.time_limits)
     if partition is None:
@@ -107,7 +124,7 @@ def check(r: Resources, cluster: Cluster, what: str) -> str:
             return (f"{what} asks for {asked}; only {len(fits)} node(s) of partition {partition} have that "
                     f"(the largest, {big.name}: {big.describe()})")
         return (f"{what} asks for {asked}; the largest node of partition {partition} ({big.name}) has "
-                f"{big.describe()}; ask for less (--gpus-per-node, --cpus-per-task, --nodes) or a smaller preset")
+                f"{big.describe()}; {advice}")
     limit = cluster.time_limits.get(partition)
     if limit is not None and r.time_minutes > limit:
         return f"{what} asks for --time {r.time} ({r.time_minutes} min); partition {partition} allows {limit} min"

@@ -12,18 +12,21 @@ import argparse
 import json
 import os
 import pickle
+import re
 import sys
 import time
 from collections import deque
 from pathlib import Path
 from typing import TextIO
 
-from launch import registry, values
+from launch import registry, runconfig, values
 from launch.errors import LaunchError
+from launch.quiet import QuietFilter
 from launch.registry import JobRecord
 from launch.runner import last_step, read_task_outcome
 from launch.runs import requeue_line
 from launch.slurmenv import TERMINAL_STATES, job_state, job_states, pending_words, require_cluster, run_slurm
+from toolkit.metrics import SCHEMAS, logged_step_records
 from toolkit.outcome import describe, read_outcome
 
 HEARTBEAT_S = 30.0
@@ -45,6 +48,9 @@ def add_logs_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep printing until the job ends, from the end (with --tail N: its last N lines first)")
     p.add_argument("--from-start", action="store_true", help="with -f: replay the log from its first line")
     p.add_argument("--stderr", action="store_true", help="only stderr")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="every line of the log (default: without submitit's INFO lines, progress bars and a "
+                   "preflight that passed)")
 
 
 def add_cancel_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,7 +89,7 @@ def job_outcome(rec: JobRecord, slurm_state: str | None = None) -> dict | None:
     if error is None and slurm_state is None:
         return None
     state = "failed" if error or slurm_state is None else slurm_state.lower()
-    return {"state": state, "step": last_step(Path(rec.folder) / "metrics.jsonl"), "error": error}
+    return {"state": state, "step": last_step(rec.run_folder / "metrics.jsonl"), "error": error}
 
 
 def _pickled_error(rec: JobRecord) -> str | None:
@@ -116,8 +122,8 @@ def job_error(rec: JobRecord, slurm_state: str | None = None) -> str | None:
 # ------------------------------------------------------------------ status and list
 def _row(rec: JobRecord, st: dict[str, str]) -> dict:
     row = {"job_id": rec.job_id, "name": rec.name, "kind": rec.kind, "preset": rec.preset, "state": st["state"],
-           "elapsed": st["elapsed"], "nodes": st["nodes"], "submitted_at": rec.submitted_at, "folder": rec.folder,
-           "tasks": rec.tasks, "main_task": rec.main_task}
+           "elapsed": elapsed_words(st["elapsed"]), "nodes": st["nodes"], "submitted_at": rec.submitted_at, "folder": rec.folder,
+           "tasks": rec.tasks, "main_task": rec.main_task, "run_dir": str(rec.run_folder), "resumes": rec.resumes}
     if st["state"] == "PENDING":
         row["pending"] = pending_words(st["reason"], rec.job_id)
     return row
@@ -146,6 +152,10 @@ def run_status(args: argparse.Namespace) -> int:
     failed = st["state"] in TERMINAL_STATES - {"COMPLETED"}
     if failed:
         row["error"] = job_error(rec, st["state"])
+    config = runconfig.read(rec.run_folder)
+    row["config"] = config
+    run_jobs = registry.jobs_of_run(rec.run_folder)
+    row["run_jobs"] = [j.job_id for j in run_jobs]
     if args.json:
         print(json.dumps(row))
         return 1 if failed else 0
@@ -156,6 +166,12 @@ def run_status(args: argparse.Namespace) -> int:
     if requeued:
         print(f"  {requeued}")
     print(f"  folder: {rec.folder}")
+    if len(run_jobs) > 1 or rec.run_dir:
+        print(f"  run: {rec.run_folder} (jobs {', '.join(j.job_id for j in run_jobs)})")
+    if config is not None:
+        print(f"  config: {rec.run_folder / runconfig.CONFIG}")
+        for line in runconfig.summary(config):
+            print(f"    {line}")
     if rec.tasks > 1:
         states = ", ".join(f"{k} {row['task_states'].get(str(k), 'not started')}" for k in range(rec.tasks))
         print(f"  tasks (main {rec.main_task}): {states}")
@@ -193,7 +209,8 @@ def run_list(args: argparse.Namespace) -> int:
         return 0
     print(f"{HEADER} SUBMITTED")
     for row in rows:
-        print(f"{_line(row)} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(row['submitted_at']))}")
+        resumes = f"  (resumes {row['resumes']})" if row["resumes"] else ""
+        print(f"{_line(row)} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(row['submitted_at']))}{resumes}")
     return 0
 
 
@@ -269,15 +286,18 @@ def _tracebacks_folded(lines: list[str], state: dict) -> list[str]:
 
 def follow(rec: JobRecord, out: TextIO, poll_s: float = 1.0, from_start: bool = False, task: int | None = None,
            all_tasks: bool = False, stderr_only: bool = False, heartbeat_s: float = HEARTBEAT_S,
-           tail: int = 0) -> int:
+           tail: int = 0, verbose: bool = False) -> int:
     """Stream the logs until the job reaches a terminal state; exit 0 only on COMPLETED.
 
-    stdout and stderr are read on every poll and printed as their lines arrive; the state is
-    said when it changes and, while the job waits or runs quietly, at least every heartbeat_s."""
+    stdout and stderr are read on every poll and printed as their lines arrive (without the
+    chatter launch.quiet leaves out, unless verbose); the state is said when it changes and,
+    while the job waits or runs quietly, at least every heartbeat_s, with the last step, the
+    total and the ETA the trainer logged. It ends with the run's summary and a `next:` line."""
     env = require_cluster(rec.slurm_env())
     tails = [LogTail(path, prefix, not from_start, tail)
              for path, prefix in _log_paths(rec, task, all_tasks, stderr_only)]
     said, said_at, unknown_since, tb = "", 0.0, None, {}
+    quiet = None if verbose else QuietFilter()
     while True:
         st = job_state(rec.job_id, env)
         now = time.monotonic()
@@ -293,24 +313,121 @@ def follow(rec: JobRecord, out: TextIO, poll_s: float = 1.0, from_start: bool = 
         if terminal:
             time.sleep(poll_s)  # the last lines may land just after the state flips
         lines = [ln for t in tails for ln in t.read(final=terminal)]
-        for line in _tracebacks_folded(lines, tb):
+        shown = _tracebacks_folded(lines, tb)
+        for line in quiet.feed(shown) if quiet is not None else shown:
             out.write(line + "\n")
         if terminal:
             if st["state"] == "COMPLETED":
                 out.write(f"[launch] job {rec.job_id}: COMPLETED\n")
+                for line in summary_lines(rec):
+                    out.write(line + "\n")
+                out.write(f"next: {next_line(rec, completed=True)}\n")
                 out.flush()
                 return 0
             err = job_error(rec, st["state"])
             out.write(f"[launch] job {rec.job_id} ended {st['state']}" + (f": {err}" if err else "") + "\n")
+            out.write(f"next: {next_line(rec, completed=False)}\n")
             out.flush()
             return 1
         if say != said or (now - said_at >= heartbeat_s and not lines):
-            waited = f"{time.time() - rec.submitted_at:.0f} s since submit" if st["state"] == "PENDING" else st["elapsed"]
+            waited = f"{time.time() - rec.submitted_at:.0f} s since submit" if st["state"] == "PENDING" \
+                else elapsed_words(st["elapsed"])
             since = f" ({waited})" if say == said and waited else ""
-            out.write(f"[launch] job {rec.job_id}: {say}{since}\n")
+            where = progress_words(rec) if say == said and st["state"] == "RUNNING" else ""
+            out.write(f"[launch] job {rec.job_id}: {say}{since}{f', {where}' if where else ''}\n")
             said, said_at = say, now
         out.flush()
         time.sleep(poll_s)
+
+
+def last_progress(rec: JobRecord) -> dict | None:
+    """The last step record of the run: step, and where the trainer logs them, steps_total,
+    eta_s and stall. None before the first step (or with no readable metrics)."""
+    try:  # in file order: after a requeue or a resume, the step the run is at now comes last
+        steps = logged_step_records(rec.run_folder / "metrics.jsonl")
+    except (OSError, ValueError):
+        return None
+    return steps[-1] if steps else None
+
+
+def progress_words(rec: JobRecord) -> str:
+    """'step 12/60, ETA 1:40' (each part only when the trainer logged it), or ''."""
+    last = last_progress(rec)
+    if last is None or not isinstance(last.get("step"), int):
+        return ""
+    total = last.get("steps_total")
+    words = f"step {last['step']}" + (f"/{total}" if isinstance(total, int) else "")
+    eta = last.get("eta_s")
+    if isinstance(eta, (int, float)) and not isinstance(eta, bool) and eta >= 0:
+        words += f", ETA {format_seconds(eta)}"
+    stall = last.get("stall")
+    if isinstance(stall, str) and stall:
+        words += f", stalled: {stall}"
+    return words
+
+
+def format_seconds(seconds: float) -> str:
+    """Slurm's own elapsed form: M:SS, H:MM:SS, D-HH:MM:SS."""
+    total = int(round(seconds))
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+    if hours:
+        return f"{hours}:{minutes:02d}:{secs:02d}"
+    return f"{minutes}:{secs:02d}"
+
+
+def elapsed_words(elapsed: str) -> str:
+    """squeue says `1:49` while a job runs and sacct `00:01:49` once it ended: one form for both."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", elapsed.strip())
+    if not m:
+        return elapsed
+    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+    return format_seconds(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+# summary.json's throughput figure (toolkit.metrics Schema.throughput), as the summary says it
+THROUGHPUT_WORDS = {"tok_s_all_ranks": "tokens/s  {:,.0f} (all ranks, padding included)",
+                    "real_tok_s": "tokens/s  {:,.0f} (real tokens)", "samples_per_s": "samples/s {:,.1f}"}
+
+
+def summary_lines(rec: JobRecord) -> list[str]:
+    """The run's summary.json in a few lines (steps, loss, throughput, where things are)."""
+    folder = rec.run_folder
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(summary, dict):
+        return []
+    lines = []
+    if isinstance(summary.get("steps"), int):
+        lines.append(f"  steps     {summary['steps']}")
+    first, last = summary.get("first_loss"), summary.get("last_loss")
+    if isinstance(first, (int, float)) and isinstance(last, (int, float)):
+        lines.append(f"  loss      {first:.3f} -> {last:.3f}")
+    for schema in SCHEMAS.values():
+        value = summary.get(schema.throughput)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            words = THROUGHPUT_WORDS.get(schema.throughput, schema.throughput + " {:,.1f}")
+            lines.append("  " + words.format(value))
+            break
+    lines.append(f"  run       {folder}")
+    if isinstance(summary.get("export"), str):
+        lines.append(f"  export    {summary['export']}")
+    return lines
+
+
+def next_line(rec: JobRecord, completed: bool | None) -> str:
+    """What to type next: while it runs (None), after it completed (True), after it failed (False)."""
+    j = rec.job_id
+    if completed is None:
+        return f"launch logs -f {j}   |   launch status {j}   |   launch cancel {j}"
+    if completed:
+        return f"launch report {j}   |   launch status {j}   |   launch resume {j} --steps N"
+    return f"launch logs {j} --tail 40" + (" --all" if rec.tasks > 1 else "") + f"   |   launch status {j}"
 
 
 def run_logs(args: argparse.Namespace) -> int:
@@ -319,7 +436,7 @@ def run_logs(args: argparse.Namespace) -> int:
         raise LaunchError("--from-start goes with -f/--follow (without -f the whole log is shown)")
     if args.follow:
         return follow(rec, sys.stdout, from_start=args.from_start, task=args.task, all_tasks=args.all,
-                      stderr_only=args.stderr, tail=args.tail or 0)
+                      stderr_only=args.stderr, tail=args.tail or 0, verbose=args.verbose)
     paths = _log_paths(rec, args.task, args.all, args.stderr)
     if not Path(rec.folder).is_dir():  # submitit makes it at submit time, so it was moved or deleted
         raise LaunchError(f"job {rec.job_id}'s folder {rec.folder} is gone (moved or deleted?); its logs were there")
@@ -328,12 +445,17 @@ def run_logs(args: argparse.Namespace) -> int:
         if not path.exists():
             continue
         found = True
+        quiet = QuietFilter()
         print(f"==> {path} <==")
         try:
             with open(path, "rb") as f:
                 lines = (ln.decode(errors="replace").rstrip("\n") for ln in f)
+                if not args.verbose:  # the tail is the last lines worth reading, not submitit's exit lines
+                    lines = (shown for ln in lines for shown in quiet.feed([ln]))
                 for line in (deque(lines, maxlen=args.tail) if args.tail else lines):
                     print(prefix + line)
+        except BrokenPipeError:  # the reader left (`| head`): launch.cli ends quietly
+            raise
         except OSError as exc:
             raise LaunchError(f"cannot read {path} ({exc.strerror})") from None
     if not found:

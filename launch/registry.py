@@ -29,10 +29,19 @@ class JobRecord:
     kind: str = "job"  # or "doctor" (launch doctor --on-cluster)
     tasks: int = 1
     main_task: int = 0  # the task `launch logs` shows by default (DFlash: the drafter)
+    # `launch resume`: the run folder this job continues (metrics, checkpoints, summary live
+    # there, not in this job's own folder) and the job it continues.
+    run_dir: str | None = None
+    resumes: str | None = None
 
     def log(self, task: int | None = None, stream: str = "out") -> Path:
         """submitit's per-task log: <folder>/<id>_<task>_log.out|err."""
         return Path(self.folder) / f"{self.job_id}_{self.main_task if task is None else task}_log.{stream}"
+
+    @property
+    def run_folder(self) -> Path:
+        """Where the run's metrics.jsonl, checkpoints and summary.json are."""
+        return Path(self.run_dir or self.folder)
 
     @property
     def stdout(self) -> Path:
@@ -93,8 +102,8 @@ def _record_problem(data: object) -> str | None:
             return f"{key} is not a string"
     if not JOB_ID_RE.fullmatch(data["job_id"]):
         return f"job_id {data['job_id']!r} is not a Slurm job id"
-    if any(data.get(k) is not None and not isinstance(data[k], str) for k in ("preset", "slurm_conf")):
-        return "preset or slurm_conf is not a string"
+    if any(data.get(k) is not None and not isinstance(data[k], str) for k in ("preset", "slurm_conf", "run_dir", "resumes")):
+        return "preset, slurm_conf, run_dir or resumes is not a string"
     if isinstance(data["submitted_at"], bool) or not isinstance(data["submitted_at"], (int, float)):
         return "submitted_at is not a time"
     if not isinstance(data["argv"], list) or not all(isinstance(a, str) for a in data["argv"]):
@@ -157,6 +166,12 @@ def find(job_id: str) -> JobRecord:
     if bad:
         raise LaunchError(f"job {job_id} is not in the registry, and {unreadable_note(bad)}")
     raise LaunchError(f"job {job_id} was not submitted from here (see `launch list`; registry {registry_path()})")
+
+
+def jobs_of_run(run_folder: Path) -> list[JobRecord]:
+    """Every job that wrote to this run folder, oldest first: its first job and its resumes."""
+    target = run_folder.resolve()
+    return [j for j in all_jobs() if j.run_folder.resolve() == target]
 
 
 def now() -> float:

@@ -38,6 +38,9 @@ def resolve_metrics(job_or_dir: str) -> Path:
     if path.is_dir():
         raise LaunchError(f"{path} has no metrics.jsonl; the trainer writes it in its run directory once it starts")
     if JOB_ID_RE.fullmatch(job_or_dir):  # a job id, never a pattern: `report '*'` must not pick a run
+        run = _registered_run(job_or_dir)  # a resumed job's run lies in the folder of the job it continued
+        if run is not None and (run / "metrics.jsonl").is_file():
+            return run / "metrics.jsonl"
         found = sorted(launch_home().glob(f"runs/*/{job_or_dir}/metrics.jsonl"))
         if len(found) == 1:
             return found[0]
@@ -47,6 +50,16 @@ def resolve_metrics(job_or_dir: str) -> Path:
         f"no run found for {job_or_dir!r}: give a run directory, a metrics.jsonl, or a job id with "
         f"{launch_home()}/runs/*/{job_or_dir}/metrics.jsonl"
     )
+
+
+def _registered_run(job_id: str) -> Path | None:
+    from launch import registry
+
+    try:
+        rec = next((j for j in reversed(registry.all_jobs()) if j.job_id == job_id), None)
+    except (LaunchError, OSError, ValueError, TypeError):
+        return None
+    return rec.run_folder if rec is not None else None
 
 
 def read_steps(metrics: Path, bad: list[str] | None = None) -> list[dict[str, Any]]:
@@ -168,7 +181,10 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
     if schema.per_task and tasks:
         fig, ax = plt.subplots(figsize=(7, 4))
         for task in tasks:
-            ax.plot(x, [losses.get(task, float("nan")) for losses in task_losses], lw=1.2, label=task)
+            # A task is absent from the steps whose batch had none of it: drawn through the steps
+            # it has (NaN gaps would cut each curve into fragments, or isolated dots).
+            points = [(step, losses[task]) for step, losses in zip(x, task_losses, strict=True) if task in losses]
+            ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, marker=".", ms=3, label=task)
         ax.set(xlabel="step", ylabel="loss", title=f"{title}: loss per task")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
@@ -214,6 +230,9 @@ def run(args: argparse.Namespace) -> int:
         keys = sorted({k for plot in schema.plots for k in plot.keys})
         raise LaunchError(f"{metrics}: none of its {len(steps)} step record(s) has a finite value for "
                           f"{', '.join(keys)} (what a {schema.trainer} run logs); nothing drawn")
+    numbers = sorted({r["step"] for r in steps if isinstance(r.get("step"), int)})
+    if numbers:  # which run was read: a resumed job's report covers every job of its run
+        print(f"launch report: {metrics}: {len(numbers)} steps ({numbers[0]}..{numbers[-1]})", file=sys.stderr)
     for path in written:
         print(path)
     return 0

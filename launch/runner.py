@@ -28,6 +28,7 @@ from types import ModuleType
 
 import submitit
 
+from launch import runconfig
 from launch.doctor.checks import fast_subset
 from launch.errors import LaunchError
 from launch.executor import CACHE_VARS
@@ -141,12 +142,28 @@ class OutcomeRecorder:
 
 class EntrypointRun(submitit.helpers.Checkpointable):
     def __init__(self, module: str, argv: list[str], job_name: str, preflight: bool = True,
-                 main_task: int = 0) -> None:
+                 main_task: int = 0, meta: dict | None = None) -> None:
         self.module = module
         self.argv = list(argv)
         self.job_name = job_name
         self.preflight = preflight
         self.main_task = main_task
+        self.meta = dict(meta or {})  # job, preset, spec, resources: for the run's config.yaml
+
+    def write_config(self, task: int) -> None:
+        """The main task writes the run's resolved config.yaml (launch.runconfig) before the
+        entrypoint starts; a failure to do so is said, never fatal."""
+        if task != self.main_task:
+            return
+        try:
+            parse = entry_parser(self.module)
+            parsed = parse(list(self.argv)) if parse is not None else None
+            out = getattr(parsed, "out", None)
+            run_dir = Path(out) if isinstance(out, (str, os.PathLike)) and str(out) else \
+                Path(os.environ.get("LAUNCH_JOB_DIR") or ".")
+            runconfig.write(run_dir, runconfig.build(self.module, self.argv, parsed, getattr(self, "meta", {})))
+        except (OSError, ValueError, TypeError, SystemExit) as exc:  # the entrypoint says what is wrong with its argv
+            print(f"[launch] config.yaml not written: {one_line(exc)}", file=sys.stderr, flush=True)
 
     def _recorder(self) -> OutcomeRecorder:
         job_dir = Path(os.environ.get("LAUNCH_JOB_DIR") or ".")
@@ -181,6 +198,7 @@ class EntrypointRun(submitit.helpers.Checkpointable):
                 except LaunchError as exc:
                     recorder.write("failed", f"preflight: {one_line(exc).removeprefix('LaunchError: ')}")
                     raise
+            self.write_config(recorder.task)
             entry = entry_module(self.module)
             print(f"[launch] running {self.module} {' '.join(self.argv)}", flush=True)
             code = entry.main(self.argv)

@@ -39,6 +39,12 @@ def slurm_env() -> dict[str, str]:
     return {}
 
 
+def is_embedded(env_extra: dict[str, str]) -> bool:
+    """Is this the embedded cluster under $LAUNCH_HOME (the one `launch cluster up` starts)?"""
+    conf = env_extra.get("SLURM_CONF")
+    return bool(conf) and Path(conf) == EmbeddedCluster().slurm_conf
+
+
 def describe_slurm(env_extra: dict[str, str]) -> str:
     conf = env_extra.get("SLURM_CONF")
     if conf:
@@ -133,7 +139,8 @@ def pending_words(reason: str, job_id: str = "") -> str:
     words = PENDING_REASONS.get(key)
     if words is None:
         return key or "no reason given yet"
-    return f"{words.replace('JOBID', job_id or 'JOBID')} [{key}]"
+    words = words.replace("JOBID", job_id or "JOBID")
+    return words if key == "None" else f"{words} [{key}]"  # Slurm's "None" names no reason
 
 
 def _blank(state: str, reason: str = "") -> dict[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -21,16 +22,18 @@ from launch import feasibility, registry, values
 from launch.errors import LaunchError
 from launch.executor import SlurmOptions, make_executor, sbatch_failure, sbatch_script
 from launch.fsutil import launch_home
-from launch.jobs_cli import follow
+from launch.jobs_cli import follow, next_line
 from launch.jobspec import JobSpec, ResolvedJob, find_spec, known_jobs
 from launch.runner import EntrypointRun, entry_parser, entry_task_check
-from launch.slurmenv import describe_slurm, require_cluster, slurm_env
+from launch.slurmenv import describe_slurm, is_embedded, require_cluster, slurm_env
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.usage = "launch submit JOB [--preset P] [resources] [Slurm options] [options] [-- ARGS]"
     p.epilog = (f"jobs: {', '.join(known_jobs())}; `launch submit JOB --list-presets` lists a job's presets "
-                "with their descriptions and resources")
-    p.add_argument("job", help="job name (stage1, dflash, extract) or path to a job spec .yaml")
+                "with their descriptions and resources. ARGS after a bare `--` reach the entrypoint verbatim "
+                "(e.g. `launch submit stage1 --preset tiny -- --lr 1e-3`).")
+    p.add_argument("job", help=f"job name ({', '.join(known_jobs())}) or path to a job spec .yaml")
     p.add_argument("--preset", help="preset from the job spec (see --list-presets)")
     p.add_argument("--list-presets", action="store_true", help="list the job's presets with their resources; submit nothing")
     r = p.add_argument_group("resources (override the preset's)")
@@ -63,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--follow", "-f", action="store_true", help="stream the main task's log until the job ends")
     out.add_argument("--json", action="store_true", help="print the submitted job as JSON")
     out.add_argument("--parsable", action="store_true", help="print only the job id")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="with --follow: every line of the log (submitit's INFO lines, progress bars, the whole preflight)")
     # Arguments after a bare `--` reach the entrypoint verbatim (split off in launch.cli).
     p.set_defaults(extra=[])
 
@@ -86,12 +91,28 @@ def _apply_overrides(job: ResolvedJob, args: argparse.Namespace) -> None:
         if "\0" in value:
             raise LaunchError(f"--arg {item!r}: the value contains a NUL byte, which no command line can carry")
         key = key.replace("-", "_")
+        value = job_output(value, f"--arg {key}")
         if given.get(key, value) != value:
             raise LaunchError(f"--arg {key} given twice ({given[key]!r}, then {value!r}); give it once")
         given[key] = job.args[key] = value
     for item in args.extra:
         if "\0" in item:
             raise LaunchError(f"argument {item!r} after --: contains a NUL byte, which no command line can carry")
+
+
+def job_output(value: str, what: str) -> str:
+    """`job:<id>`: the run folder of a job submitted from here (an extraction's shards for DFlash),
+    `job:<id>/<path>` a file in it (a regen's `data.jsonl` for extraction); any other value as it is."""
+    if not value.startswith("job:"):
+        return value
+    job_id, _, inside = value.removeprefix("job:").partition("/")
+    try:
+        rec = registry.find(job_id)
+    except LaunchError as exc:
+        raise LaunchError(f"{what}={value}: {exc}") from None
+    if ".." in Path(inside).parts:
+        raise LaunchError(f"{what}={value}: the path after job:<id>/ stays inside that job's run folder (no '..')")
+    return str(rec.run_folder / inside) if inside else str(rec.run_folder)
 
 
 def _check_option_combinations(args: argparse.Namespace) -> None:
@@ -104,6 +125,8 @@ def _check_option_combinations(args: argparse.Namespace) -> None:
             raise LaunchError(f"--env {key} given twice ({env[key]!r}, then {value!r}); give it once")
         env[key] = value
     printed = [f for f, on in (("--follow", args.follow), ("--json", args.json), ("--parsable", args.parsable)) if on]
+    if args.verbose and not args.follow:
+        raise LaunchError("--verbose is about what --follow shows; add --follow (or use `launch logs JOB --verbose`)")
     if args.dry_run and printed:
         raise LaunchError(f"{printed[0]} is about a submitted job, and --dry-run submits none; drop one of them")
     if args.list_presets:
@@ -172,6 +195,23 @@ def check_entrypoint_args(spec: JobSpec, argv: list[str], tasks: int | None = No
                       f"(see `python -m {spec.entrypoint} --help`); nothing submitted")
 
 
+def too_big_advice(spec: JobSpec, job: ResolvedJob, cluster: feasibility.Cluster, env_extra: dict[str, str]) -> str:
+    """What to do about a request no node can run. A job whose arguments fix its task count
+    (DFlash online k-1: check_tasks) cannot ask for fewer GPUs; the embedded cluster can be
+    restarted bigger (its GPUs on CPU are only a task count)."""
+    try:
+        fixed = entry_task_check(spec.entrypoint) is not None
+    except ImportError:
+        fixed = False
+    hint = feasibility.embedded_up_hint(job.resources, cluster) if is_embedded(env_extra) else None
+    if fixed:
+        advice = (f"its arguments fix the task count at {job.resources.total_tasks}, so fewer GPUs will not do; "
+                  f"pick a smaller preset (`launch submit {spec.name} --list-presets`)")
+    else:
+        advice = feasibility.ASK_LESS
+    return f"{advice}, or give the embedded cluster that much: `{hint}`" if hint else advice
+
+
 def list_presets(spec: JobSpec, as_json: bool) -> int:
     rows = []
     for name in spec.presets:
@@ -199,6 +239,13 @@ def run(args: argparse.Namespace) -> int:
     job = spec.resolve(args.preset)
     _apply_overrides(job, args)
     argv = job.argv(args.extra)
+    return submit_job(args, spec, job, argv)
+
+
+def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: list[str],
+               run_dir: Path | None = None, resumes: str | None = None) -> int:
+    """Check, queue, record and report one job (`launch submit`, and `launch resume` with the
+    run folder it continues)."""
     check_entrypoint_args(spec, argv, job.resources.total_tasks)
     folder = job_folder(args, spec)
     scratch = args.scratch or spec.scratch
@@ -209,13 +256,17 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(executor, spec, job, argv, what)
     env_extra = require_cluster()
-    problem = feasibility.check(job.resources, feasibility.query_cluster(env_extra), what)
+    cluster = feasibility.query_cluster(env_extra)
+    problem = feasibility.check(job.resources, cluster, what, too_big_advice(spec, job, cluster, env_extra))
     if problem:
         raise LaunchError(problem)
     os.environ.update(env_extra)  # submitit calls sbatch with our environment
     # The in-job preflight finds the spec (its lock) by name when it is a known job, else by path.
     spec_ref = spec.name if known_jobs().get(spec.name) == spec.source else str(spec.source.resolve())
-    runner = EntrypointRun(spec.entrypoint, argv, spec_ref, preflight=not args.no_preflight, main_task=job.main_task)
+    meta = {"job": spec.name, "preset": job.preset, "spec": str(spec.source.resolve()),
+            "resources": dataclasses.asdict(job.resources)}
+    runner = EntrypointRun(spec.entrypoint, argv, spec_ref, preflight=not args.no_preflight, main_task=job.main_task,
+                           meta=meta)
     registry.check_writable()  # a job queued but not recorded could not be followed from here
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -228,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
     job_id = str(submitted.job_id)
     rec = registry.JobRecord(job_id=job_id, name=spec.name, preset=job.preset, folder=str(folder / job_id),
                              submitted_at=registry.now(), slurm_conf=env_extra.get("SLURM_CONF"), argv=argv,
-                             tasks=job.resources.total_tasks, main_task=job.main_task)
+                             tasks=job.resources.total_tasks, main_task=job.main_task,
+                             run_dir=str(run_dir) if run_dir else None, resumes=resumes)
     registry.record(rec)
     if args.parsable:
         print(job_id)
@@ -236,17 +288,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"job_id": job_id, "name": spec.name, "preset": job.preset, "folder": rec.folder,
                           "log": str(rec.stdout), "tasks": rec.tasks, "main_task": rec.main_task,
-                          "slurm_conf": rec.slurm_conf, "argv": argv}))
+                          "slurm_conf": rec.slurm_conf, "argv": argv, "run_dir": str(rec.run_folder),
+                          "resumes": resumes}))
         return 0
-    print(f"submitted {what} as job {job_id}")
+    print(f"submitted {what} as job {job_id}" + (f", continuing job {resumes}'s run" if resumes else ""))
+    if run_dir:
+        print(f"  run:  {run_dir}")
     print(f"  logs: {rec.stdout}")
     if args.follow:
         try:
-            return follow(rec, sys.stdout, from_start=True)
+            return follow(rec, sys.stdout, from_start=True, verbose=args.verbose)
         except KeyboardInterrupt:
-            print(f"launch submit: stopped following; job {job_id} keeps running (`launch logs -f {job_id}`, "
+            print(f"launch {getattr(args, 'verb', 'submit')}: stopped following; job {job_id} keeps running (`launch logs -f {job_id}`, "
                   f"`launch cancel {job_id}`)", file=sys.stderr)
             return 130
+    print(f"next: {next_line(rec, completed=None)}")
     return 0
 
 
@@ -264,7 +320,7 @@ def dry_run(executor, spec: JobSpec, job: ResolvedJob, argv: list[str], what: st
         print(f"# slurm:      feasibility not checked: {exc}")
         return 0
     print(f"# slurm:      {describe_slurm(env_extra)}")
-    problem = feasibility.check(job.resources, cluster, what)
+    problem = feasibility.check(job.resources, cluster, what, too_big_advice(spec, job, cluster, env_extra))
     if problem:
         raise LaunchError(problem)
     print("# feasible:   yes, some nodes can run it")

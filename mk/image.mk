@@ -8,13 +8,13 @@ IMAGE_OUT ?= build/images
 
 .PHONY: image wheelhouse test-image
 
-image: venv
+image: venv  ## build a container image [name=trainer] [flavour=cpu|gpu|test] (as root)
 	$(PY) -m images.build --name $(or $(name),trainer) --flavour $(or $(flavour),cpu) \
 	  --out $(IMAGE_OUT) $(if $(force),--force) $(if $(lxc_xz),--lxc-xz)
 
-wheelhouse: venv
+wheelhouse: venv  ## a flavour's wheels into build/wheelhouse/ (os=ubuntu-24.04 or python=/glibc= for a container's OS)
 	$(PY) -m images.make_wheelhouse --name $(or $(name),trainer) --flavour $(or $(flavour),cpu) $(if $(wheels),--add $(wheels)) \
 	  $(if $(os),--os $(os)) $(if $(python),--python $(python)) $(if $(glibc),--glibc $(glibc)) $(if $(lock),--lock $(lock))
 
-test-image: venv
+test-image: venv  ## the image tests
 	$(PY) -m pytest -q tests/test_image.py

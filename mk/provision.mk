@@ -9,17 +9,17 @@ inventory         ?= $(ANSIBLE_DIR)/inventory/$(if $(filter localhost,$(host)),l
 
 .PHONY: provision provision-syntax provision-lint
 
-provision: venv
+provision: venv  ## provision a host and its containers: host=kpro6 [check=1]
 	@test -n "$(host)" || { echo "make provision: set host=, e.g. make provision host=kpro6" >&2; exit 2; }
 	@$(PY) $(ANSIBLE_DIR)/tools/check_inventory.py --quiet --limit '$(host)' '$(inventory)'
 	ANSIBLE_CONFIG=$(ANSIBLE_DIR)/ansible.cfg $(ANSIBLE_PLAYBOOK) -i '$(inventory)' \
 	  --limit '$(host):$(host)_containers' $(if $(check),--check --diff) $(PROVISION_ARGS) \
 	  $(ANSIBLE_DIR)/playbooks/provision.yml
 
-provision-syntax: venv
+provision-syntax: venv  ## ansible-playbook --syntax-check
 	@for inv in $(ANSIBLE_DIR)/inventory/*.yml; do \
 	  ANSIBLE_CONFIG=$(ANSIBLE_DIR)/ansible.cfg $(ANSIBLE_PLAYBOOK) -i $$inv --syntax-check $(ANSIBLE_DIR)/playbooks/provision.yml || exit 1; \
 	done
 
-provision-lint: venv
+provision-lint: venv  ## ansible-lint
 	cd $(ANSIBLE_DIR) && $(abspath $(ANSIBLE_LINT)) -q

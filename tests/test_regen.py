@@ -8,22 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_fixtures import make_tokenizer, write_conversations
+from dflash_fixtures import write_conversations
 
 from train.regen import regen as rg
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    """A tiny stage-1 target saved with save_pretrained, its tokenizer and chat template beside it."""
-    from train.stage1.model import build_model
+    """A tiny stage-1 target saved with save_pretrained, its tokenizer and chat template beside it:
+    what `make sample-target` ships."""
+    from train.common.sample_target import make_target
 
-    root = tmp_path_factory.mktemp("target")
-    torch.manual_seed(0)
-    model, _ = build_model("tiny")
-    model.save_pretrained(str(root))
-    make_tokenizer(root)
-    return root
+    return make_target(tmp_path_factory.mktemp("target"))
 
 
 def test_regenerates_resumes_and_feeds_extraction(target, tmp_path, capsys):

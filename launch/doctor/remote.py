@@ -84,8 +84,11 @@ def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: 
     env_extra = require_cluster()
     resolved = _resolved(job)
     resolved.resources.nodes = nodes
+    # Only the options `launch doctor` itself takes: a preset's resources, or fewer nodes.
+    advice = "check a smaller --preset" + (" or fewer --nodes" if nodes > 1 else "") + " (the doctor runs with the preset's resources)"
     problem = feasibility.check(resolved.resources, feasibility.query_cluster(env_extra),
-                                f"the doctor for {resolved.spec.name}" + (f" (preset {resolved.preset})" if resolved.preset else ""))
+                                f"the doctor for {resolved.spec.name}" + (f" (preset {resolved.preset})" if resolved.preset else ""),
+                                advice)
     if problem:
         raise LaunchError(problem)
     folder = launch_home() / "doctor" / time.strftime("%Y%m%d-%H%M%S")

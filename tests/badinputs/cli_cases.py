@@ -108,6 +108,25 @@ CASES = [
          job_record=True),
     Case("cli", "logs-from-start-alone", ["logs", "1", "--from-start"], r"--from-start goes with -f", job_record=True),
     Case("cli", "cluster-gpus-negative", ["cluster", "up", "--gpus", "-1"], r"--gpus: must be between 0"),
+    # ---- a checkpoint to start from is checked at submit, not minutes later in the job
+    Case("cli", "init-from-absent-at-submit", ["submit", "regen", "--preset", "tiny", "--arg", "init_from={tmp}/nope",
+                                               "--arg", "data={tmp}/c.jsonl"],
+         r"regen does not accept these arguments: --init-from \S*nope: not a directory .*nothing submitted"),
+    Case("cli", "init-from-no-config-at-submit", ["submit", "stage1", "--preset", "tiny", "--arg", "init_from={tmp}"],
+         r"stage1 does not accept these arguments: --init-from \S*: no config.json there"),
+    Case("cli", "arg-job-output-unknown", ["submit", "fixture", "--arg", "sleep=job:424242", "--dry-run"],
+         r"--arg sleep=job:424242: job 424242 was not submitted from here"),
+    Case("cli", "arg-job-output-not-an-id", ["submit", "fixture", "--arg", "sleep=job:x1", "--dry-run"],
+         r"--arg sleep=job:x1: 'x1' is not a Slurm job id"),
+    # ---- `resume`: a continuation of a job's run, never of nothing or into another preset
+    Case("cli", "resume-no-checkpoints", ["resume", "1", "--steps", "40"],
+         r"job 1 has no checkpoints in .*runs/1: nothing to resume from", job_record=True),
+    Case("cli", "resume-other-preset", ["resume", "1", "--preset", "slow"],
+         r"--preset: a resume continues JOB's run with JOB's preset and folder", job_record=True),
+    Case("cli", "resume-unknown", ["resume", "424242"], r"job 424242 was not submitted from here"),
+    Case("cli", "resume-steps-zero", ["resume", "1", "--steps", "0"], r"--steps must be >= 1", job_record=True,
+         setup=_mkdir("runs/1/checkpoints")),
+    Case("cli", "verbose-without-follow", ["submit", "fixture", "--verbose"], r"--verbose is about what --follow shows"),
     # ---- no Slurm reachable: one line saying which Slurm was tried and how to bring one up
     Case("cli", "submit-no-cluster", ["submit", "fixture"],
          r"no Slurm reachable: tried SLURM_CONF=.*no-slurm.conf, and that file does not exist; start the embedded "
@@ -246,6 +265,9 @@ CASES = [
     Case("cli", "buckets-budget-zero", ["buckets", "--lengths", "{tmp}/l.txt", "--token-budget", "0"],
          r"argument --token-budget: must be between 1", {"l.txt": "5\n3\n"}),
     Case("cli", "buckets-not-utf8", ["buckets", "--lengths", "{tmp}/l.txt"], r"l.txt: not UTF-8 text", {"l.txt": b"\xff\n"}),
+    Case("cli", "buckets-dev-null", ["buckets", "--lengths", "/dev/null"], r"/dev/null: empty: no lengths in it"),
+    Case("cli", "buckets-blank-lines", ["buckets", "{tmp}/l.txt"], r"l.txt: empty: no lengths in it", {"l.txt": "\n \n"}),
+    Case("cli", "buckets-no-file", ["buckets"], r"no lengths file: `launch buckets FILE`"),
     Case("cli", "buckets-npy-pickle", ["buckets", "--lengths", "{tmp}/l.npy"], r"l.npy: not a .npy array of lengths",
          {"l.npy": "not an array"}),
     # ---- job specs

@@ -341,10 +341,10 @@ CASES = [
          r"asset length '-10' must be a positive integer or 'any'", entry="stage1"),
     # ---- --init-from and --vision
     Case("stage1-data", "init-from-missing", [*RUN, "--init-from", "{tmp}/nowhere"],
-         r"checkpoint \S*nowhere: not a directory", entry="stage1"),
-    Case("stage1-data", "init-from-not-a-checkpoint", INIT, r"checkpoint \S*ckpt: no config.json there", entry="stage1",
+         r"(checkpoint|--init-from) \S*nowhere: not a directory", entry="stage1"),
+    Case("stage1-data", "init-from-not-a-checkpoint", INIT, r"(checkpoint|--init-from) \S*ckpt: no config.json there", entry="stage1",
          setup=hf_copy("empty", lambda d: None, lambda d: None)),
-    Case("stage1-data", "init-from-config-garbage", INIT, r"checkpoint \S*ckpt: config.json does not load", entry="stage1",
+    Case("stage1-data", "init-from-config-garbage", INIT, r"(checkpoint|--init-from) \S*ckpt: config.json does not load", entry="stage1",
          setup=hf_copy(*HF_TEXT, _config_garbage)),
     Case("stage1-data", "init-from-no-tokenizer", INIT, r"checkpoint \S*ckpt: no tokenizer there", entry="stage1",
          setup=hf_copy(*HF_TEXT, _drop_tokenizer)),

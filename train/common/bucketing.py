@@ -244,8 +244,10 @@ def format_table(rows: list[tuple[str, BatchStats, float, str]]) -> str:
 
 def read_lengths(path: str | Path) -> np.ndarray:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"{path}: no such file")
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory, not a lengths file")
     if path.suffix == ".npy":
         try:
             return _as_lengths(np.load(path))  # allow_pickle stays False: a length file never needs objects
@@ -262,6 +264,8 @@ def read_lengths(path: str | Path) -> np.ndarray:
                 values.append(int(line))
             except ValueError:
                 raise ValueError(f"{path}:{n}: not an integer length: {line.strip()[:40]!r}") from None
+    if not values:  # /dev/null, an empty file, blank lines only
+        raise ValueError(f"{path}: empty: no lengths in it (one positive integer per line)")
     return _as_lengths(values)
 
 

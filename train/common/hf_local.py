@@ -40,6 +40,20 @@ def checkpoint_dir(path: str | os.PathLike[str], what: str = "checkpoint") -> Pa
     return p
 
 
+def check_init_from(path: str | os.PathLike[str] | None, flag: str = "--init-from") -> None:
+    """At parse time (so `launch submit` says it in one line, before anything is queued): the
+    checkpoint a run starts from is a local transformers directory whose config.json loads."""
+    if not path:
+        return
+    from train.common.config import ConfigError
+
+    try:
+        load_config(path)
+    except HFLocalError as exc:
+        said = str(exc).removeprefix(f"checkpoint {Path(path)}: ").removeprefix(f"checkpoint {Path(path)} ")
+        raise ConfigError(f"{flag} {path}: {said}") from None
+
+
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:
     p = Path(path)
     return any((p / f).is_file() for f in TOKENIZER_FILES) or (p / "vocab.json").is_file()

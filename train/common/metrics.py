@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import torch
 
 from toolkit.metrics import Schema, step_line
+from train.common.config import ConfigError
 from train.common.mfu import convention as mfu_convention
 
 
@@ -40,6 +41,21 @@ def compile_counts() -> tuple[int, int]:
     return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["recompiles"].values()))
 
 
+# The optional sinks: the flag that asks for one, its package, and how to get it.
+SINKS = {"tensorboard": ("--tensorboard", "pip install 'gpu-train-toolkit[metrics]'"),
+         "wandb": ("--wandb-project", "pip install wandb (offline runs: WANDB_MODE=offline)")}
+
+
+def require_sink(module: str) -> None:
+    """A sink that was asked for and cannot run is a one-line error before the run starts, never
+    a run that silently writes nothing there."""
+    try:
+        __import__(module)
+    except ImportError:
+        flag, how = SINKS[module]
+        raise ConfigError(f"{flag} needs the {module} package, which is not installed here ({how})") from None
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -48,9 +64,12 @@ class MetricsLogger:
         tasks: tuple[str, ...] = (),
         enabled: bool = True,
         stream: TextIO | None = None,
-        tensorboard: bool = True,
+        tensorboard: bool = False,
         wandb_project: str | None = None,
     ) -> None:
+        """tensorboard: event files in <out_dir>/tb; wandb_project: a wandb run in out_dir (offline
+        with WANDB_MODE=offline). Each is off unless asked for, and an error when asked for without
+        its package."""
         self.schema = schema
         self.tasks = tasks
         self.enabled = enabled
@@ -64,19 +83,15 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+            require_sink("tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(out_dir) / "tb"))
-            except ImportError:
-                pass  # optional: only when tensorboard is installed
+            self._tb = SummaryWriter(str(Path(out_dir) / "tb"))
         if wandb_project:
-            try:
-                import wandb
+            require_sink("wandb")
+            import wandb
 
-                self._wandb = wandb.init(project=wandb_project, dir=str(out_dir), resume="allow")
-            except ImportError:
-                self.print(f"wandb requested ({wandb_project}) but not installed; skipping it")
+            self._wandb = wandb.init(project=wandb_project, dir=str(out_dir), resume="allow")
 
     def print(self, line: str) -> None:
         if self.enabled:

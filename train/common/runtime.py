@@ -74,7 +74,7 @@ class Runtime:
     @contextmanager
     def start(cls, name: str, schema: Schema, out: str | os.PathLike[str], *, tasks: tuple[str, ...] = (),
               force_group: bool = False, log_rank: int | None = 0, max_bad_steps: int = 0,
-              tensorboard: bool = True, wandb_project: str | None = None) -> Iterator[Runtime]:
+              tensorboard: bool = False, wandb_project: str | None = None) -> Iterator[Runtime]:
         """log_rank=None: the last rank logs (DFlash's drafter)."""
         out_dir = Path(out)
         if out_dir.exists() and not out_dir.is_dir():

@@ -34,6 +34,7 @@ from train.common.distributed import slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.losses import LossImplError
+from train.common.hf_local import check_init_from
 from train.common.runtime import Runtime
 from train.common.stepper import Stepper
 from train.dflash.data import ShardDataset, batch_stream, pad_samples
@@ -111,6 +112,7 @@ class DFlashConfig:
 
 def parse_args(argv: list[str] | None) -> DFlashConfig:
     cfg = parse_config(DFlashConfig, argv, "python -m train.dflash", "DFlash drafter training")
+    check_init_from(cfg.init_from)
     if cfg.mode == "offline" and not cfg.data:
         raise ConfigError("--mode offline needs --data <extraction dir> (from `launch submit extract`)")
     for name in ("steps", "anchors", "token_budget", "ckpt_every", "log_every", "queue_depth"):

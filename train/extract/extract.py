@@ -35,6 +35,7 @@ from toolkit.metrics import SCHEMAS
 from train.common.config import ConfigError, opt, parse_config
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
+from train.common.hf_local import check_init_from
 from train.common.runtime import Runtime
 from train.extract.data import DatasetError, TokenData, generate_synthetic, load_records, load_tokenizer
 from train.extract.shards import (
@@ -92,6 +93,7 @@ class ExtractConfig:
 
 def parse_args(argv: list[str] | None) -> ExtractConfig:
     cfg = parse_config(ExtractConfig, argv, "python -m train.extract", "hidden-state extraction to shards")
+    check_init_from(cfg.init_from)
     for name, low in (("token_budget", 2), ("max_len", 2), ("n_layers", 1)):
         if getattr(cfg, name) < low:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(cfg, name)}")

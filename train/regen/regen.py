@@ -37,6 +37,7 @@ from train.common.config import ConfigError, opt, parse_config
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.hf_local import _one_line as one_line  # transformers errors in one line
+from train.common.hf_local import check_init_from
 from train.extract.data import DatasetError, load_tokenizer, numbered_lines
 
 ENTRYPOINT = "train.regen"
@@ -67,6 +68,7 @@ def parse_args(argv: list[str] | None) -> RegenConfig:
     cfg = parse_config(RegenConfig, argv, "python -m train.regen", "regenerate assistant turns with the target")
     if not cfg.init_from or not cfg.data:
         raise ConfigError("needs --init-from <the target's checkpoint dir> and --data <conversations jsonl>")
+    check_init_from(cfg.init_from)
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or cfg.top_k < 0:
         raise ConfigError("--batch-size and --max-new-tokens must be >= 1, --top-k >= 0")
     if not (cfg.temperature >= 0 and math.isfinite(cfg.temperature)) or not 0 < cfg.top_p <= 1:

@@ -153,6 +153,9 @@ def export_checkpoint(job_dir: Path, step: int | None = None, out: Path | None =
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
+    for f in tmp.iterdir():  # transformers writes the weights 0600 through a temp file; the rest is 0644
+        if f.is_file():
+            f.chmod(0o644)
     for f in files.iterdir():
         if f.is_file() and f.name not in ("config.json", "stage1.json") and not (tmp / f.name).exists():
             shutil.copy2(f, tmp / f.name)

@@ -37,10 +37,10 @@ from train.common.config import ConfigError, json_object, opt, parse_config
 from train.common.distributed import DistInfo, slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
-from train.common.hf_local import HFLocalError, has_vision_tower
+from train.common.hf_local import HFLocalError, check_init_from, has_vision_tower
 from train.common.levers import Levers, apply_levers
 from train.common.losses import LossImplError, select_loss_impl
-from train.common.metrics import compile_counts, peak_memory_mb
+from train.common.metrics import compile_counts, peak_memory_mb, require_sink
 from train.common.packing import IGNORE_INDEX, model_kwargs, resolve_layout
 from train.common.profiler import StepProfiler, StepTiming, rank_spread
 from train.common.runtime import Runtime, pick_device
@@ -90,7 +90,9 @@ class Stage1Config:
     deepspeed_config: str | dict[str, Any] | None = opt(None, help="DeepSpeed config json (default: ZeRO-2)")
     init_from: str | None = opt(None, help="local transformers checkpoint dir")
     log_every: int = opt(1)
-    wandb_project: str | None = opt(None)
+    wandb_project: str | None = opt(None, help="also log to this wandb project (needs wandb; WANDB_MODE=offline works "
+                                     "without a network)")
+    tensorboard: bool = opt(False, help="also write TensorBoard event files to <out>/tb (needs the metrics extra)")
     loss_impl: str = opt("auto", choices=("auto", "logits", "cce", "liger"),
                          help="next-token loss kernel (auto: fused on CUDA)")
     vision: bool | None = opt(None, help="images through the shape's Qwen3.5 vision tower; off: the text-only "
@@ -127,6 +129,11 @@ def vision_on(cfg: Stage1Config) -> bool:
 
 
 def validate(cfg: Stage1Config) -> None:
+    check_init_from(cfg.init_from)
+    if cfg.tensorboard:
+        require_sink("tensorboard")
+    if cfg.wandb_project:
+        require_sink("wandb")
     if cfg.shape not in SHAPES:
         raise ConfigError(f"unknown model shape {cfg.shape!r}; valid shapes: {', '.join(SHAPES)}")
     for name in ("steps", "batch_rows", "row_len", "log_every", "synthetic_samples"):
@@ -293,7 +300,8 @@ def train(cfg: Stage1Config) -> int:
     """setup -> step -> finish on the shared runtime (train/common/runtime.py)."""
     ds = use_deepspeed(cfg, pick_device(), world_size=slurm_layout()[1])
     with Runtime.start(ENTRYPOINT, SCHEMAS["stage1"], cfg.out, tasks=TASKS, force_group=ds,
-                       max_bad_steps=cfg.max_bad_steps, wandb_project=cfg.wandb_project) as rt:
+                       max_bad_steps=cfg.max_bad_steps, tensorboard=cfg.tensorboard,
+                       wandb_project=cfg.wandb_project) as rt:
         run = setup(cfg, rt, ds)
         while rt.step < cfg.steps:
             run.prof.start_step()

@@ -1,0 +1,80 @@
+"""`launch resume JOB [--steps N] [resources]`: a new job that continues JOB's run folder.
+
+The trainers resume from the newest checkpoint that verifies in their `--out`: the new job runs
+the old job's command line with `--out <the run folder>` (and `--steps N`: the new total), so
+metrics.jsonl, the checkpoints and summary.json stay in one folder while each job keeps its own
+logs and outcome in its own job folder. The registry records the run folder and the job it
+continues, so `launch report`, `export`, `status` and `list` follow the run across its jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from launch import registry, runconfig, submit
+from launch.errors import LaunchError
+from launch.jobspec import find_spec
+
+# `launch submit` options that describe a different job, not a continuation of this one
+NOT_FOR_RESUME = ("preset", "list_presets", "runs_dir")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    submit.add_arguments(p)
+    for action in p._actions:  # the positional is a job id here, not a job name
+        if action.dest == "job":
+            action.help = "the job whose run to continue (see `launch list`)"
+    p.usage = "launch resume JOB [--steps N] [resources] [Slurm options] [--follow | --json | --parsable]"
+    p.epilog = ("The new job runs JOB's command line on JOB's run folder (--out) and resumes from its newest "
+                "checkpoint; resources default to JOB's preset's.")
+    p.add_argument("--steps", type=int, metavar="N", help="train to this step in total (default: JOB's --steps)")
+
+
+def replace_flag(argv: list[str], key: str, value: str) -> list[str]:
+    """argv with every `--key V` / `--key=V` dropped and `--key value` appended."""
+    flag = "--" + key.replace("_", "-")
+    out, skip = [], False
+    for i, item in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if item == flag and i + 1 < len(argv):
+            skip = True
+            continue
+        if item.startswith(flag + "="):
+            continue
+        out.append(item)
+    return [*out, flag, value]
+
+
+def run(args: argparse.Namespace) -> int:
+    submit._check_option_combinations(args)
+    given = [f"--{k.replace('_', '-')}" for k in NOT_FOR_RESUME if getattr(args, k, None)]
+    if given:
+        raise LaunchError(f"{', '.join(given)}: a resume continues JOB's run with JOB's preset and folder; "
+                          "submit a new job for another")
+    rec = registry.find(args.job)
+    if rec.kind != "job":
+        raise LaunchError(f"job {rec.job_id} is a {rec.kind} job; only training jobs are resumed")
+    run_dir = rec.run_folder
+    if not (run_dir / "checkpoints").is_dir():
+        raise LaunchError(f"job {rec.job_id} has no checkpoints in {run_dir}: nothing to resume from "
+                          f"(see `launch status {rec.job_id}`)")
+    if args.steps is not None and args.steps < 1:
+        raise LaunchError(f"--steps must be >= 1, got {args.steps}")
+    config = runconfig.read(run_dir) or {}
+    source = config.get("spec")
+    spec = find_spec(source if isinstance(source, str) and Path(source).is_file() else rec.name)
+    job = spec.resolve(rec.preset)
+    submit._apply_overrides(job, argparse.Namespace(**{**vars(args), "arg": []}))
+    argv = replace_flag(list(rec.argv), "out", str(run_dir))
+    if args.steps is not None:
+        argv = replace_flag(argv, "steps", str(args.steps))
+    for item in args.arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise LaunchError(f"--arg {item!r}: expected KEY=VALUE (e.g. --arg lr=1e-4)")
+        argv = replace_flag(argv, key, value)
+    argv += list(args.extra)
+    return submit.submit_job(args, spec, job, argv, run_dir=run_dir, resumes=rec.job_id)

@@ -1,0 +1,67 @@
+"""`launch resume`: a finished 20-step tiny stage-1 run continued to 40 steps as a new job on
+the session cluster. The new job writes into the first job's run folder; report, export and
+status of the new job follow the whole run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_launch, wait_for_state
+
+from toolkit.metrics import logged_step_records
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+TINY = ["--arg", "export=off", "--arg", "row_len=64", "--arg", "batch_rows=1", "--arg", "synthetic_samples=60", "--arg", "ckpt_every=10"]
+
+
+def test_resume_a_finished_run_to_40_steps(slurm_cluster, tmp_path: Path) -> None:
+    env = {**os.environ, **slurm_cluster.env(), "LAUNCH_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
+    env.pop("LAUNCH_JOBS_PATH", None)
+    first = run_launch(["submit", "stage1", "--preset", "tiny", "--parsable", "--no-preflight", "--arg", "steps=20",
+                        *TINY], env)
+    assert first.returncode == 0, first.stderr
+    job1 = first.stdout.strip()
+    assert wait_for_state(job1, env, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=500) == "COMPLETED", \
+        run_launch(["logs", job1, "--tail", "30"], env).stdout
+    run_dir = Path(env["LAUNCH_HOME"]) / "runs" / "stage1" / job1
+
+    second = run_launch(["resume", job1, "--steps", "40", "--parsable", "--no-preflight"], env)
+    assert second.returncode == 0, second.stderr
+    job2 = second.stdout.strip()
+    assert job2 != job1
+    assert wait_for_state(job2, env, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=500) == "COMPLETED", \
+        run_launch(["logs", job2, "--tail", "30"], env).stdout
+    log = run_launch(["logs", job2], env).stdout
+    assert "# resumed from" in log, log[-2000:]
+
+    steps = [r["step"] for r in logged_step_records(run_dir / "metrics.jsonl")]
+    assert sorted(set(steps)) == list(range(1, 41)), steps  # one run folder, both jobs' steps
+    assert not (Path(env["LAUNCH_HOME"]) / "runs" / "stage1" / job2 / "metrics.jsonl").exists()
+
+    report = run_launch(["report", job2], env)
+    assert report.returncode == 0, report.stderr
+    assert f"{run_dir / 'metrics.jsonl'}: 40 steps (1..40)" in report.stderr
+    assert all(Path(p).is_file() and Path(p).parent == run_dir / "plots" for p in report.stdout.split())
+
+    export = run_launch(["export", job2, "--out", str(tmp_path / "exported")], env, timeout=300)
+    assert export.returncode == 0, export.stderr
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(tmp_path / "exported", local_files_only=True).model_type
+    assert "40" in (tmp_path / "exported" / "README.md").read_text()
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "exported").iterdir()}
+    assert set(modes.values()) == {0o644}, modes  # model.safetensors like the rest
+
+    status = run_launch(["status", job2], env).stdout
+    assert f"run: {run_dir} (jobs {job1}, {job2})" in status, status
+    assert "COMPLETED" in status.splitlines()[1]
+    listing = run_launch(["list"], env).stdout
+    assert f"(resumes {job1})" in next(ln for ln in listing.splitlines() if ln.startswith(job2))
+    # the config.yaml of the run is the latest job's, with the new total
+    import yaml
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["job_id"] == job2 and config["args"]["steps"] == 40
