@@ -33,8 +33,8 @@ from train.common.config import ConfigError, opt, parse_config
 from train.common.distributed import slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
-from train.common.losses import LossImplError
 from train.common.hf_local import check_init_from
+from train.common.losses import LossImplError
 from train.common.runtime import Runtime
 from train.common.stepper import Stepper
 from train.dflash.data import ShardDataset, batch_stream, pad_samples
