@@ -47,7 +47,16 @@ from train.common.runtime import Runtime, pick_device
 from train.common.shapes import SHAPES, get_shape
 from train.common.stepper import Stepper, make_adamw, zero2_config
 from train.stage1 import model as stage1_model  # stage1_model.build_model: tests wrap it
-from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data, check_data_dir, check_weights
+from train.stage1.data import (
+    IMAGE_TASKS,
+    TASKS,
+    DataConfig,
+    DataError,
+    Stage1Data,
+    check_data_dir,
+    check_weights,
+    image_tasks_weighted,
+)
 from train.stage1.export import ExportError, export_checkpoint, write_model_files
 from train.stage1.objective import CausalLMObjective, ModelInputError
 from train.stage1.synthetic import generate_synthetic
@@ -124,6 +133,22 @@ def vision_on(cfg: Stage1Config) -> bool:
     if cfg.vision is not None:
         return cfg.vision
     return has_vision_tower(cfg.init_from) if cfg.init_from else True
+
+
+def check_tasks(cfg: Stage1Config, tasks: int) -> None:
+    """`launch submit` calls this before anything is queued: image tasks never leave a run's mixture
+    silently, so a text-only model (vision off, or an --init-from checkpoint without a tower) with
+    image tasks weighted (the default mixture weights them) is refused here, in one line."""
+    if cfg.init_from and cfg.vision is None and not (Path(cfg.init_from) / "config.json").is_file():
+        return  # the checkpoint lives only where the job runs: the job's data setup checks it
+    if vision_on(cfg):
+        return
+    weighted = image_tasks_weighted(cfg.weights)
+    if weighted:
+        why = "--vision off" if cfg.vision is False else f"checkpoint {cfg.init_from} has no vision tower"
+        text_only = json.dumps({t: 1 for t in TASKS if t not in IMAGE_TASKS})
+        raise ConfigError(f"task(s) {', '.join(weighted)} carry images but {why}: use --arg vision=on, or "
+                          f"weights without them (--arg weights='{text_only}')")
 
 
 def validate(cfg: Stage1Config) -> None:
@@ -363,11 +388,22 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         "mfu_peak": f"{peak:.4g} ({peak_source})" if peak else f"n/a ({peak_source})", "loss_impl": loss_impl,
         "optimizer": stepper.name, "vision_params": spec.n_vision_params,
     })
+    rt.print(mixture_line(data, tok))
     rt.print("# " + kernels.header().replace("\n", "\n# "))
     for line in [f"packing: {packing}", *lever_lines]:
         rt.print(f"# {line}")
     model.train()
     return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), flops_per_token, peak)
+
+
+def mixture_line(data: Stage1Data, tok: Any) -> str:
+    """`# mixture: task weight[ images ...], ...`: the effective mixture (normalized weights) and
+    where each image task's images go: through the vision tower, or 16 colour stand-in tokens."""
+    sampler = data.dataset.sampler
+    images = "tower" if tok.encoder is not None else "colour tokens"
+    parts = [f"{t} {w:.3f}" + (f" (images: {images})" if t in IMAGE_TASKS else "")
+             for t, w in zip(sampler.tasks, sampler.probs.tolist(), strict=True)]
+    return "# mixture: " + ", ".join(parts)
 
 
 def step_record(run: Stage1Run, rt: Runtime, batch: dict[str, Any], result: StepResult,
@@ -381,7 +417,7 @@ def step_record(run: Stage1Run, rt: Runtime, batch: dict[str, Any], result: Step
         "step": rt.step, "loss": loss, "task_loss": task_loss, "tok_s": tok_s, "real_tok_s": tok_s * useful,
         "mfu": mfu_all, "mfu_useful": None if mfu_all is None else mfu_all * useful,
         "data_ms": timing.data_ms, "compute_ms": timing.compute_ms, "peak_mem_mb": peak_memory_mb(rt.device),
-        "compiles": compiles, "recompiles": recompiles, "lr": run.stepper.lr, "grad_norm": result.grad_norm,
+        "compiles": compiles, "recompiles": recompiles, "lr": run.stepper.step_lr, "grad_norm": result.grad_norm,
         "packing_efficiency": useful, "batch_index": batch["batch_index"], "batch_digest": batch_digest(batch),
         "fwd_ms": timing.forward_ms, **(rank_spread(timing, rt.device) if rt.dist.world_size > 1 else {}),
     }
