@@ -42,7 +42,7 @@ from train.common.levers import Levers, apply_levers
 from train.common.losses import LossImplError, select_loss_impl
 from train.common.metrics import compile_counts, peak_memory_mb
 from train.common.packing import IGNORE_INDEX, model_kwargs, resolve_layout
-from train.common.profiler import StepProfiler, StepTiming, rank_spread
+from train.common.profiler import ProgressWatch, StepProfiler, StepTiming, rank_spread
 from train.common.runtime import Runtime, pick_device
 from train.common.shapes import SHAPES, get_shape
 from train.common.stepper import Stepper, make_adamw, zero2_config
@@ -308,6 +308,7 @@ class Stage1Run:
     stepper: Stepper
     data: Stage1Data
     prof: StepProfiler
+    progress: ProgressWatch
     flops_per_token: float
     peak_flops: float | None  # one device's; None where the peak is unknown (CPU): no MFU
     first_loss: float | None = None
@@ -329,11 +330,12 @@ def train(cfg: Stage1Config) -> int:
             # real_tok_s and mfu_useful leave the padding out.
             timing = run.prof.end_step(batch["input_ids"].numel() * rt.dist.world_size)
             rt.step += 1
+            progress = run.progress.observe(rt.step, timing)
             rt.check_finite(result.loss if rt.dist.world_size == 1 else None, result.grad_norm, result.skipped)
             run.first_loss = result.loss if run.first_loss is None else run.first_loss
             run.last_loss = result.loss
             if rt.step % cfg.log_every == 0 or rt.step == cfg.steps:
-                rt.log.log_step(step_record(run, rt, batch, result, timing))
+                rt.log.log_step({**step_record(run, rt, batch, result, timing), **progress})
             if cfg.ckpt_every and (rt.step % cfg.ckpt_every == 0 or rt.step == cfg.steps):
                 save_checkpoint(run, rt)
         finish(run, rt)
@@ -390,10 +392,16 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     })
     rt.print(mixture_line(data, tok))
     rt.print("# " + kernels.header().replace("\n", "\n# "))
-    for line in [f"packing: {packing}", *lever_lines]:
+    for line in [f"packing: {packing}", *lever_lines, STEP_LINE_LEGEND]:
         rt.print(f"# {line}")
     model.train()
-    return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), flops_per_token, peak)
+    return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), ProgressWatch(cfg.steps, rt.device),
+                     flops_per_token, peak)
+
+
+STEP_LINE_LEGEND = ("step line: step n/N, loss (per task: gi gen_img, gt gen_txt, un und, ri replay_img, "
+                    "rt replay_text), tok/s, useful-token MFU, compute+data ms, peak GiB, eta; STALL(cause) on a "
+                    "step > 3x the running median")
 
 
 def mixture_line(data: Stage1Data, tok: Any) -> str:
