@@ -251,3 +251,38 @@ def test_a_bf16_only_backend_is_checked_too(site):
     model, _ = build_model("tiny")
     with pytest.raises(FastPathError, match=r"gated delta rule \(bf16\) kernel .* disagrees"):
         install_kernels(model, choice)
+
+
+# fla 0.6's backend registry, as far as gdn_backend reads it: the first registered backend whose
+# package is found and whose env switch is not "0" (fla/backends.py BackendRegistry.get_active);
+# FlashQLA (package flash_qla, FLA_FLASH_QLA) is the one registered for gated_delta_rule on NVIDIA.
+# Not modelled: per-call verification (FlashQLA takes K = V = 128 heads only, the Qwen3.5 shapes').
+FLA_BACKENDS = {
+    "fla/backends.py": """
+        import importlib.util, os
+
+        class _FlashQLA:
+            backend_type = "flash_qla"
+
+            def usable(self):
+                return importlib.util.find_spec("flash_qla") is not None and os.environ.get("FLA_FLASH_QLA", "1") != "0"
+
+        class _Registry:
+            def get_active(self):
+                return next((b for b in (_FlashQLA(),) if b.usable()), None)
+
+        def _load_operation_registry(operation):
+            return _Registry()
+    """,
+}
+
+
+def test_the_header_names_the_gdn_backend(site, monkeypatch):
+    site({**WORKING_FLA, **FLA_BACKENDS, "tilelang/__init__.py": ""})
+    choice = select_kernels("cuda", capability=(9, 0), triton_version="3.6.0")
+    assert "[backend: triton (tilelang gated backward); flash-qla not installed" in choice.header()
+    site({"flash_qla/__init__.py": ""})
+    assert "gated-delta-rule=fla.ops.gated_delta_rule.chunk_gated_delta_rule [backend: flash_qla (FlashQLA" in \
+        select_kernels("cuda", capability=(9, 0), triton_version="3.6.0").header()
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")
+    assert "[backend: triton (tilelang" in select_kernels("cuda", capability=(9, 0), triton_version="3.6.0").gdr

@@ -311,6 +311,7 @@ class Stage1Run:
     progress: ProgressWatch
     flops_per_token: float
     peak_flops: float | None  # one device's; None where the peak is unknown (CPU): no MFU
+    vision_config: Any = None  # the tower's config (its FLOPs count in MFU); None: text-only
     first_loss: float | None = None
     last_loss: float | None = None
 
@@ -389,6 +390,8 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         "start_step": rt.step, "steps": cfg.steps, "flops_per_token": f"{flops_per_token:.4g}",
         "mfu_peak": f"{peak:.4g} ({peak_source})" if peak else f"n/a ({peak_source})", "loss_impl": loss_impl,
         "optimizer": stepper.name, "vision_params": spec.n_vision_params,
+        **({"vision_flops_per_patch": 6 * mfu.vision_matmul_params(vision_config(model))}
+           if vision_config(model) is not None else {}),
     })
     rt.print(mixture_line(data, tok))
     rt.print("# " + kernels.header().replace("\n", "\n# "))
@@ -396,7 +399,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         rt.print(f"# {line}")
     model.train()
     return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), ProgressWatch(cfg.steps, rt.device),
-                     flops_per_token, peak)
+                     flops_per_token, peak, vision_config=vision_config(model))
 
 
 STEP_LINE_LEGEND = ("step line: step n/N, loss (per task: gi gen_img, gt gen_txt, un und, ri replay_img, "
@@ -420,15 +423,34 @@ def step_record(run: Stage1Run, rt: Runtime, batch: dict[str, Any], result: Step
     loss, task_loss = reduce_task_losses(result.per_task, rt.dist)
     compiles, recompiles = compile_counts()
     tok_s, useful = timing.tokens_per_s, batch["packing_efficiency"]
-    mfu_all = tok_s * run.flops_per_token / (run.peak_flops * rt.dist.world_size) if run.peak_flops else None
+    vision = step_vision_flops(run, rt, batch)
+    mfu_all = mfu_useful = None
+    if run.peak_flops and timing.step_ms > 0:  # the tower's FLOPs count in both: images are never padding
+        vision_per_s = vision / (timing.step_ms / 1000)
+        peak = run.peak_flops * rt.dist.world_size
+        mfu_all = (tok_s * run.flops_per_token + vision_per_s) / peak
+        mfu_useful = (tok_s * useful * run.flops_per_token + vision_per_s) / peak
     return {
         "step": rt.step, "loss": loss, "task_loss": task_loss, "tok_s": tok_s, "real_tok_s": tok_s * useful,
-        "mfu": mfu_all, "mfu_useful": None if mfu_all is None else mfu_all * useful,
+        "mfu": mfu_all, "mfu_useful": mfu_useful, "vision_flops": vision,
         "data_ms": timing.data_ms, "compute_ms": timing.compute_ms, "peak_mem_mb": peak_memory_mb(rt.device),
         "compiles": compiles, "recompiles": recompiles, "lr": run.stepper.step_lr, "grad_norm": result.grad_norm,
         "packing_efficiency": useful, "batch_index": batch["batch_index"], "batch_digest": batch_digest(batch),
         "fwd_ms": timing.forward_ms, **(rank_spread(timing, rt.device) if rt.dist.world_size > 1 else {}),
     }
+
+
+def step_vision_flops(run: Stage1Run, rt: Runtime, batch: dict[str, Any]) -> float:
+    """The vision tower's FLOPs of this step over all ranks (train.common.mfu.vision_flops of each
+    rank's images). Collective on several ranks, like step_record."""
+    if run.vision_config is None:
+        return 0.0
+    flops = mfu.vision_flops(run.vision_config, batch.get("image_grid_thw"))
+    if rt.dist.world_size > 1:
+        total = torch.tensor([flops], dtype=torch.float64, device=rt.device)
+        torch.distributed.all_reduce(total)
+        flops = float(total)
+    return flops
 
 
 def finish(run: Stage1Run, rt: Runtime) -> None:
@@ -461,13 +483,18 @@ def _loss_span(metrics_path: Path) -> dict[str, Any]:
     return {"first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"]} if recs else {}
 
 
+def vision_config(model: torch.nn.Module) -> Any:
+    """The model's vision tower config, None for the text-only model."""
+    return getattr(getattr(model, "config", None), "vision_config", None)
+
+
 def mfu_terms(model: torch.nn.Module, cfg: Stage1Config, device: torch.device) -> tuple[float, float | None, str]:
     """(model FLOPs per token, peak FLOP/s of one device or None, the device named).
 
     The peak is known only for the GPUs train.common.mfu lists; elsewhere (a CPU, an unlisted GPU)
     there is no MFU, rather than a number against a peak the device does not have. The text
-    model's FLOPs only: the vision tower's are not counted (its share depends on how many image
-    patches a batch holds).
+    model's FLOPs per token; the vision tower's depend on the step's images, so step_record adds
+    them per step (train.common.mfu.vision_flops).
     """
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = mfu.peak_flops(name)
