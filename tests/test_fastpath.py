@@ -286,3 +286,29 @@ def test_the_header_names_the_gdn_backend(site, monkeypatch):
         select_kernels("cuda", capability=(9, 0), triton_version="3.6.0").header()
     monkeypatch.setenv("FLA_FLASH_QLA", "0")
     assert "[backend: triton (tilelang" in select_kernels("cuda", capability=(9, 0), triton_version="3.6.0").gdr
+
+
+def test_warm_up_runs_each_document_layout_through_the_chosen_kernels(site):
+    """warm_kernels: fwd + bwd of the chosen GDN and conv kernels at the model's head shapes, one
+    call per layout of warm_layouts (full-length, short and mixed documents), the model untouched."""
+    import dataclasses
+
+    from train.common.fastpath import warm_kernels, warm_layouts
+
+    site(WORKING_FLA)
+    choice = select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    seen: list[list[int]] = []
+
+    def recording(q, k, v, g, beta, cu_seqlens=None, **kw):
+        seen.append(cu_seqlens.tolist())
+        return choice.gdr_fn(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kw)
+
+    model, _ = build_model("tiny")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    traced = dataclasses.replace(choice, gdr_fn=recording)
+    assert warm_kernels(model, traced, stream_len=512, max_doc=256, dtype=torch.float32) == 2
+    assert seen == [[0, 256, 512], [0, 255, 256, 384, 512]]  # full/short coincide at 256: one call
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+    layouts = warm_layouts(32768, 8192)
+    assert [len(lay) for lay in layouts] == [4, 128, 8] and all(sum(lay) == 32768 for lay in layouts)
+    assert warm_kernels(model, select_kernels("cpu"), 512, 256) == 0  # nothing to compile on the CPU

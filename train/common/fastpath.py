@@ -429,3 +429,53 @@ def install_kernels(model: torch.nn.Module, choice: KernelChoice, verify: bool =
         module.conv_impl = choice.conv_fn
         module.gdr_impl = choice.gdr_fn
     return len(layers)
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+
+def warm_layouts(stream_len: int, max_doc: int) -> list[list[int]]:
+    """Document lengths of the streams :func:`warm_kernels` runs: what a run's batches range over
+    (streams of only full-length documents, of many short ones, and mixed), so that every kernel
+    variant a length pattern can select (FlashQLA's intra-card split of long documents or not,
+    fla's per-shape autotune) is compiled before the first timed step."""
+    full = [max_doc] * (stream_len // max_doc) + ([stream_len % max_doc] if stream_len % max_doc else [])
+    short = [256] * (stream_len // 256) + ([stream_len % 256] if stream_len % 256 else [])
+    half = max(1, max_doc // 2)
+    mixed = [max_doc - 1, 1] + [half] * ((stream_len - max_doc) // half)
+    mixed += [stream_len - sum(mixed)] if stream_len > sum(mixed) else []
+    return [lay for lay in (full, short, mixed) if sum(lay) == stream_len and all(n > 0 for n in lay)]
+
+
+def warm_kernels(model: torch.nn.Module, choice: KernelChoice, stream_len: int, max_doc: int,
+                 dtype: torch.dtype = torch.bfloat16) -> int:
+    """Forward + backward of the chosen GDN and conv kernels, at the model's head shapes and the
+    run's stream length, for each layout of :func:`warm_layouts`; returns how many ran. Nothing of
+    the model changes (the kernels get fresh random inputs). CPU choices have nothing to compile."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    layer = next((m for m in model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)), None)
+    if choice.device == "cpu" or choice.slow_path or layer is None:
+        return 0
+    dev = layer.in_proj_qkv.weight.device
+    hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    conv_dim = 2 * hk * dk + hv * dv
+    layouts = list(dict.fromkeys(map(tuple, warm_layouts(stream_len, max_doc))))
+    for lengths in layouts:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        seq_idx = reference_kernels.cu_seqlens_to_seq_idx(cu, stream_len).view(1, stream_len)
+
+        def rand(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+            return torch.randn(*shape, device=dev, dtype=dt).requires_grad_()
+
+        q, k, v = rand(1, stream_len, hk, dk), rand(1, stream_len, hk, dk), rand(1, stream_len, hv, dv)
+        g = (-torch.nn.functional.softplus(torch.randn(1, stream_len, hv, device=dev))).requires_grad_()
+        beta = torch.rand(1, stream_len, hv, device=dev, dtype=dtype).requires_grad_()
+        out = choice.gdr_fn(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        out.float().square().mean().backward()
+        x = rand(1, stream_len, conv_dim).transpose(1, 2)  # channel-last, as in the layer
+        y = choice.conv_fn(x, rand(conv_dim, layer.conv_kernel_size), None, "silu", seq_idx=seq_idx, cu_seqlens=cu)
+        y.float().square().mean().backward()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return len(layouts)

@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -366,6 +367,14 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
                                            vision=bool(cfg.vision), codebooks=codebooks, vision_ids=tok.vision_ids)
     fastpath.install_kernels(model, kernels)
     lever_lines = apply_levers(model, rt.device, Levers(cfg.compile, cfg.attention, cfg.act_ckpt))
+    # Every GDN/conv kernel variant the run's document layouts can select, compiled now (into the
+    # node-local kernel cache), not mid-run: the first timed step is then the last slow one.
+    t_warm = time.perf_counter()
+    warmed = fastpath.warm_kernels(model, kernels, stream_len=cfg.batch_rows * cfg.row_len, max_doc=cfg.row_len,
+                                   dtype=dtype)
+    if warmed:
+        lever_lines.append(f"warm-up: GDN + conv kernels for {warmed} document layouts of a "
+                           f"{cfg.batch_rows * cfg.row_len}-token stream, {time.perf_counter() - t_warm:.1f} s")
     packing = resolve_layout(cfg.packing, rt.device.type)
     loss_impl = select_loss_impl(rt.device, cfg.loss_impl)
     stepper = make_stepper(CausalLMObjective(model, loss_impl), model, cfg, rt.device, rt.dist, ds)
@@ -433,6 +442,7 @@ def step_record(run: Stage1Run, rt: Runtime, batch: dict[str, Any], result: Step
     return {
         "step": rt.step, "loss": loss, "task_loss": task_loss, "tok_s": tok_s, "real_tok_s": tok_s * useful,
         "mfu": mfu_all, "mfu_useful": mfu_useful, "vision_flops": vision,
+        "images": 0 if batch.get("image_grid_thw") is None else len(batch["image_grid_thw"]),
         "data_ms": timing.data_ms, "compute_ms": timing.compute_ms, "peak_mem_mb": peak_memory_mb(rt.device),
         "compiles": compiles, "recompiles": recompiles, "lr": run.stepper.step_lr, "grad_norm": result.grad_norm,
         "packing_efficiency": useful, "batch_index": batch["batch_index"], "batch_digest": batch_digest(batch),
