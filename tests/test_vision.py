@@ -272,6 +272,37 @@ def test_packed_image_gradients_reach_the_vision_tower_and_match(models, image_b
     stock.zero_grad()
 
 
+def test_vision_tower_checkpointing_keeps_the_gradients(models, image_batch):
+    """--vision-ckpt recomputes the tower's blocks in the backward: the same tower gradients as
+    without it (its activations are not kept, which is the memory it saves)."""
+    from train.stage1.train import checkpoint_vision_tower
+
+    _, packed = models
+    rows, batch = image_batch
+    kwargs = model_kwargs(batch)
+    labels = kwargs.pop("labels")
+
+    def tower_grads(model) -> dict[str, torch.Tensor]:
+        model.train()
+        model.zero_grad()
+        per_token = token_losses(base_forward(model, **kwargs), model.lm_head.weight, labels, "logits")
+        per_token.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("model.visual.")}
+        model.zero_grad()
+        model.eval()
+        return grads
+
+    plain = tower_grads(packed)
+    checkpointed = copy.deepcopy(packed)
+    assert checkpoint_vision_tower(checkpointed) == ["vision tower: activation checkpointing of its 2 blocks"]
+    assert all(b.gradient_checkpointing for b in checkpointed.model.visual.blocks)
+    assert not checkpointed.model.language_model.gradient_checkpointing
+    again = tower_grads(checkpointed)
+    assert plain.keys() == again.keys() and len(plain) > 10
+    for name, g in plain.items():
+        torch.testing.assert_close(again[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_oracle_can_fail_without_the_text_position_row(models, image_batch):
     """With only the 3-D positions, transformers has no text positions to find the documents in,
     builds one causal mask over the whole row, and later documents see earlier ones."""

@@ -117,6 +117,8 @@ class Stage1Config:
                          help="full-attention kernel: varlen per document, or sdpa with a block-diagonal mask "
                               "(auto: varlen on CUDA, sdpa on CPU)")
     act_ckpt: int = opt(0, help="decoder layers with activation checkpointing (0: none)")
+    vision_ckpt: bool = opt(False, help="activation checkpointing of every vision tower block: its activations "
+                            "are recomputed in the backward (less memory for images, one more tower forward)")
     packing: str = opt("auto", choices=("auto", "flat", "rows"),
                        help="batch layout: flat (one stream of batch_rows x row_len) or rows (auto: flat on CUDA)")
     conv_impl: str = opt("auto", choices=("auto", "causal-conv1d", "fla"),
@@ -366,6 +368,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     model, spec = stage1_model.build_model(cfg.shape, device=rt.device, dtype=dtype, init_from=cfg.init_from,
                                            vision=bool(cfg.vision), codebooks=codebooks, vision_ids=tok.vision_ids)
     fastpath.install_kernels(model, kernels)
+    vision_lines = checkpoint_vision_tower(model) if cfg.vision and cfg.vision_ckpt else []
     lever_lines = apply_levers(model, rt.device, Levers(cfg.compile, cfg.attention, cfg.act_ckpt))
     # Every GDN/conv kernel variant the run's document layouts can select, compiled now (into the
     # node-local kernel cache), not mid-run: the first timed step is then the last slow one.
@@ -404,7 +407,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     })
     rt.print(mixture_line(data, tok))
     rt.print("# " + kernels.header().replace("\n", "\n# "))
-    for line in [f"packing: {packing}", *lever_lines, STEP_LINE_LEGEND]:
+    for line in [f"packing: {packing}", *lever_lines, *vision_lines, STEP_LINE_LEGEND]:
         rt.print(f"# {line}")
     model.train()
     return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), ProgressWatch(cfg.steps, rt.device),
@@ -491,6 +494,18 @@ def _loss_span(metrics_path: Path) -> dict[str, Any]:
     """first/last loss over the whole run, including steps before a resume."""
     recs = step_records(metrics_path) if metrics_path.exists() else []
     return {"first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"]} if recs else {}
+
+
+def checkpoint_vision_tower(model: torch.nn.Module) -> list[str]:
+    """--vision-ckpt: transformers' activation checkpointing (non-reentrant) on every block of the
+    vision tower, the text layers left as --act-ckpt has them. Returns the header line."""
+    tower = model.model.visual
+    kwargs = {"use_reentrant": False}
+    if hasattr(tower, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
+        tower.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return [f"vision tower: activation checkpointing of its {len(tower.blocks)} blocks"]
 
 
 def vision_config(model: torch.nn.Module) -> Any:
