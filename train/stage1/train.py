@@ -500,11 +500,20 @@ def checkpoint_vision_tower(model: torch.nn.Module) -> list[str]:
     """--vision-ckpt: transformers' activation checkpointing (non-reentrant) on every block of the
     vision tower, the text layers left as --act-ckpt has them. Returns the header line."""
     tower = model.model.visual
+    from transformers.utils import logging as hf_logging
+
     kwargs = {"use_reentrant": False}
-    if hasattr(tower, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
-        tower.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    level = hf_logging.get_verbosity()
+    # transformers warns that the tower "does not expose input embeddings": that matters for the
+    # reentrant variant only (its inputs would need grad); the non-reentrant one needs none.
+    hf_logging.set_verbosity_error()
+    try:
+        if hasattr(tower, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
+            tower.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    finally:
+        hf_logging.set_verbosity(level)
     return [f"vision tower: activation checkpointing of its {len(tower.blocks)} blocks"]
 
 
