@@ -133,6 +133,9 @@ def test_one_line_errors_before_the_model_is_built(text_ckpt: Path, vision_ckpt:
         assert not (out / "model_files").exists()  # refused before the model was built
 
 
+TEXT_TASKS = ("--weights", '{"gen_txt": 1, "und": 1, "replay_text": 1}')
+
+
 def _trainer_model(job: Path, step: int, vision: bool, init_from: Path | None) -> torch.nn.Module:
     tok = build_tokenizer(TINY, init_from, vision)
     model, _ = build_model("tiny", init_from=init_from, vision=vision, vision_ids=tok.vision_ids)
@@ -144,7 +147,11 @@ def _trainer_model(job: Path, step: int, vision: bool, init_from: Path | None) -
 def test_export_loads_with_from_pretrained_and_gives_the_trainer_logits(text_ckpt: Path, tmp_path: Path) -> None:
     data = make_data(tmp_path)
     job = tmp_path / "job"
-    assert run(job, data, 2, "--init-from", str(text_ckpt), "--ckpt-every", "2") == 0
+    # a text-only checkpoint trains the text tasks only, and must say so (the default mixture is refused)
+    assert run(job, data, 2, "--init-from", str(text_ckpt), "--ckpt-every", "2") == 1
+    assert "task(s) gen_img, replay_img need images" in json.loads((job / "outcome.json").read_text())["error"]
+    shutil.rmtree(job)
+    assert run(job, data, 2, "--init-from", str(text_ckpt), "--ckpt-every", "2", *TEXT_TASKS) == 0
     summary = json.loads((job / "summary.json").read_text())
     export = Path(summary["export"])
     assert export == (job / "export" / "step_00000002").resolve()
@@ -166,7 +173,7 @@ def test_export_loads_with_from_pretrained_and_gives_the_trainer_logits(text_ckp
 
     # --init-from the export continues training with the extended vocab as is
     again = tmp_path / "again"
-    assert run(again, data, 1, "--init-from", str(export), "--ckpt-every", "0") == 0
+    assert run(again, data, 1, "--init-from", str(export), "--ckpt-every", "0", *TEXT_TASKS) == 0
     header = json.loads((again / "metrics.jsonl").read_text().splitlines()[0])
     assert header["vocab"] == loaded.config.vocab_size and str(export) in header["tokenizer"]
 
