@@ -312,3 +312,12 @@ def test_warm_up_runs_each_document_layout_through_the_chosen_kernels(site):
     layouts = warm_layouts(32768, 8192)
     assert [len(lay) for lay in layouts] == [4, 128, 8] and all(sum(lay) == 32768 for lay in layouts)
     assert warm_kernels(model, select_kernels("cpu"), 512, 256) == 0  # nothing to compile on the CPU
+
+
+def test_tilelang_cache_goes_beside_the_node_local_triton_cache():
+    from train.common.fastpath import configure_tilelang_cache
+
+    env = {"TRITON_CACHE_DIR": "/scratch/cache/alice/triton/"}
+    assert configure_tilelang_cache(env) == "/scratch/cache/alice/tilelang" == env["TILELANG_CACHE_DIR"]
+    assert configure_tilelang_cache({"TRITON_CACHE_DIR": "/a/triton", "TILELANG_CACHE_DIR": "/b/tl"}) == "/b/tl"
+    assert configure_tilelang_cache({}) is None

@@ -185,6 +185,17 @@ def tilelang_problem() -> str | None:
     return None
 
 
+def configure_tilelang_cache(env: dict[str, str] | None = None) -> str | None:
+    """Put TileLang's kernel cache (FlashQLA's and fla's tilelang kernels) beside Triton's
+    node-local one unless TILELANG_CACHE_DIR is set, so the next job on the node starts warm (its
+    default is ~/.tilelang/cache, the home directory: often a network file system). Before the
+    first ``import tilelang``."""
+    env = os.environ if env is None else env
+    if not env.get("TILELANG_CACHE_DIR") and env.get("TRITON_CACHE_DIR"):
+        env["TILELANG_CACHE_DIR"] = os.path.join(os.path.dirname(env["TRITON_CACHE_DIR"].rstrip("/")), "tilelang")
+    return env.get("TILELANG_CACHE_DIR")
+
+
 def gdn_backend(capability: tuple[int, int] | None) -> str:
     """Which of fla's gated-delta-rule backends a call with K = V = 128 heads (the Qwen3.5 shapes')
     takes: fla dispatches to the first registered backend whose package imports and whose env
@@ -258,6 +269,7 @@ def select_kernels(
         )
 
     problems: list[str] = []
+    configure_tilelang_cache()
     fla_pkg = probe_import("fla")
     gdr = probe_import("fla.ops.gated_delta_rule", "chunk_gated_delta_rule") if fla_pkg.ok else fla_pkg
     if gdr.ok:
