@@ -178,6 +178,28 @@ def test_export_loads_with_from_pretrained_and_gives_the_trainer_logits(text_ckp
     assert header["vocab"] == loaded.config.vocab_size and str(export) in header["tokenizer"]
 
 
+def test_a_vlm_checkpoint_with_the_default_mixture_trains_all_five_tasks(vision_ckpt: Path, tmp_path: Path,
+                                                                          capsys) -> None:
+    """--init-from a checkpoint with a vision tower: vision on by default, the image tasks stay in
+    the mixture (through the tower), and the step lines carry every task's loss."""
+    from train.stage1.train import check_tasks, parse_args
+
+    check_tasks(parse_args(["--init-from", str(vision_ckpt)]), 1)
+    job = tmp_path / "job"
+    assert run(job, make_data(tmp_path), 4, "--init-from", str(vision_ckpt), "--batch-rows", "2", "--row-len", "256",
+               "--ckpt-every", "0") == 0
+    out = capsys.readouterr().out
+    assert ("# mixture: gen_img 0.218 (images: tower), gen_txt 0.217, und 0.217, replay_img 0.237 (images: tower), "
+            "replay_text 0.111") in out
+    steps = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()][1:]
+    assert set().union(*(r["task_loss"] for r in steps)) == {"gen_img", "gen_txt", "und", "replay_img", "replay_text"}
+    assert sum(r["images"] for r in steps) >= 4 and all(r["vision_flops"] > 0 for r in steps if r["images"])
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    for label, task in (("gi", "gen_img"), ("gt", "gen_txt"), ("un", "und"), ("ri", "replay_img"), ("rt", "replay_text")):
+        assert any(f"{label} {r['task_loss'][task]:.2f}" in line for r, line in zip(steps, lines, strict=True)
+                   if task in r["task_loss"]), label
+
+
 @pytest.mark.slow
 def test_export_of_a_deepspeed_zero2_checkpoint(vision_ckpt: Path, tmp_path: Path) -> None:
     """ZeRO-2 (one gloo rank on CPU): the fp32 masters gathered by DeepSpeed, the `model.` prefix
