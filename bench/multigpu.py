@@ -146,8 +146,10 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"== stage1 {a.preset} on {n} GPU(s): python -m train.stage1 {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         outputs = run_ranks("stage1", argv, n, out / "logs", a.timeout)
+        every = step_records(out / "metrics.jsonl")
         steps = timed_steps(out / "metrics.jsonl", a.skip)
         header = next((ln for ln in outputs[0].splitlines() if "world=" in ln), "")
+        kernels = next((ln.lstrip("# ") for ln in outputs[0].splitlines() if "gated-delta-rule=" in ln), "")
         spreads = [r["fwd_spread"] for r in steps if "fwd_spread" in r]
         tok_s = statistics.median(r["tok_s"] for r in steps)
         row = {
@@ -156,6 +158,15 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
             "steps_timed": len(steps), "tok_s": tok_s, "tok_s_per_gpu": tok_s / n,
             # None where the device's peak is unknown (a CPU smoke run): no MFU rather than a wrong one
             "mfu": statistics.median(mfus) if (mfus := [r["mfu"] for r in steps if r.get("mfu") is not None]) else None,
+            "mfu_useful": statistics.median(u) if (u := [r["mfu_useful"] for r in steps
+                                                         if r.get("mfu_useful") is not None]) else None,
+            "first_step_s": (every[0]["data_ms"] + every[0]["compute_ms"]) / 1000 if every else None,
+            "stalls": [[r["step"], r["stall"]] for r in every if r.get("stall")],
+            "images_per_step": statistics.mean(r.get("images", 0) for r in steps),
+            "vision_flops_share": statistics.median(r.get("vision_flops", 0) / max(1e-9, r["tok_s"] * (
+                r["data_ms"] + r["compute_ms"]) / 1000 * fpt + r.get("vision_flops", 0)) for r in steps)
+            if (fpt := float(m.group(1)) if (m := re.search(r"\bflops_per_token=([\d.e+]+)", header)) else 0) else None,
+            "kernels": kernels,
             "step_ms": statistics.median(r["data_ms"] + r["compute_ms"] for r in steps),
             "fwd_ms": statistics.median(r["fwd_ms"] for r in steps) if steps[0].get("fwd_ms") else None,
             "fwd_spread_median": statistics.median(spreads) if spreads else None,
@@ -167,7 +178,8 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
             "header": header.strip(),
         }
         rows.append(row)
-        print(f"   {n} GPU: {tok_s:,.0f} tok/s, {_pct(row['mfu'])} MFU, peak {row['peak_mem_gb']:.1f} GiB, "
+        print(f"   {n} GPU: {tok_s:,.0f} tok/s, {_pct(row['mfu'])} MFU, {_pct(row['mfu_useful'])} uMFU, "
+              f"first step {row['first_step_s']:.1f} s, stalls {row['stalls']}, peak {row['peak_mem_gb']:.1f} GiB, "
               f"vocab {row['vocab']}, wall {row['wall_s']:.0f} s", flush=True)
     base = rows[0]["tok_s_per_gpu"] if rows else 1.0
     for row in rows:
@@ -180,16 +192,17 @@ def _pct(x: float | None) -> str:
 
 
 def print_stage1(rows: list[dict[str, Any]]) -> None:
-    print("\n| GPUs | ZeRO-2 | tok/s | tok/s/GPU | MFU | scaling eff. | step ms | fwd ms | fwd spread med/max "
-          "| slowest step / median | peak GiB |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("\n| GPUs | ZeRO-2 | tok/s | tok/s/GPU | MFU | uMFU | scaling eff. | step ms | fwd ms | fwd spread med/max "
+          "| slowest step / median | peak GiB | first step s |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
         spread = ("-" if r["fwd_spread_median"] is None
                   else f"{r['fwd_spread_median']:.1%} / {r['fwd_spread_max']:.1%}")
         fwd = "-" if r["fwd_ms"] is None else f"{r['fwd_ms']:.0f}"
         print(f"| {r['gpus']} | {'yes' if r['deepspeed'] else 'no'} | {r['tok_s']:,.0f} | {r['tok_s_per_gpu']:,.0f} "
-              f"| {_pct(r['mfu'])} | {r['scaling_efficiency']:.3f} | {r['step_ms']:.0f} | {fwd} | {spread} "
-              f"| {r['step_max_over_median']:.2f} | {r['peak_mem_gb']:.1f} |")
+              f"| {_pct(r['mfu'])} | {_pct(r.get('mfu_useful'))} | {r['scaling_efficiency']:.3f} | {r['step_ms']:.0f} "
+              f"| {fwd} | {spread} | {r['step_max_over_median']:.2f} | {r['peak_mem_gb']:.1f} "
+              f"| {r.get('first_step_s') or 0:.1f} |")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_two_rank_ddp_training_on_gloo(tmp_path) -> None:
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "world=2" in outputs[0] and "step     2" in outputs[0]
+    assert "world=2" in outputs[0] and "step 2/2 " in outputs[0]
     assert "step" not in outputs[1]  # only rank 0 logs
     ckpt = out / "checkpoints" / "step_00000002"
     assert {p.name for p in ckpt.iterdir()} >= {"model.pt", "trainer_rank00000.pt", "trainer_rank00001.pt"}

@@ -251,3 +251,73 @@ def test_a_bf16_only_backend_is_checked_too(site):
     model, _ = build_model("tiny")
     with pytest.raises(FastPathError, match=r"gated delta rule \(bf16\) kernel .* disagrees"):
         install_kernels(model, choice)
+
+
+# fla 0.6's backend registry, as far as gdn_backend reads it: the first registered backend whose
+# package is found and whose env switch is not "0" (fla/backends.py BackendRegistry.get_active);
+# FlashQLA (package flash_qla, FLA_FLASH_QLA) is the one registered for gated_delta_rule on NVIDIA.
+# Not modelled: per-call verification (FlashQLA takes K = V = 128 heads only, the Qwen3.5 shapes').
+FLA_BACKENDS = {
+    "fla/backends.py": """
+        import importlib.util, os
+
+        class _FlashQLA:
+            backend_type = "flash_qla"
+
+            def usable(self):
+                return importlib.util.find_spec("flash_qla") is not None and os.environ.get("FLA_FLASH_QLA", "1") != "0"
+
+        class _Registry:
+            def get_active(self):
+                return next((b for b in (_FlashQLA(),) if b.usable()), None)
+
+        def _load_operation_registry(operation):
+            return _Registry()
+    """,
+}
+
+
+def test_the_header_names_the_gdn_backend(site, monkeypatch):
+    site({**WORKING_FLA, **FLA_BACKENDS, "tilelang/__init__.py": ""})
+    choice = select_kernels("cuda", capability=(9, 0), triton_version="3.6.0")
+    assert "[backend: triton (tilelang gated backward); flash-qla not installed" in choice.header()
+    site({"flash_qla/__init__.py": ""})
+    assert "gated-delta-rule=fla.ops.gated_delta_rule.chunk_gated_delta_rule [backend: flash_qla (FlashQLA" in \
+        select_kernels("cuda", capability=(9, 0), triton_version="3.6.0").header()
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")
+    assert "[backend: triton (tilelang" in select_kernels("cuda", capability=(9, 0), triton_version="3.6.0").gdr
+
+
+def test_warm_up_runs_each_document_layout_through_the_chosen_kernels(site):
+    """warm_kernels: fwd + bwd of the chosen GDN and conv kernels at the model's head shapes, one
+    call per layout of warm_layouts (full-length, short and mixed documents), the model untouched."""
+    import dataclasses
+
+    from train.common.fastpath import warm_kernels, warm_layouts
+
+    site(WORKING_FLA)
+    choice = select_kernels("cuda", capability=(8, 0), triton_version="3.6.0")
+    seen: list[list[int]] = []
+
+    def recording(q, k, v, g, beta, cu_seqlens=None, **kw):
+        seen.append(cu_seqlens.tolist())
+        return choice.gdr_fn(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kw)
+
+    model, _ = build_model("tiny")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    traced = dataclasses.replace(choice, gdr_fn=recording)
+    assert warm_kernels(model, traced, stream_len=512, max_doc=256, dtype=torch.float32) == 2
+    assert seen == [[0, 256, 512], [0, 255, 256, 384, 512]]  # full/short coincide at 256: one call
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+    layouts = warm_layouts(32768, 8192)
+    assert [len(lay) for lay in layouts] == [4, 128, 8] and all(sum(lay) == 32768 for lay in layouts)
+    assert warm_kernels(model, select_kernels("cpu"), 512, 256) == 0  # nothing to compile on the CPU
+
+
+def test_tilelang_cache_goes_beside_the_node_local_triton_cache():
+    from train.common.fastpath import configure_tilelang_cache
+
+    env = {"TRITON_CACHE_DIR": "/scratch/cache/alice/triton/"}
+    assert configure_tilelang_cache(env) == "/scratch/cache/alice/tilelang" == env["TILELANG_CACHE_DIR"]
+    assert configure_tilelang_cache({"TRITON_CACHE_DIR": "/a/triton", "TILELANG_CACHE_DIR": "/b/tl"}) == "/b/tl"
+    assert configure_tilelang_cache({}) is None

@@ -71,3 +71,32 @@ def test_2b_shape_in_the_expected_range():
     # the GDN recurrence term is about +0.7% for this shape (18 layers, 16 heads of 128 x 128)
     assert gated_delta_rule_flops(model.config) == 18 * 18 * 16 * 128 * 128
     assert 0.006 < gated_delta_rule_flops(model.config) / per_token < 0.008
+
+
+def test_vision_flops_tiny_tower_hand_count_and_flop_counter():
+    """The tower's FLOPs for a step's images: a hand count for the tiny tower, and torch's own
+    FlopCounterMode over a real forward of that tower (x3 for fwd + bwd)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    from train.common.mfu import vision_flops, vision_matmul_params
+    from train.common.shapes import get_shape
+    from train.stage1.model import vision_config
+
+    cfg = vision_config(get_shape("tiny"))  # depth 2, hidden 64, inter 128, patch 8, merge 2, out 256
+    patch = 3 * 2 * 8 * 8 * 64  # conv 3 x T2 x 8 x 8 -> 64
+    blocks = 2 * (64 * 192 + 64 * 64 + 64 * 128 + 128 * 64)  # qkv, proj, fc1, fc2
+    merger = (256 * 256 + 256 * 256) // 4  # fc1 256 -> 256 and fc2 256 -> 256, once per 4 patches
+    assert vision_matmul_params(cfg) == patch + blocks + merger == 122_880
+    grids = [(1, 4, 4), (1, 8, 6)]  # 16 and 48 patches; each attends within itself
+    hand = sum(t * h * w * (6 * 122_880 + 12 * 2 * 64 * h * w) for t, h, w in grids)
+    assert vision_flops(cfg, torch.tensor(grids)) == hand == 51_118_080
+    assert vision_flops(cfg, None) == 0.0
+
+    cfg._attn_implementation = "eager"  # plain matmuls: the counter sees the attention too
+    tower = Qwen3_5VisionModel(cfg).eval()
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(n, 3 * 2 * 8 * 8)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        tower(pixels, grid_thw=torch.tensor(grids))
+    assert 3 * counter.get_total_flops() == pytest.approx(hand, rel=1e-6)

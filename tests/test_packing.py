@@ -215,8 +215,9 @@ def test_flat_cut_never_cuts_an_image_and_pads_a_tiny_head():
 
 def test_flat_layout_reaches_97_percent_on_the_bimodal_mix_without_bending_it():
     """A batch is the packer's first row(s) of a fresh packer over the batch's draws (the data
-    layer does this). Flat + cut: >= 97% useful tokens and the drawn mixture; first-fit rows reach
-    their efficiency by filling gaps with later short documents, which shifts the mixture."""
+    layer does this). Flat + cut: >= 97% useful tokens and the drawn mixture; rows (cut to fill
+    too) keep the drawn mixture as well; first-fit rows filled gaps with later short documents,
+    which shifted it."""
     def batches(layout: str, batch_rows: int, n: int = 12):
         eff, n_3d, n_docs = [], 0, 0
         for k in range(n):
@@ -235,7 +236,7 @@ def test_flat_layout_reaches_97_percent_on_the_bimodal_mix_without_bending_it():
     rows_eff, rows_share = batches("rows", 2)
     assert flat_eff >= 0.97
     assert abs(flat_share - 0.652) < 0.1  # the drawn share of 3D documents
-    assert rows_share < 0.45  # first-fit rows: replay over-represented
+    assert abs(rows_share - 0.652) < 0.1 and rows_eff > 0.8
 
 
 def test_the_data_layer_builds_flat_batches(tmp_path):

@@ -129,18 +129,28 @@ def test_report_title_names_job_preset_and_id_from_the_registry(tmp_path: Path, 
 
 
 def test_step_line_columns_are_fixed() -> None:
-    """Every step line of a trainer has the same columns in the same place: `-` for an absent
-    task, `n/a` for MFU without a known peak."""
-    from toolkit.metrics import SCHEMAS, step_line
+    """Every step line of a trainer has the same fields in the same place: `-` for an absent
+    task, `n/a` for MFU without a known peak; stage-1's compact line stays within 120 characters
+    whatever the values (the task losses lose a digit first, then memory, tok/s and the task losses go)."""
+    from toolkit.metrics import LINE_MAX, SCHEMAS, format_eta, step_line
 
     tasks = ("gen_img", "gen_txt", "und")
-    a = step_line(SCHEMAS["stage1"], {"step": 3, "loss": 2.0, "task_loss": {"und": 2.0}, "tok_s": 10.0, "mfu": None,
-                                      "data_ms": 1.0, "compute_ms": 2.0, "peak_mem_mb": 5.0, "recompiles": 0}, tasks)
-    b = step_line(SCHEMAS["stage1"], {"step": 40, "loss": 1.5, "task_loss": {"gen_img": 1.0, "gen_txt": 2.0},
-                                      "tok_s": 12.0, "mfu": 0.25, "data_ms": 1.0, "compute_ms": 2.0,
-                                      "peak_mem_mb": 5.0, "recompiles": 1}, tasks)
-    assert "gen_img - gen_txt - und 2.00" in a and "| MFU n/a |" in a
-    assert "gen_img 1.00 gen_txt 2.00 und -" in b and "| MFU 25% |" in b
-    assert [p.split()[0] for p in a.split(" | ")] == [p.split()[0] for p in b.split(" | ")]
+    a = step_line(SCHEMAS["stage1"], {"step": 3, "steps_total": 40, "loss": 2.0, "task_loss": {"und": 2.0},
+                                      "tok_s": 10.0, "mfu_useful": None, "data_ms": 1.0, "compute_ms": 2.0,
+                                      "peak_mem_mb": 5.0 * 1024, "eta_s": 3700.0}, tasks)
+    b = step_line(SCHEMAS["stage1"], {"step": 40, "steps_total": 40, "loss": 1.5,
+                                      "task_loss": {"gen_img": 1.0, "gen_txt": 2.0}, "tok_s": 33087.0,
+                                      "mfu_useful": 0.25, "data_ms": 1.0, "compute_ms": 2.0, "peak_mem_mb": 5.0 * 1024,
+                                      "eta_s": 0.0}, tasks)
+    assert a == "step 3/40 loss 2.000 (gi - gt - un 2.00) 10 tok/s uMFU n/a 2+1ms 5.0G eta 1h01m"
+    assert b == "step 40/40 loss 1.500 (gi 1.00 gt 2.00 un -) 33.1k tok/s uMFU 25.0% 2+1ms 5.0G eta 0s"
+    five = ("gen_img", "gen_txt", "und", "replay_img", "replay_text")
+    worst = {"step": 123456, "steps_total": 123456, "loss": 123.456, "task_loss": dict.fromkeys(five, 123.4),
+             "tok_s": 123456789.0, "mfu_useful": 0.999, "data_ms": 123456.0, "compute_ms": 1234567.0,
+             "peak_mem_mb": 999999.0, "eta_s": 1e9, "stall": "compile+allocator+data"}
+    line = step_line(SCHEMAS["stage1"], worst, five)
+    assert len(line) <= LINE_MAX and line.startswith("step 123456/123456 ") and " eta 999d" in line
+    assert line.endswith(" STALL(compile+allocator+data)")
+    assert [format_eta(s) for s in (5, 725, 19920, 400000, None)] == ["5s", "12m05s", "5h32m", "4d15h", "-"]
     assert step_line(SCHEMAS["dflash"], {"step": 1, "loss": 3.0}) == \
         "step     1 | loss 3.0000 | acc - | acc1 - | tau - | tok/s - | data - | compute -"

@@ -64,7 +64,9 @@ def test_a_packed_batch_decodes_back_to_its_input_text(text_ckpt: Path, tmp_path
     batch = build_batch(ds.sampler, tok, ds.cfg, 0)
     texts = {rec["text"] for task in ("replay_text", "und") for _, rec in load_manifests(data).records[task]}
     decoded = [tok.decode(row.tolist()) for row in batch["input_ids"]]
-    docs = [d for row in decoded for d in row.split("<|endoftext|>") if d]  # eos ends a doc, pads a row
+    # eos ends a doc and pads a row; after a row's last eos: padding, or the head of a document
+    # the row's end cut (rows fill to the end, the tail is dropped)
+    docs = [d for row in decoded for d in row.split("<|endoftext|>")[:-1] if d]
     found = 0
     for doc in docs:
         if doc.startswith("<|task_replay_text|>"):
@@ -133,6 +135,9 @@ def test_one_line_errors_before_the_model_is_built(text_ckpt: Path, vision_ckpt:
         assert not (out / "model_files").exists()  # refused before the model was built
 
 
+TEXT_TASKS = ("--weights", '{"gen_txt": 1, "und": 1, "replay_text": 1}')
+
+
 def _trainer_model(job: Path, step: int, vision: bool, init_from: Path | None) -> torch.nn.Module:
     tok = build_tokenizer(TINY, init_from, vision)
     model, _ = build_model("tiny", init_from=init_from, vision=vision, vision_ids=tok.vision_ids)
@@ -144,7 +149,11 @@ def _trainer_model(job: Path, step: int, vision: bool, init_from: Path | None) -
 def test_export_loads_with_from_pretrained_and_gives_the_trainer_logits(text_ckpt: Path, tmp_path: Path) -> None:
     data = make_data(tmp_path)
     job = tmp_path / "job"
-    assert run(job, data, 2, "--init-from", str(text_ckpt), "--ckpt-every", "2") == 0
+    # a text-only checkpoint trains the text tasks only, and must say so (the default mixture is refused)
+    assert run(job, data, 2, "--init-from", str(text_ckpt), "--ckpt-every", "2") == 1
+    assert "task(s) gen_img, replay_img need images" in json.loads((job / "outcome.json").read_text())["error"]
+    shutil.rmtree(job)
+    assert run(job, data, 2, "--init-from", str(text_ckpt), "--ckpt-every", "2", *TEXT_TASKS) == 0
     summary = json.loads((job / "summary.json").read_text())
     export = Path(summary["export"])
     assert export == (job / "export" / "step_00000002").resolve()
@@ -166,9 +175,31 @@ def test_export_loads_with_from_pretrained_and_gives_the_trainer_logits(text_ckp
 
     # --init-from the export continues training with the extended vocab as is
     again = tmp_path / "again"
-    assert run(again, data, 1, "--init-from", str(export), "--ckpt-every", "0") == 0
+    assert run(again, data, 1, "--init-from", str(export), "--ckpt-every", "0", *TEXT_TASKS) == 0
     header = json.loads((again / "metrics.jsonl").read_text().splitlines()[0])
     assert header["vocab"] == loaded.config.vocab_size and str(export) in header["tokenizer"]
+
+
+def test_a_vlm_checkpoint_with_the_default_mixture_trains_all_five_tasks(vision_ckpt: Path, tmp_path: Path,
+                                                                          capsys) -> None:
+    """--init-from a checkpoint with a vision tower: vision on by default, the image tasks stay in
+    the mixture (through the tower), and the step lines carry every task's loss."""
+    from train.stage1.train import check_tasks, parse_args
+
+    check_tasks(parse_args(["--init-from", str(vision_ckpt)]), 1)
+    job = tmp_path / "job"
+    assert run(job, make_data(tmp_path), 4, "--init-from", str(vision_ckpt), "--batch-rows", "2", "--row-len", "256",
+               "--ckpt-every", "0") == 0
+    out = capsys.readouterr().out
+    assert ("# mixture: gen_img 0.218 (images: tower), gen_txt 0.217, und 0.217, replay_img 0.237 (images: tower), "
+            "replay_text 0.111") in out
+    steps = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()][1:]
+    assert set().union(*(r["task_loss"] for r in steps)) == {"gen_img", "gen_txt", "und", "replay_img", "replay_text"}
+    assert sum(r["images"] for r in steps) >= 4 and all(r["vision_flops"] > 0 for r in steps if r["images"])
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    for label, task in (("gi", "gen_img"), ("gt", "gen_txt"), ("un", "und"), ("ri", "replay_img"), ("rt", "replay_text")):
+        assert any(f"{label} {r['task_loss'][task]:.2f}" in line for r, line in zip(steps, lines, strict=True)
+                   if task in r["task_loss"]), label
 
 
 @pytest.mark.slow

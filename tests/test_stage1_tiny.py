@@ -14,7 +14,7 @@ from train.stage1.data import TASKS
 
 STEP_FIELDS = {"step", "loss", "task_loss", "tok_s", "real_tok_s", "mfu", "mfu_useful", "data_ms", "compute_ms",
                "peak_mem_mb", "compiles", "recompiles", "lr", "grad_norm", "packing_efficiency", "batch_index",
-               "batch_digest"}
+               "batch_digest", "steps_total", "eta_s"}
 
 
 def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,11 +54,18 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
     first = statistics.mean(r["loss"] for r in recs[:3])
     last = statistics.mean(r["loss"] for r in recs[-3:])
     assert last < first - 1.0, (first, last)
-    assert "| data " in stdout and "compute" in stdout and "tok/s" in stdout and "| MFU n/a |" in stdout
-    # fixed columns: every step line names every task, `-` where a step had none of it
+    # the lr the step used: step 1 runs at the warmup's first value (lr / warmup), not the next one's
+    assert [r["lr"] for r in recs[:3]] == pytest.approx([1e-3, 2e-3, 3e-3])
+    assert "# mixture: gen_img 0.218 (images: tower), gen_txt 0.217" in stdout and "replay_img 0.237 (images: tower)" in stdout
+    assert all(r["steps_total"] == 20 for r in recs) and recs[-1]["eta_s"] == 0
+    median = statistics.median(r["data_ms"] + r["compute_ms"] for r in recs[1:9]) / 1000
+    assert recs[9]["eta_s"] == pytest.approx(10 * median, rel=0.5)  # 10 steps left at about the median
+    # one compact line a step: `step n/N`, every task's loss by its short name, the ETA, <= 120 chars
     lines = [line for line in stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == 20 and all(all(f" {t} " in line for t in TASKS) for line in lines)
-    assert len({line.count("|") for line in lines}) == 1
+    assert len(lines) == 20 and all(len(line) <= 120 for line in lines)
+    assert lines[0].startswith("step 1/20 loss ") and " uMFU n/a " in lines[0]
+    assert all(all(f" {t} " in line or f"({t} " in line for t in ("gi", "gt", "un", "ri", "rt")) for line in lines)
+    assert lines[-1].endswith("eta 0s") and all(" eta " in line for line in lines)
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["first_loss"] == recs[0]["loss"]

@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 NODES = ("node1", "node2")
 # Small enough for a shared 2-core CI machine: 1 CPU per task, 64-token rows, no vision tower.
 STAGE1 = ["--preset", "tiny", "--no-preflight", "--cpus-per-task", "1", "--arg", "row_len=64",
-          "--arg", "batch_rows=1", "--arg", "vision=off", "--arg", "num_workers=0", "--arg", "warmup=1"]
+          "--arg", "batch_rows=1", "--arg", "vision=off", "--arg", 'weights={"gen_txt": 1, "und": 1, "replay_text": 1}',
+          "--arg", "num_workers=0", "--arg", "warmup=1"]
 
 
 def launch(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -64,6 +64,28 @@ def test_image_encoder_emits_what_the_vision_tower_reads(tmp_path: Path):
         assert img.n_tokens == grid[1] * grid[2] // 4 <= TOK.encoder.max_tokens
 
 
+def test_qwen35_images_come_in_a_few_patch_grids(tmp_path: Path):
+    """The Qwen3.5 shapes bucket image sides to 128 px: square 448-1024 px images (19 grids
+    unbucketed) give the 5 grids of 512..1024 px; a 1024 x 448 image keeps its aspect roughly."""
+    from PIL import Image
+
+    from train.stage1.vision import ImageEncoder, bucketed_size, image_processor_for_shape
+
+    vision = get_shape("qwen35-2b").vision
+    enc = ImageEncoder(image_processor_for_shape(vision), bucket=vision.size_bucket)
+    assert vision.size_bucket == 128
+    grids = set()
+    for side in range(448, 1025, 32):
+        path = tmp_path / f"s{side}.png"
+        Image.new("RGB", (side, side), (side % 256, 10, 200)).save(path)
+        grids.add(tuple(enc(path).grid_thw))
+    assert grids == {(1, s // 16, s // 16) for s in (512, 640, 768, 896, 1024)}
+    assert bucketed_size(448, 1024, 128, 64 * 64, 1024 * 1024) == (512, 1024)
+    assert bucketed_size(1024, 1100, 128, 64 * 64, 1024 * 1024) == (1024, 1024)  # 1024 x 1152 is over max_pixels: the longer side steps down
+    with pytest.raises(ValueError, match="not a multiple of patch x merge = 32"):
+        ImageEncoder(image_processor_for_shape(vision), bucket=100)
+
+
 # ------------------------------------------------------------------------------------------------
 # positions and packing
 
@@ -250,6 +272,37 @@ def test_packed_image_gradients_reach_the_vision_tower_and_match(models, image_b
     stock.zero_grad()
 
 
+def test_vision_tower_checkpointing_keeps_the_gradients(models, image_batch):
+    """--vision-ckpt recomputes the tower's blocks in the backward: the same tower gradients as
+    without it (its activations are not kept, which is the memory it saves)."""
+    from train.stage1.train import checkpoint_vision_tower
+
+    _, packed = models
+    rows, batch = image_batch
+    kwargs = model_kwargs(batch)
+    labels = kwargs.pop("labels")
+
+    def tower_grads(model) -> dict[str, torch.Tensor]:
+        model.train()
+        model.zero_grad()
+        per_token = token_losses(base_forward(model, **kwargs), model.lm_head.weight, labels, "logits")
+        per_token.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("model.visual.")}
+        model.zero_grad()
+        model.eval()
+        return grads
+
+    plain = tower_grads(packed)
+    checkpointed = copy.deepcopy(packed)
+    assert checkpoint_vision_tower(checkpointed) == ["vision tower: activation checkpointing of its 2 blocks"]
+    assert all(b.gradient_checkpointing for b in checkpointed.model.visual.blocks)
+    assert not checkpointed.model.language_model.gradient_checkpointing
+    again = tower_grads(checkpointed)
+    assert plain.keys() == again.keys() and len(plain) > 10
+    for name, g in plain.items():
+        torch.testing.assert_close(again[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_oracle_can_fail_without_the_text_position_row(models, image_batch):
     """With only the 3-D positions, transformers has no text positions to find the documents in,
     builds one causal mask over the whole row, and later documents see earlier ones."""
@@ -274,11 +327,11 @@ def test_trainer_vision_defaults():
 
     assert vision(["--shape", "tiny"]) is True
     assert vision(["--shape", "tiny", "--vision", "off"]) is False
-    # the GPU shapes' job presets (launch/jobs/stage1.yaml) keep the benchmark text-only
+    # every job preset (launch/jobs/stage1.yaml) trains the VLM: vision off is an explicit choice
     spec = find_spec("stage1")
-    assert vision(spec.resolve("qwen35-2b").argv()) is False
-    assert vision(spec.resolve("qwen35-2b").argv(["--vision", "on"])) is True
-    assert vision(spec.resolve("tiny").argv()) is True
+    for preset in ("qwen35-2b", "qwen35-0.8b", "tiny"):
+        assert vision(spec.resolve(preset).argv()) is True, preset
+    assert vision(spec.resolve("qwen35-2b").argv(["--vision", "off"])) is False
 
 
 def test_loader_batches_carry_images_and_report_broken_pngs(tmp_path: Path):

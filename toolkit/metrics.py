@@ -110,14 +110,18 @@ class Schema:
     total_key: str | None = None  # a record field holding the count of first_label's units: `shard 3/12`
     per_task: bool = False  # a task_loss{task: loss} dict, one console column and one curve per task
     per_rank: bool = False  # rank_fwd_ms lists on runs of several ranks
+    # Short task names for a compact step line (compact_step_line); empty: the column line.
+    task_labels: tuple[tuple[str, str], ...] = ()
 
 
 SCHEMAS: dict[str, Schema] = {
     "stage1": Schema(
         trainer="stage1",
+        # steps_total / eta_s: progress, read by `launch status` and the follow heartbeat; a
+        # stalled step (> 3x the running median) also carries `stall`, its cause.
         fields=("step", "loss", "task_loss", "tok_s", "real_tok_s", "mfu", "mfu_useful", "data_ms", "compute_ms",
                 "peak_mem_mb", "compiles", "recompiles", "lr", "grad_norm", "packing_efficiency", "batch_index",
-                "batch_digest"),
+                "batch_digest", "steps_total", "eta_s"),
         columns=(
             Column("loss", "loss", ".4f"),
             Column("tok_s", "tok/s", ".0f"),
@@ -136,6 +140,8 @@ SCHEMAS: dict[str, Schema] = {
         throughput="tok_s_all_ranks",
         per_task=True,
         per_rank=True,
+        task_labels=(("gen_img", "gi"), ("gen_txt", "gt"), ("und", "un"), ("replay_img", "ri"),
+                     ("replay_text", "rt")),
     ),
     "dflash": Schema(
         trainer="dflash",
@@ -197,8 +203,87 @@ def _value(x: Any, spec: str, scale: float, missing: str) -> str:
     return str(x)
 
 
+LINE_MAX = 120  # characters of a compact step line, whatever the values
+
+
+def format_eta(seconds: Any) -> str:
+    """A duration in at most 6 characters: 42s, 12m05s, 5h32m, 12d05h; `-` when unknown."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds):
+        return "-"
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 100 * 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{min(s // 86400, 999)}d{s % 86400 // 3600:02d}h"
+
+
+def _si(x: Any) -> str:
+    """A rate in at most 5 characters: 950, 33.1k, 331k, 1.23M."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+        return "-"
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            v = x / div
+            return f"{v:.3g}{suffix}" if v < 1000 else f"{v:.0f}{suffix}"
+    return f"{x:.0f}"
+
+
+def _loss(x: Any, decimals: int = 2) -> str:
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+        return "-"
+    return f"{x:.{decimals if abs(x) < 10 else max(0, decimals - 1) if abs(x) < 100 else 0}f}"
+
+
+def compact_step_line(schema: Schema, record: dict[str, Any], tasks: tuple[str, ...] = ()) -> str:
+    """One step in at most LINE_MAX characters, the same fields at every step (`-` where absent):
+
+        step 120/20000 loss 3.123 (gi 3.21 gt 3.30 un 2.95 ri 3.40 rt 4.10) 33.1k tok/s uMFU 50.1% 950+3ms 96.1G eta 5h32m
+
+    `(..)` the per-task losses by the schema's short names, uMFU the useful-token MFU (`n/a`
+    without a known peak), compute+data ms, peak memory in GiB, and `STALL(cause)` on a stalled
+    step. Where the values would run over, the task losses lose a digit, then memory, tok/s and
+    the task losses go.
+    """
+    step, total = record["step"], record.get("steps_total")
+    head = f"step {step}/{total}" if isinstance(total, int) else f"step {step}"
+    labels = dict(schema.task_labels)
+    losses = record.get("task_loss") or {}
+    mfu = record.get("mfu_useful")
+    mem = record.get("peak_mem_mb")
+    compute, data = record.get("compute_ms"), record.get("data_ms")
+    timing = (f"{compute:.0f}+{data:.0f}ms" if isinstance(compute, (int, float)) and isinstance(data, (int, float))
+              else "-")
+    stall = record.get("stall")
+
+    def line(decimals: int, with_mem: bool, with_tok: bool, with_tasks: bool = True) -> str:
+        parts = [head, f"loss {_loss(record.get('loss'), 3)}"]
+        if tasks and with_tasks:
+            parts.append("(" + " ".join(f"{labels.get(t, t)} {_loss(losses.get(t), decimals)}" for t in tasks) + ")")
+        if with_tok:
+            parts.append(f"{_si(record.get('tok_s'))} tok/s")
+        parts.append("uMFU n/a" if not isinstance(mfu, (int, float)) else f"uMFU {100 * mfu:.1f}%")
+        parts.append(timing)
+        if with_mem:
+            parts.append(f"{mem / 1024:.1f}G" if isinstance(mem, (int, float)) else "-G")
+        parts.append(f"eta {format_eta(record.get('eta_s'))}")
+        if stall:
+            parts.append(f"STALL({stall})")
+        return " ".join(parts)
+
+    for args in ((2, True, True), (1, True, True), (1, False, True), (1, False, False), (1, False, False, False)):
+        text = line(*args)
+        if len(text) <= LINE_MAX:
+            return text
+    return text[:LINE_MAX]
+
+
 def step_line(schema: Schema, record: dict[str, Any], tasks: tuple[str, ...] = ()) -> str:
     """The console line of one step record: the same columns at every step, `-` where absent."""
+    if schema.task_labels:
+        return compact_step_line(schema, record, tasks)
     total = record.get(schema.total_key) if schema.total_key else None
     parts = [f"{schema.first_label} {record['step']:>5}" + (f"/{total}" if total is not None else "")]
     for col in schema.columns:

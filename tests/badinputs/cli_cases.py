@@ -87,6 +87,16 @@ CASES = [
          r"stage1 does not accept these arguments: unrecognized arguments: --bogus 1"),
     Case("cli", "stage1-lr-negative", ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg", "lr=-1"],
          r"stage1 does not accept these arguments: .*--lr.*nothing submitted"),
+    # image tasks never leave the mixture silently: a text-only model with them weighted is refused
+    Case("cli", "stage1-vision-off-image-tasks", ["submit", "stage1", "--preset", "qwen35-2b", "--dry-run",
+                                                  "--arg", "vision=off"],
+         r"stage1 does not accept these arguments: task\(s\) gen_img, replay_img carry images but --vision off: "
+         r"use --arg vision=on, or weights without them \(--arg weights=.*nothing submitted"),
+    Case("cli", "stage1-text-checkpoint-image-tasks",
+         ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg", "init_from={tmp}/ckpt",
+          "--arg", 'weights={"gen_img": 1, "und": 1}'],
+         r"task\(s\) gen_img carry images but checkpoint \S*ckpt has no vision tower: use --arg vision=on, or "
+         r"weights without them", {"ckpt/config.json": '{"model_type": "qwen3_5_text"}'}),
     Case("cli", "dflash-offline-no-data", ["submit", "dflash", "--preset", "tiny", "--dry-run"],
          r"dflash does not accept these arguments: --mode offline needs --data"),
     Case("cli", "extract-budget-word", ["submit", "extract", "--preset", "tiny", "--dry-run", "--arg", "token_budget=lots"],

@@ -17,6 +17,9 @@ Policy (:func:`select_kernels`):
 * CUDA on Hopper (sm_90) with Triton >= 3.4, < 3.7.1: fla's gated backward is wrong there unless its
   tilelang backend is usable (tilelang imports, an nvcc is found, FLA_TILELANG is not 0). Known-bad
   -> FastPathError, naming the fix.
+* The header names fla's gated-delta-rule backend (:func:`gdn_backend`): FlashQLA when the
+  ``flash-qla`` package is installed (the gpu extra has it; ~5% faster steps on an H200), else
+  fla's Triton kernels.
 * ``allow_slow_path=True`` (``--allow-slow-path``) turns every refusal into a loud banner on stderr
   and uses the reference kernels for the pieces that are missing or known-bad. It is the only way past.
 
@@ -182,6 +185,37 @@ def tilelang_problem() -> str | None:
     return None
 
 
+def configure_tilelang_cache(env: dict[str, str] | None = None) -> str | None:
+    """Put TileLang's kernel cache (FlashQLA's and fla's tilelang kernels) beside Triton's
+    node-local one unless TILELANG_CACHE_DIR is set, so the next job on the node starts warm (its
+    default is ~/.tilelang/cache, the home directory: often a network file system). Before the
+    first ``import tilelang``."""
+    env = os.environ if env is None else env
+    if not env.get("TILELANG_CACHE_DIR") and env.get("TRITON_CACHE_DIR"):
+        env["TILELANG_CACHE_DIR"] = os.path.join(os.path.dirname(env["TRITON_CACHE_DIR"].rstrip("/")), "tilelang")
+    return env.get("TILELANG_CACHE_DIR")
+
+
+def gdn_backend(capability: tuple[int, int] | None) -> str:
+    """Which of fla's gated-delta-rule backends a call with K = V = 128 heads (the Qwen3.5 shapes')
+    takes: fla dispatches to the first registered backend whose package imports and whose env
+    switch is on (FlashQLA: the `flash-qla` package, FLA_FLASH_QLA; fused TileLang fwd + bwd on
+    Hopper/Blackwell), else its own Triton kernels (whose gated backward takes tilelang on
+    Hopper when it is usable)."""
+    default = "triton" + (" (tilelang gated backward)" if capability == (9, 0) and tilelang_problem() is None else "")
+    registry = probe_import("fla.backends", "_load_operation_registry")
+    if not registry.ok:
+        return default
+    try:
+        active = registry.obj("gated_delta_rule").get_active()
+    except Exception as exc:  # a backend package that fails its import: fla falls back to Triton too
+        return f"{default}; backend registry failed: {type(exc).__name__}: {exc}"
+    if active is None:
+        return default + ("; flash-qla not installed (the faster FlashQLA backend for Hopper)"
+                          if capability == (9, 0) else "")
+    return {"flash_qla": "flash_qla (FlashQLA, fused TileLang)"}.get(active.backend_type, active.backend_type)
+
+
 def hopper_problem(capability: tuple[int, int] | None, triton_version: str | None) -> str | None:
     """The known-bad Hopper + Triton [3.4, 3.7.1) + no usable tilelang combination, or None."""
     if capability != (9, 0) or triton_version is None:
@@ -235,6 +269,7 @@ def select_kernels(
         )
 
     problems: list[str] = []
+    configure_tilelang_cache()
     fla_pkg = probe_import("fla")
     gdr = probe_import("fla.ops.gated_delta_rule", "chunk_gated_delta_rule") if fla_pkg.ok else fla_pkg
     if gdr.ok:
@@ -269,6 +304,8 @@ def select_kernels(
         if bad:
             problems.append(bad)
             gdr_fn, gdr_name = reference_kernels.chunk_gated_delta_rule_varlen, "reference (SLOW, Hopper/Triton known-bad)"
+        else:
+            gdr_name += f" [backend: {gdn_backend(capability)}]"
 
     if problems and not allow_slow_path:
         raise FastPathError(
@@ -404,3 +441,53 @@ def install_kernels(model: torch.nn.Module, choice: KernelChoice, verify: bool =
         module.conv_impl = choice.conv_fn
         module.gdr_impl = choice.gdr_fn
     return len(layers)
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+
+def warm_layouts(stream_len: int, max_doc: int) -> list[list[int]]:
+    """Document lengths of the streams :func:`warm_kernels` runs: what a run's batches range over
+    (streams of only full-length documents, of many short ones, and mixed), so that every kernel
+    variant a length pattern can select (FlashQLA's intra-card split of long documents or not,
+    fla's per-shape autotune) is compiled before the first timed step."""
+    full = [max_doc] * (stream_len // max_doc) + ([stream_len % max_doc] if stream_len % max_doc else [])
+    short = [256] * (stream_len // 256) + ([stream_len % 256] if stream_len % 256 else [])
+    half = max(1, max_doc // 2)
+    mixed = [max_doc - 1, 1] + [half] * ((stream_len - max_doc) // half)
+    mixed += [stream_len - sum(mixed)] if stream_len > sum(mixed) else []
+    return [lay for lay in (full, short, mixed) if sum(lay) == stream_len and all(n > 0 for n in lay)]
+
+
+def warm_kernels(model: torch.nn.Module, choice: KernelChoice, stream_len: int, max_doc: int,
+                 dtype: torch.dtype = torch.bfloat16) -> int:
+    """Forward + backward of the chosen GDN and conv kernels, at the model's head shapes and the
+    run's stream length, for each layout of :func:`warm_layouts`; returns how many ran. Nothing of
+    the model changes (the kernels get fresh random inputs). CPU choices have nothing to compile."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    layer = next((m for m in model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)), None)
+    if choice.device == "cpu" or choice.slow_path or layer is None:
+        return 0
+    dev = layer.in_proj_qkv.weight.device
+    hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    conv_dim = 2 * hk * dk + hv * dv
+    layouts = list(dict.fromkeys(map(tuple, warm_layouts(stream_len, max_doc))))
+    for lengths in layouts:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        seq_idx = reference_kernels.cu_seqlens_to_seq_idx(cu, stream_len).view(1, stream_len)
+
+        def rand(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+            return torch.randn(*shape, device=dev, dtype=dt).requires_grad_()
+
+        q, k, v = rand(1, stream_len, hk, dk), rand(1, stream_len, hk, dk), rand(1, stream_len, hv, dv)
+        g = (-torch.nn.functional.softplus(torch.randn(1, stream_len, hv, device=dev))).requires_grad_()
+        beta = torch.rand(1, stream_len, hv, device=dev, dtype=dtype).requires_grad_()
+        out = choice.gdr_fn(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        out.float().square().mean().backward()
+        x = rand(1, stream_len, conv_dim).transpose(1, 2)  # channel-last, as in the layer
+        y = choice.conv_fn(x, rand(conv_dim, layer.conv_kernel_size), None, "silu", seq_idx=seq_idx, cu_seqlens=cu)
+        y.float().square().mean().backward()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return len(layouts)

@@ -32,6 +32,26 @@ Exact convention (printed in the trainer's log header via :func:`convention`)::
   the padding of a row is computed but is not training, so it is the figure to improve.
 * Peak: dense bf16 tensor-core peak, 989 TFLOP/s for H100/H200 SXM.
 
+Vision tower (the VLM: images through Qwen3.5's ViT), per step, for the step's actual images::
+
+    vision_flops = sum over images i of  n_i * (6 * N_vis + 12 * depth * hidden * s_i)
+    N_vis        = C * T_p * P^2 * hidden                          (patch embed, a conv as a matmul)
+                 + depth * (4 * hidden^2 + 2 * hidden * inter)      (qkv, proj, fc1, fc2 per block)
+                 + hidden^2 * m^2 + hidden * out_hidden             (the patch merger, per patch)
+    MFU          = (tokens_per_s * flops_per_token + vision_flops / step_s) / (n_gpus * peak)
+
+* ``n_i`` = t*h*w patches of image i (its ``image_grid_thw``, before the m x m merge) and ``s_i`` =
+  h*w the patches one attention span holds: the tower attends within each frame of each image
+  (its ``cu_seqlens``), never across images, so the term is per image, not per row. Not halved
+  (the tower's attention is not causal anyway).
+* ``N_vis`` is per patch: the merger runs once per m^2 patches on m^2-times wider vectors, so its
+  weights ((hidden*m^2)^2 + hidden*m^2*out_hidden) divided by m^2. The learned position
+  embedding (a gather), norms and biases are not counted, like the text side; the patch embed's
+  backward has no input gradient, which the 6 overstates by 2 FLOPs per weight (<0.5% of the
+  tower).
+* Useful-token MFU adds the same vision FLOPs (images are never padding):
+  ``(useful_tokens_per_s * flops_per_token + vision_flops / step_s) / (n_gpus * peak)``.
+
 Note: figures made with a causal-halved attention term and N = all parameters (another common
 convention) come out ~5% lower than this convention for the 2B shape at 8192.
 """
@@ -47,7 +67,8 @@ H100_H200_PEAK = 989e12
 def convention() -> str:
     return (
         "MFU (torchtitan): flops/token = 6*N_matmul (incl. lm_head) + 12*L_full*heads*head_dim*row_len "
-        "(not causal-halved) + 18*L_gdn*H_v*d_k*d_v; peak bf16 989 TFLOP/s (H100/H200); "
+        "(not causal-halved) + 18*L_gdn*H_v*d_k*d_v; vision tower per step: sum over images of "
+        "patches*(6*N_vis + 12*depth*hidden*patches_per_frame); peak bf16 989 TFLOP/s (H100/H200); "
         "mfu counts all tokens, mfu_useful only non-padding ones"
     )
 
@@ -91,6 +112,28 @@ def flops_per_token(config: Any, seq_len: int) -> float:
     n_full = layer_types.count("full_attention")
     attention = 12 * n_full * _get(config, "num_attention_heads") * _get(config, "head_dim") * seq_len
     return float(6 * matmul_params(config) + attention + gated_delta_rule_flops(config))
+
+
+def vision_matmul_params(vision_config: Any) -> int:
+    """``N_vis``: tower matmul weights per image patch (a ``Qwen3_5VisionConfig`` or a dict)."""
+    h, inter = _get(vision_config, "hidden_size"), _get(vision_config, "intermediate_size")
+    m = _get(vision_config, "spatial_merge_size")
+    patch = _get(vision_config, "in_channels") * _get(vision_config, "temporal_patch_size") * _get(vision_config, "patch_size") ** 2
+    blocks = _get(vision_config, "depth") * (4 * h * h + 2 * h * inter)
+    merger = h * h * m * m + h * _get(vision_config, "out_hidden_size")
+    return patch * h + blocks + merger
+
+
+def vision_flops(vision_config: Any, grid_thw: Any) -> float:
+    """The tower's FLOPs (fwd + bwd) for a step's images, ``grid_thw`` [n_images, 3] (t, h, w)."""
+    if grid_thw is None:
+        return 0.0
+    per_patch = 6 * vision_matmul_params(vision_config)
+    attention = 12 * _get(vision_config, "depth") * _get(vision_config, "hidden_size")
+    total = 0
+    for t, h, w in (tuple(int(x) for x in g) for g in grid_thw):
+        total += t * h * w * (per_patch + attention * h * w)
+    return float(total)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, n_gpus: int = 1, peak: float = H100_H200_PEAK) -> float:

@@ -76,7 +76,8 @@ counted in ``dropped_tokens``. Rows are therefore full (no padding), except wher
 fall inside an image or leave a head shorter than ``min_piece`` tokens: then the row is emitted
 padded and the document starts the next row whole. Unlike first-fit, which fills the gaps of a
 row with whatever short documents come later, the documents of a row are exactly the ones drawn,
-in order, so a caller that keeps only the first rows (a batch) trains on the mixture it drew.
+in order, so a caller that keeps only the first rows (a batch) trains on the mixture it drew: both
+batch layouts (``layout_packer``: ``rows`` and ``flat``) fill this way.
 
 The flat layout (one stream per batch)
 --------------------------------------
@@ -309,14 +310,17 @@ def _slice(doc: Document, start: int, end: int) -> Document:
 
 
 def layout_packer(layout: str, row_len: int, batch_rows: int, pad_id: int = 0, long_doc: str = "split") -> Packer:
-    """The packer of a batch layout: ``rows`` (``batch_rows`` rows of ``row_len``, first-fit) or
+    """The packer of a batch layout: ``rows`` (``batch_rows`` rows of ``row_len``, cut to fill) or
     ``flat`` (one stream of ``batch_rows * row_len`` tokens, cut to fill, documents of at most
     ``row_len``). A batch is the packer's first ``rows_per_batch(layout, batch_rows)`` rows."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown packing layout {layout!r} ({', '.join(LAYOUTS)})")
     if layout == "flat":
         return Packer(row_len=row_len * batch_rows, pad_id=pad_id, long_doc=long_doc, max_doc_len=row_len, fill="cut")
-    return Packer(row_len=row_len, pad_id=pad_id, long_doc=long_doc)
+    # Cut to fill for rows too: first-fit filled the gaps of its first rows with later short
+    # documents and threw away the long ones left in the rows a batch never emitted, which bent
+    # the mixture (gen_img 11% of documents against a 22% weight). Cut keeps the drawn order.
+    return Packer(row_len=row_len, pad_id=pad_id, long_doc=long_doc, fill="cut")
 
 
 def resolve_layout(requested: str, device_type: str) -> str:

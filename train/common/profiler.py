@@ -17,9 +17,14 @@ step time, equalised by the gradient all-reduce, hides.
 
 from __future__ import annotations
 
+import collections
+import os
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,3 +110,92 @@ def rank_spread(timing: StepTiming, device: torch.device) -> dict[str, Any]:
     median_fwd = statistics.median(fwd_ms)
     return {"rank_data_ms": data_ms, "rank_fwd_ms": fwd_ms, "rank_compute_ms": compute_ms,
             "fwd_spread": (max(fwd_ms) - min(fwd_ms)) / median_fwd if median_fwd > 0 else 0.0}
+
+
+# --- progress (ETA) and stalls
+
+STALL_FACTOR = 3.0  # a step longer than this times the running median is a stall
+_MEDIAN_WINDOW = 200  # steps the running median (and so the ETA) looks back over
+
+
+def kernel_cache_dirs() -> dict[str, Path]:
+    """The on-disk kernel caches a run's JIT compilers write a new entry into per compiled kernel:
+    Triton's (fla's kernels, inductor's generated ones), TileLang's (fla's GDN backward on
+    Hopper) and inductor's own. Loading a kernel from them adds nothing, so a changed directory
+    means a compile happened."""
+    home = Path.home()
+    user = os.environ.get("USER") or "user"
+    return {
+        "triton": Path(os.environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
+        "tilelang": Path(os.environ.get("TILELANG_CACHE_DIR") or home / ".tilelang" / "cache"),
+        "inductor": Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(tempfile.gettempdir()) / f"torchinductor_{user}"),
+    }
+
+
+def stall_counters(device: torch.device, cache_dirs: dict[str, Path] | None = None) -> dict[str, float]:
+    """What can explain a slow step, as counters that only grow (or change): dynamo's compiled
+    graphs + recompiles and seconds spent compiling, the kernel caches' directory mtimes, and on
+    CUDA the caching allocator's cudaMalloc calls and alloc retries (a retry frees the cache and
+    synchronises)."""
+    out: dict[str, float] = {}
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        out["dynamo"] = float(counters["stats"].get("unique_graphs", 0) + sum(counters["recompiles"].values()))
+        out["compile_s"] = float(sum(sum(v) for v in compilation_time_metrics.values()))
+    for name, path in (kernel_cache_dirs() if cache_dirs is None else cache_dirs).items():
+        try:
+            out[f"cache_{name}"] = float(path.stat().st_mtime_ns)
+        except OSError:
+            out[f"cache_{name}"] = 0.0
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        out["alloc_retries"] = float(stats.get("num_alloc_retries", 0))
+        out["device_allocs"] = float(stats.get("num_device_alloc", 0))
+    return out
+
+
+def stall_cause(before: dict[str, float], after: dict[str, float], timing: StepTiming) -> str:
+    """The known causes of one slow step, `+`-joined: compile, allocator, data; else unknown."""
+    changed = {k for k in after if after[k] != before.get(k, after[k])}
+    causes = []
+    if changed & {"dynamo", "compile_s"} or any(k.startswith("cache_") for k in changed):
+        causes.append("compile")
+    if changed & {"alloc_retries", "device_allocs"}:
+        causes.append("allocator")
+    if timing.step_ms > 0 and timing.data_ms / timing.step_ms > 0.5:
+        causes.append("data")
+    return "+".join(causes) or "unknown"
+
+
+class ProgressWatch:
+    """`steps_total`, `eta_s` and, on a stalled step, `stall` (its cause) for each step record.
+
+    The ETA is the running median step time (over the last steps of this process, its first step
+    left out: that one compiles) times the steps left. A step is stalled when it takes more than
+    STALL_FACTOR times the median of the steps before it (judged from this process's 3rd step on:
+the 2nd is the first the median has).
+    """
+
+    def __init__(self, steps_total: int, device: torch.device | str = "cpu",
+                 counters: Any = None) -> None:
+        self.steps_total = steps_total
+        self.device = torch.device(device)
+        self._counters = counters or (lambda: stall_counters(self.device))
+        self._last = self._counters()
+        self._seen = 0
+        self._times: collections.deque[float] = collections.deque(maxlen=_MEDIAN_WINDOW)
+
+    def observe(self, step: int, timing: StepTiming) -> dict[str, Any]:
+        now = self._counters()
+        before, self._last = self._last, now
+        step_s = timing.step_ms / 1000.0
+        self._seen += 1
+        out: dict[str, Any] = {"steps_total": self.steps_total}
+        if self._times and step_s > STALL_FACTOR * statistics.median(self._times):
+            out["stall"] = stall_cause(before, now, timing)
+        if self._seen > 1:  # the first step of a process compiles: neither the ETA nor the median has it
+            self._times.append(step_s)
+        per_step = statistics.median(self._times) if self._times else step_s
+        out["eta_s"] = max(0, self.steps_total - step) * per_step
+        return out

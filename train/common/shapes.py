@@ -31,6 +31,9 @@ class VisionShape:
     max_pixels: int  # and H, W are multiples of patch_size * spatial_merge_size
     spatial_merge_size: int = 2
     temporal_patch_size: int = 2
+    # Images are resized to sides in multiples of this (px; 0: off), so a run meets few patch
+    # grids (train.stage1.vision.ImageEncoder).
+    size_bucket: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class ModelShape:
 # patch 16), random-init; images up to 1024x1024 (1024 placeholder tokens).
 QWEN35_VISION = VisionShape(
     depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16,
-    num_position_embeddings=2304, min_pixels=64 * 64, max_pixels=1024 * 1024,
+    num_position_embeddings=2304, min_pixels=64 * 64, max_pixels=1024 * 1024, size_bucket=128,
 )
 
 SHAPES: dict[str, ModelShape] = {

@@ -69,6 +69,7 @@ class Stepper:
         self.engine = engine
         self.forward = forward if forward is not None else (engine if engine is not None else module)
         self.single_rank = single_rank
+        self.step_lr: float | None = None  # the lr of the last step() (None before the first)
 
     @classmethod
     def create(cls, module: torch.nn.Module, model: torch.nn.Module, *, lr: float, weight_decay: float,
@@ -101,7 +102,11 @@ class Stepper:
 
     @property
     def lr(self) -> float:
+        """The lr the NEXT step will use (the scheduler has already stepped past the last one)."""
         return float(self.scheduler.get_last_lr()[0])
+
+    def _group_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.engine is not None:
@@ -114,6 +119,8 @@ class Stepper:
 
         One device sync (the finiteness test); the loss is looked at on one rank only, as another
         rank's loss may differ while the all-reduced gradient norm is the same everywhere."""
+        # The lr this update uses, read before the scheduler steps (after it, `lr` is the next one's).
+        self.step_lr = self._group_lr()
         if self.engine is not None:
             self.engine.step()
             norm = self.engine.get_global_grad_norm()

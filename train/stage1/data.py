@@ -31,8 +31,8 @@ the byte stand-in for random-init shapes. An image, with the vision tower on, is
 `<vision_start> <image_pad> x n <vision_end>` with the ids of the model's config: the
 placeholders are replaced by the vision tower's outputs for the image's `pixel_values`, which
 travel with the document through the packer. The byte stand-in without a vision tower makes an
-image 16 colour tokens; a checkpoint tokenizer without one cannot tokenize images, so the image
-tasks are left out of the default mixture (and refused when weighted explicitly).
+image 16 colour tokens; a checkpoint tokenizer without one cannot tokenize images, so a mixture
+that weights the image tasks (the default one does) is refused, never silently narrowed.
 """
 
 from __future__ import annotations
@@ -219,20 +219,24 @@ def normalized_weights(weights: dict[str, float] | None, man: Manifest, images: 
     ``images``: the tokenizer can tokenize images. If not, the default mixture leaves the image
     tasks out and explicit weight on them is an error.
     """
-    if weights is None:
-        weights = {t: c for t, c in REFERENCE_COUNTS.items() if images or t not in IMAGE_TASKS}
-    weights = dict(weights)
+    weights = dict(REFERENCE_COUNTS if weights is None else weights)
     check_weights(weights)
-    if not images:
-        weighted = [t for t in IMAGE_TASKS if weights.get(t, 0) > 0]
+    if not images:  # never dropped silently: the default mixture holds them too
+        weighted = image_tasks_weighted(weights)
         if weighted:
             raise DataError(f"task(s) {', '.join(weighted)} need images, and this model has no vision tower to "
-                            "read them with its checkpoint's tokenizer: use --vision on or give them weight 0")
+                            "read them with its checkpoint's tokenizer: use --vision on, or --weights without them")
     for task, w in weights.items():
         if w > 0 and not man.records.get(task):
             raise DataError(f"task {task} has weight {w} but {man.root / (task + '.jsonl')} has no valid records")
     total = sum(weights.values())
     return {t: weights[t] / total for t in TASKS if weights.get(t, 0) > 0}
+
+
+def image_tasks_weighted(weights: dict[str, float] | None) -> list[str]:
+    """The image tasks with positive weight in ``weights`` (None: the default mixture, all of them)."""
+    weights = REFERENCE_COUNTS if weights is None else weights
+    return [t for t in IMAGE_TASKS if weights.get(t, 0) > 0]
 
 
 def check_weights(weights: dict[str, float]) -> None:

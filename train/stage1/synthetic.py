@@ -98,12 +98,12 @@ def generate_synthetic(
     (out / "tokens3d").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     v = model_shape.vision
-    # Images from a quarter of the tower's largest side up to it (qwen35: 256-1024 px, 64-1024
-    # vision tokens); a small CPU tower (tiny) gets its smallest image, so its step costs about
-    # what a text-only one does.
+    # Images from 7/16 of the tower's largest side up to it (qwen35: 448-1024 px, 196-1024
+    # vision tokens, the reference run's range); a small CPU tower (tiny) gets its smallest
+    # image, so its step costs about what a text-only one does.
     hi = int(math.isqrt(v.max_pixels)) if v else 32
     lo = int(math.isqrt(v.min_pixels)) if v else 32
-    lo, hi = (max(lo, hi // 4), hi) if hi >= 512 else (lo, lo)
+    lo, hi = (max(lo, hi * 7 // 16), hi) if hi >= 512 else (lo, lo)
     asset_len = sum(n if n is not None else sum(ANY_LENGTH) // 2 for n in codebooks.lengths)
     replay_sentences = max(1, asset_len // 4 // 45)  # ~1/4 of an asset's length in characters
     total_ref = sum(REFERENCE_COUNTS.values())

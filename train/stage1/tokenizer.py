@@ -208,7 +208,7 @@ def build_tokenizer(shape: ModelShape, init_from: str | Path | None, vision: boo
         if vision:
             if shape.vision is None:
                 raise TokenizerError("this model shape has no vision tower; use --vision off")
-            encoder = ImageEncoder(image_processor_for_shape(shape.vision))
+            encoder = ImageEncoder(image_processor_for_shape(shape.vision), bucket=shape.vision.size_bucket)
         return ByteTokenizer(vocab, encoder)
 
     where = str(init_from)
@@ -228,7 +228,9 @@ def build_tokenizer(shape: ModelShape, init_from: str | Path | None, vision: boo
             vision_ids = _vision_ids(hf_config, hf, where)
             processor = hf_local.load_image_processor(init_from)
             check_processor(processor, hf_config.vision_config, f"checkpoint {where}")
-            encoder = ImageEncoder(processor)
+            bucket = shape.vision.size_bucket if shape.vision is not None else 0
+            unit = int(processor.patch_size) * int(processor.merge_size)
+            encoder = ImageEncoder(processor, bucket=bucket if bucket % unit == 0 else 0)
     except hf_local.HFLocalError as exc:
         raise TokenizerError(str(exc)) from None
     except ValueError as exc:

@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,12 +43,21 @@ from train.common.levers import Levers, apply_levers
 from train.common.losses import LossImplError, select_loss_impl
 from train.common.metrics import compile_counts, peak_memory_mb, require_sink
 from train.common.packing import IGNORE_INDEX, model_kwargs, resolve_layout
-from train.common.profiler import StepProfiler, StepTiming, rank_spread
+from train.common.profiler import ProgressWatch, StepProfiler, StepTiming, rank_spread
 from train.common.runtime import Runtime, pick_device
 from train.common.shapes import SHAPES, get_shape
 from train.common.stepper import Stepper, make_adamw, zero2_config
 from train.stage1 import model as stage1_model  # stage1_model.build_model: tests wrap it
-from train.stage1.data import TASKS, DataConfig, DataError, Stage1Data, check_data_dir, check_weights
+from train.stage1.data import (
+    IMAGE_TASKS,
+    TASKS,
+    DataConfig,
+    DataError,
+    Stage1Data,
+    check_data_dir,
+    check_weights,
+    image_tasks_weighted,
+)
 from train.stage1.export import ExportError, export_checkpoint, write_model_files
 from train.stage1.objective import CausalLMObjective, ModelInputError
 from train.stage1.synthetic import generate_synthetic
@@ -109,6 +119,8 @@ class Stage1Config:
                          help="full-attention kernel: varlen per document, or sdpa with a block-diagonal mask "
                               "(auto: varlen on CUDA, sdpa on CPU)")
     act_ckpt: int = opt(0, help="decoder layers with activation checkpointing (0: none)")
+    vision_ckpt: bool = opt(False, help="activation checkpointing of every vision tower block: its activations "
+                            "are recomputed in the backward (less memory for images, one more tower forward)")
     packing: str = opt("auto", choices=("auto", "flat", "rows"),
                        help="batch layout: flat (one stream of batch_rows x row_len) or rows (auto: flat on CUDA)")
     conv_impl: str = opt("auto", choices=("auto", "causal-conv1d", "fla"),
@@ -126,6 +138,22 @@ def vision_on(cfg: Stage1Config) -> bool:
     if cfg.vision is not None:
         return cfg.vision
     return has_vision_tower(cfg.init_from) if cfg.init_from else True
+
+
+def check_tasks(cfg: Stage1Config, tasks: int) -> None:
+    """`launch submit` calls this before anything is queued: image tasks never leave a run's mixture
+    silently, so a text-only model (vision off, or an --init-from checkpoint without a tower) with
+    image tasks weighted (the default mixture weights them) is refused here, in one line."""
+    if cfg.init_from and cfg.vision is None and not (Path(cfg.init_from) / "config.json").is_file():
+        return  # the checkpoint lives only where the job runs: the job's data setup checks it
+    if vision_on(cfg):
+        return
+    weighted = image_tasks_weighted(cfg.weights)
+    if weighted:
+        why = "--vision off" if cfg.vision is False else f"checkpoint {cfg.init_from} has no vision tower"
+        text_only = json.dumps({t: 1 for t in TASKS if t not in IMAGE_TASKS})
+        raise ConfigError(f"task(s) {', '.join(weighted)} carry images but {why}: use --arg vision=on, or "
+                          f"weights without them (--arg weights='{text_only}')")
 
 
 def validate(cfg: Stage1Config) -> None:
@@ -290,8 +318,10 @@ class Stage1Run:
     stepper: Stepper
     data: Stage1Data
     prof: StepProfiler
+    progress: ProgressWatch
     flops_per_token: float
     peak_flops: float | None  # one device's; None where the peak is unknown (CPU): no MFU
+    vision_config: Any = None  # the tower's config (its FLOPs count in MFU); None: text-only
     first_loss: float | None = None
     last_loss: float | None = None
 
@@ -312,11 +342,12 @@ def train(cfg: Stage1Config) -> int:
             # real_tok_s and mfu_useful leave the padding out.
             timing = run.prof.end_step(batch["input_ids"].numel() * rt.dist.world_size)
             rt.step += 1
+            progress = run.progress.observe(rt.step, timing)
             rt.check_finite(result.loss if rt.dist.world_size == 1 else None, result.grad_norm, result.skipped)
             run.first_loss = result.loss if run.first_loss is None else run.first_loss
             run.last_loss = result.loss
             if rt.step % cfg.log_every == 0 or rt.step == cfg.steps:
-                rt.log.log_step(step_record(run, rt, batch, result, timing))
+                rt.log.log_step({**step_record(run, rt, batch, result, timing), **progress})
             if cfg.ckpt_every and (rt.step % cfg.ckpt_every == 0 or rt.step == cfg.steps):
                 save_checkpoint(run, rt)
         finish(run, rt)
@@ -345,7 +376,16 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     model, spec = stage1_model.build_model(cfg.shape, device=rt.device, dtype=dtype, init_from=cfg.init_from,
                                            vision=bool(cfg.vision), codebooks=codebooks, vision_ids=tok.vision_ids)
     fastpath.install_kernels(model, kernels)
+    vision_lines = checkpoint_vision_tower(model) if cfg.vision and cfg.vision_ckpt else []
     lever_lines = apply_levers(model, rt.device, Levers(cfg.compile, cfg.attention, cfg.act_ckpt))
+    # Every GDN/conv kernel variant the run's document layouts can select, compiled now (into the
+    # node-local kernel cache), not mid-run: the first timed step is then the last slow one.
+    t_warm = time.perf_counter()
+    warmed = fastpath.warm_kernels(model, kernels, stream_len=cfg.batch_rows * cfg.row_len, max_doc=cfg.row_len,
+                                   dtype=dtype)
+    if warmed:
+        lever_lines.append(f"warm-up: GDN + conv kernels for {warmed} document layouts of a "
+                           f"{cfg.batch_rows * cfg.row_len}-token stream, {time.perf_counter() - t_warm:.1f} s")
     packing = resolve_layout(cfg.packing, rt.device.type)
     loss_impl = select_loss_impl(rt.device, cfg.loss_impl)
     stepper = make_stepper(CausalLMObjective(model, loss_impl), model, cfg, rt.device, rt.dist, ds)
@@ -370,12 +410,31 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         "start_step": rt.step, "steps": cfg.steps, "flops_per_token": f"{flops_per_token:.4g}",
         "mfu_peak": f"{peak:.4g} ({peak_source})" if peak else f"n/a ({peak_source})", "loss_impl": loss_impl,
         "optimizer": stepper.name, "vision_params": spec.n_vision_params,
+        **({"vision_flops_per_patch": 6 * mfu.vision_matmul_params(vision_config(model))}
+           if vision_config(model) is not None else {}),
     })
+    rt.print(mixture_line(data, tok))
     rt.print("# " + kernels.header().replace("\n", "\n# "))
-    for line in [f"packing: {packing}", *lever_lines]:
+    for line in [f"packing: {packing}", *lever_lines, *vision_lines, STEP_LINE_LEGEND]:
         rt.print(f"# {line}")
     model.train()
-    return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), flops_per_token, peak)
+    return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), ProgressWatch(cfg.steps, rt.device),
+                     flops_per_token, peak, vision_config=vision_config(model))
+
+
+STEP_LINE_LEGEND = ("step line: step n/N, loss (per task: gi gen_img, gt gen_txt, un und, ri replay_img, "
+                    "rt replay_text), tok/s, useful-token MFU, compute+data ms, peak GiB, eta; STALL(cause) on a "
+                    "step > 3x the running median")
+
+
+def mixture_line(data: Stage1Data, tok: Any) -> str:
+    """`# mixture: task weight[ images ...], ...`: the effective mixture (normalized weights) and
+    where each image task's images go: through the vision tower, or 16 colour stand-in tokens."""
+    sampler = data.dataset.sampler
+    images = "tower" if tok.encoder is not None else "colour tokens"
+    parts = [f"{t} {w:.3f}" + (f" (images: {images})" if t in IMAGE_TASKS else "")
+             for t, w in zip(sampler.tasks, sampler.probs.tolist(), strict=True)]
+    return "# mixture: " + ", ".join(parts)
 
 
 def step_record(run: Stage1Run, rt: Runtime, batch: dict[str, Any], result: StepResult,
@@ -384,15 +443,35 @@ def step_record(run: Stage1Run, rt: Runtime, batch: dict[str, Any], result: Step
     loss, task_loss = reduce_task_losses(result.per_task, rt.dist)
     compiles, recompiles = compile_counts()
     tok_s, useful = timing.tokens_per_s, batch["packing_efficiency"]
-    mfu_all = tok_s * run.flops_per_token / (run.peak_flops * rt.dist.world_size) if run.peak_flops else None
+    vision = step_vision_flops(run, rt, batch)
+    mfu_all = mfu_useful = None
+    if run.peak_flops and timing.step_ms > 0:  # the tower's FLOPs count in both: images are never padding
+        vision_per_s = vision / (timing.step_ms / 1000)
+        peak = run.peak_flops * rt.dist.world_size
+        mfu_all = (tok_s * run.flops_per_token + vision_per_s) / peak
+        mfu_useful = (tok_s * useful * run.flops_per_token + vision_per_s) / peak
     return {
         "step": rt.step, "loss": loss, "task_loss": task_loss, "tok_s": tok_s, "real_tok_s": tok_s * useful,
-        "mfu": mfu_all, "mfu_useful": None if mfu_all is None else mfu_all * useful,
+        "mfu": mfu_all, "mfu_useful": mfu_useful, "vision_flops": vision,
+        "images": 0 if batch.get("image_grid_thw") is None else len(batch["image_grid_thw"]),
         "data_ms": timing.data_ms, "compute_ms": timing.compute_ms, "peak_mem_mb": peak_memory_mb(rt.device),
-        "compiles": compiles, "recompiles": recompiles, "lr": run.stepper.lr, "grad_norm": result.grad_norm,
+        "compiles": compiles, "recompiles": recompiles, "lr": run.stepper.step_lr, "grad_norm": result.grad_norm,
         "packing_efficiency": useful, "batch_index": batch["batch_index"], "batch_digest": batch_digest(batch),
         "fwd_ms": timing.forward_ms, **(rank_spread(timing, rt.device) if rt.dist.world_size > 1 else {}),
     }
+
+
+def step_vision_flops(run: Stage1Run, rt: Runtime, batch: dict[str, Any]) -> float:
+    """The vision tower's FLOPs of this step over all ranks (train.common.mfu.vision_flops of each
+    rank's images). Collective on several ranks, like step_record."""
+    if run.vision_config is None:
+        return 0.0
+    flops = mfu.vision_flops(run.vision_config, batch.get("image_grid_thw"))
+    if rt.dist.world_size > 1:
+        total = torch.tensor([flops], dtype=torch.float64, device=rt.device)
+        torch.distributed.all_reduce(total)
+        flops = float(total)
+    return flops
 
 
 def finish(run: Stage1Run, rt: Runtime) -> None:
@@ -425,13 +504,39 @@ def _loss_span(metrics_path: Path) -> dict[str, Any]:
     return {"first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"]} if recs else {}
 
 
+def checkpoint_vision_tower(model: torch.nn.Module) -> list[str]:
+    """--vision-ckpt: transformers' activation checkpointing (non-reentrant) on every block of the
+    vision tower, the text layers left as --act-ckpt has them. Returns the header line."""
+    tower = model.model.visual
+    from transformers.utils import logging as hf_logging
+
+    kwargs = {"use_reentrant": False}
+    level = hf_logging.get_verbosity()
+    # transformers warns that the tower "does not expose input embeddings": that matters for the
+    # reentrant variant only (its inputs would need grad); the non-reentrant one needs none.
+    hf_logging.set_verbosity_error()
+    try:
+        if hasattr(tower, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
+            tower.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    finally:
+        hf_logging.set_verbosity(level)
+    return [f"vision tower: activation checkpointing of its {len(tower.blocks)} blocks"]
+
+
+def vision_config(model: torch.nn.Module) -> Any:
+    """The model's vision tower config, None for the text-only model."""
+    return getattr(getattr(model, "config", None), "vision_config", None)
+
+
 def mfu_terms(model: torch.nn.Module, cfg: Stage1Config, device: torch.device) -> tuple[float, float | None, str]:
     """(model FLOPs per token, peak FLOP/s of one device or None, the device named).
 
     The peak is known only for the GPUs train.common.mfu lists; elsewhere (a CPU, an unlisted GPU)
     there is no MFU, rather than a number against a peak the device does not have. The text
-    model's FLOPs only: the vision tower's are not counted (its share depends on how many image
-    patches a batch holds).
+    model's FLOPs per token; the vision tower's depend on the step's images, so step_record adds
+    them per step (train.common.mfu.vision_flops).
     """
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = mfu.peak_flops(name)
