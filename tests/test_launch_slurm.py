@@ -247,6 +247,16 @@ def test_second_up_changes_nothing(slurm_cluster):
     assert slurm_cluster.running_daemons() == pids
 
 
+def test_daemons_are_reachable_from_this_machine_only(slurm_cluster):
+    """slurmctld, slurmd, slurmdbd and MariaDB listen on loopback only; a neighbour one veth
+    hop away is refused on every one of their ports (tests/netprobe.py)."""
+    from netprobe import assert_reachable_from_this_machine_only
+
+    pids = slurm_cluster.running_daemons()
+    pids.pop("munged")  # a unix socket only
+    assert_reachable_from_this_machine_only(pids)
+
+
 def _live_processes_of(state_dir: Path) -> list[str]:
     found = []
     marker = f"{MARKER_VAR}={state_dir}".encode()
