@@ -207,6 +207,11 @@ def _check_resources(data: dict[str, Any], where: str, source: Path) -> dict[str
     return data
 
 
+# Anyone who can write a spec on LAUNCH_JOBS_PATH could otherwise run code as the submitting user.
+SPEC_HIJACK_HOW = ("a job spec may not set it (whoever writes a spec on LAUNCH_JOBS_PATH would run code as the "
+                   "submitting user); give it with `launch submit --env KEY=VALUE --allow-loader-env` if you mean it")
+
+
 def _check_str_map(data: dict[str, Any], where: str, source: Path, *, shell_keys: bool = False) -> dict[str, str]:
     for key, value in data.items():
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
@@ -214,6 +219,7 @@ def _check_str_map(data: dict[str, Any], where: str, source: Path, *, shell_keys
         if shell_keys:
             try:
                 values.check_env_key(key)
+                values.check_env_not_hijack(key, SPEC_HIJACK_HOW)
                 values.check_env_value(str(key), str(value))
             except ValueError as exc:
                 raise LaunchError(f"{source}: key '{where}.{key}': {exc}") from exc

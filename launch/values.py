@@ -49,6 +49,34 @@ SLURM_JOB_VARS = frozenset({
     "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE",
     "SLURM_SUBMIT_DIR", "SLURM_JOB_NAME",
 })
+# Variables that choose which code runs: the dynamic loader's (LD_PRELOAD, LD_AUDIT, ...), the
+# shell's start-up and parsing hooks, and the search paths of the programs the batch script
+# starts (srun, the interpreter). Exported before them, any of these runs code of the setter's
+# choosing as the job's user, so a spec may not set them, and --env only with
+# --allow-loader-env. (srun and python are also called by absolute path.)
+HIJACK_VARS = frozenset({
+    "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "IFS", "PS4", "PROMPT_COMMAND", "CDPATH", "GLOBIGNORE",
+    "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
+    "PYTHONPLATLIBDIR", "PYTHONINSPECT", "PYTHONBREAKPOINT", "GCONV_PATH", "GLIBC_TUNABLES", "LOCPATH",
+    "NLSPATH", "HOSTALIASES", "RESOLV_HOST_CONF", "MALLOC_CHECK_", "TMPDIR_HOOK", "PERL5LIB", "PERL5OPT",
+    "NODE_OPTIONS", "RUBYOPT", "RUBYLIB",
+})
+HIJACK_PREFIXES = ("LD_", "DYLD_", "BASH_FUNC_")
+
+
+def is_hijack_var(key: str) -> bool:
+    return key in HIJACK_VARS or key.startswith(HIJACK_PREFIXES)
+
+
+def check_env_not_hijack(key: str, how: str) -> str:
+    """Refuse a variable that would choose the code the job runs (HIJACK_VARS); `how` says
+    how it could still be set, when it can."""
+    if is_hijack_var(key):
+        raise ValueError(f"environment key {key} chooses which code the job runs (loader, shell start-up or "
+                         f"search path): {how}")
+    return key
+
+
 # The variables a scratch path may expand on the node, and what a ${VAR:-default} may hold.
 SCRATCH_VARS = ("SLURM_JOB_ID", "LAUNCH_NODE_SCRATCH", "USER")
 _SAFE_DEFAULT_RE = re.compile(r"[A-Za-z0-9_./+,@%=-]*")

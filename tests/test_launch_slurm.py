@@ -45,6 +45,30 @@ def test_submit_runs_to_completed_with_accounting(launch_env, tmp_path):
     assert job in listing.stdout and "COMPLETED" in listing.stdout
 
 
+def test_loader_env_cannot_choose_srun_and_the_job_folder_is_private(launch_env, tmp_path):
+    """--env PATH (allowed with --allow-loader-env) puts a fake srun first: the script still
+    starts the tasks with the real one, by absolute path. The job folder is its owner's only:
+    folders 0700, the sbatch script (it holds the env values), pickles and logs 0600."""
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "srun").write_text(f"#!/bin/sh\ntouch {tmp_path}/pwned\nexit 1\n")
+    (evil / "srun").chmod(0o755)
+    path = f"{evil}:/usr/local/bin:/usr/bin:/bin"
+    refused = run_launch(["submit", "fixture", "--env", f"PATH={path}"], launch_env)
+    assert refused.returncode != 0 and "add --allow-loader-env if you mean it" in refused.stderr
+    job = _submit(launch_env, "--env", f"PATH={path}", "--allow-loader-env", "--env", "TOKEN=s3cret")
+    assert wait_for_state(job, launch_env, {"COMPLETED", "FAILED"}) == "COMPLETED"
+    assert not (tmp_path / "pwned").exists()
+    folder = Path(launch_env["LAUNCH_HOME"]) / "runs" / "fixture" / job
+    assert "fixture done" in run_launch(["logs", job], launch_env).stdout
+    script = folder / f"{job}_submission.sh"
+    assert "TOKEN=s3cret" in script.read_text()
+    for path in (folder.parent, folder, *folder.iterdir()):
+        mode = path.stat().st_mode & 0o777
+        assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
+    assert folder.stat().st_mode & 0o777 == 0o700 and script.stat().st_mode & 0o777 == 0o600
+
+
 def test_follow_streams_log_and_exit_code(launch_env):
     out = run_launch(["submit", "fixture", "--follow"], launch_env)
     assert out.returncode == 0, out.stderr
