@@ -283,11 +283,15 @@ class _SpecLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _size(n: int) -> str:
+    return f"{n} bytes ({n / 2**20:.1f} MiB)" if n >= 2**20 else f"{n} bytes"
+
+
 def parse_yaml(raw: bytes, source: Path) -> Any:
     """Spec bytes to data: UTF-8 only, no duplicate keys, no aliases; errors are one line."""
     if len(raw) > MAX_SPEC_BYTES:
         raise LaunchError(f"{source}: a job spec is at most {MAX_SPEC_BYTES >> 10} KiB, this one is "
-                          f"{len(raw) >> 10} KiB")
+                          f"{_size(len(raw))}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -313,8 +317,12 @@ def load_spec(path: str | os.PathLike[str]) -> JobSpec:
         # A FIFO or a device (/dev/zero) would block or never end: only a regular file, read bounded.
         fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK)
         with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise LaunchError(f"{source}: not a regular file; a job spec is a .yaml file")
+            if info.st_size > MAX_SPEC_BYTES:  # named by its real size, not by the bytes read
+                raise LaunchError(f"{source}: a job spec is at most {MAX_SPEC_BYTES >> 10} KiB, this one is "
+                                  f"{_size(info.st_size)}")
             raw = f.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         raise LaunchError(f"{source}: cannot read job spec ({exc.strerror})") from None

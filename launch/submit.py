@@ -135,6 +135,10 @@ def job_folder(args: argparse.Namespace, spec: JobSpec) -> Path:
     if args.runs_dir is not None and not args.runs_dir.strip():
         raise LaunchError("--runs-dir is empty; give a directory (default $LAUNCH_HOME/runs)")
     runs = Path(args.runs_dir or launch_home() / "runs").expanduser().resolve()
+    virtual = next((top for top in ("/proc", "/sys", "/dev") if runs == Path(top) or Path(top) in runs.parents), None)
+    if virtual:
+        raise LaunchError(f"runs directory {runs} is under {virtual}, a kernel file system that holds no job folders; "
+                          "choose another --runs-dir or LAUNCH_HOME")
     bad = sorted({c for c in str(runs) if ord(c) < 32 or c in "%\x7f"})
     if bad:
         raise LaunchError(f"runs directory {str(runs)!r} has {', '.join(map(repr, bad))}: Slurm's --output/--error "
