@@ -67,6 +67,9 @@ def test_loader_env_cannot_choose_srun_and_the_job_folder_is_private(launch_env,
         mode = path.stat().st_mode & 0o777
         assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
     assert folder.stat().st_mode & 0o777 == 0o700 and script.stat().st_mode & 0o777 == 0o600
+    # cancelling the finished job says it had ended (and how), rather than "cancel requested"
+    cancel = run_launch(["cancel", job], launch_env)
+    assert cancel.returncode == 0 and cancel.stdout.startswith(f"job {job} had already ended (COMPLETED"), cancel.stdout
 
 
 def test_follow_streams_log_and_exit_code(launch_env):

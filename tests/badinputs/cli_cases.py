@@ -17,6 +17,10 @@ presets:
 """
 
 
+# A Slurm whose controller does not answer: port 9 (discard) is closed here; 1 s, not 10, per try.
+DEAD_SLURM = ("ClusterName=dead\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=9\nAuthType=auth/none\n"
+              "CredType=cred/none\nMessageTimeout=1\nNodeName=n1 NodeAddr=127.0.0.1 CPUs=1 State=UNKNOWN\n"
+              "PartitionName=p Nodes=n1 Default=YES\n")
 SPEC = "{tmp}/job.yaml"
 SUBMIT = ["submit", "fixture", "--dry-run"]
 STATE = "home/cluster/cluster.json"
@@ -167,6 +171,19 @@ CASES = [
     Case("cli", "status-slurm-conf-garbage", ["status", "1"], r"Slurm's clients cannot run with .*bad.conf: squeue: fatal: "
          r"Unable to process configuration file \(squeue: error: .*garbage\)",
          {"bad.conf": "garbage = = =\n"}, setup=_record_with(slurm_conf="{tmp}/bad.conf")),
+    # slurmctld not answering (a slurm.conf whose controller port is closed): said once, with what the job recorded
+    Case("cli", "status-slurm-unreachable", ["status", "1"], r"^launch: Slurm not reachable \(.*Unable to contact slurm "
+         r"controller.*\); job 1 recorded no outcome, so its state is unknown$", {"dead.conf": DEAD_SLURM},
+         setup=_record_with(slurm_conf="{tmp}/dead.conf")),
+    Case("cli", "status-slurm-unreachable-recorded", ["status", "1"], r"recorded outcome: completed at step 6 "
+         r"\(outcome.json; Slurm not asked\)\n(?s:.*)Slurm not reachable \(.*\); showing what job 1 recorded in",
+         {"dead.conf": DEAD_SLURM, "runs/1/outcome.json": '{"state": "completed", "step": 6, "error": null}'},
+         setup=_record_with(slurm_conf="{tmp}/dead.conf"), outcome="counted"),
+    Case("cli", "list-slurm-unreachable", ["list"], r"^launch: Slurm not reachable \(.*\); states marked \* are what "
+         r"the jobs recorded", {"dead.conf": DEAD_SLURM}, setup=_record_with(slurm_conf="{tmp}/dead.conf")),
+    Case("cli", "list-slurm-unreachable-recorded", ["list"], r"\n1 +fixture +- +failed\* (?s:.*)Slurm not reachable",
+         {"dead.conf": DEAD_SLURM, "runs/1/outcome.json": '{"state": "failed", "step": 2, "error": "boom"}'},
+         setup=_record_with(slurm_conf="{tmp}/dead.conf"), outcome="counted"),
     Case("cli", "logs-folder-gone", ["logs", "1"], r"job 1's folder .*runs/1 is gone \(moved or deleted\?\)", job_record=True),
     Case("cli", "logs-log-is-dir", ["logs", "1"], r"cannot read .*1_0_log.out \(Is a directory\)", job_record=True,
          setup=_job_folder_with_log_dir),
