@@ -163,6 +163,22 @@ def test_a_run_resumed_past_a_damaged_checkpoint_keeps_it(tmp_path: Path, data: 
     assert [r["step"] for r in step_records(out)][-2:] == [3, 4] and verify(victim)
 
 
+def test_resume_onto_another_tokenizer_is_refused_unless_allowed(tmp_path: Path) -> None:
+    """The tokenizer's fingerprint is part of what a checkpoint was trained on (the corpus
+    covers --data-dir, --weights and --asset-lengths through real runs)."""
+    from train.stage1.train import _check_source
+
+    saved = {"data_dir": "/d", "weights": None, "asset_lengths": None, "tokenizer": "aaaa"}
+    now = {**saved, "tokenizer": "bbbb"}
+    with pytest.raises(CheckpointError, match=r"was trained with the tokenizer aaaa, this run has bbbb: .*--allow-data"):
+        _check_source(tmp_path, saved, now, allow=False, next_batch=4, report=print)
+    said: list[str] = []
+    _check_source(tmp_path, saved, now, allow=True, next_batch=4, report=said.append)
+    assert len(said) == 1 and "batches from 4 on are drawn from other data" in said[0]
+    _check_source(tmp_path, saved, dict(saved), allow=False, next_batch=4, report=said.append)  # same: silent
+    assert len(said) == 1
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_data(tmp_path_factory.mktemp("ckpt-data"))

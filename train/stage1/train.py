@@ -23,7 +23,7 @@ import json
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,9 @@ class Stage1Config:
     restart: bool = opt(False, help="start from step 0: existing checkpoints are moved aside, never deleted")
     max_bad_steps: int = opt(0, help="non-finite steps to skip (update dropped) before the run stops")
     allow_slow_path: bool = opt(False, help="train on GPU without the fast kernels (loud)")
+    allow_data_change: bool = opt(False, help="resume although the data differs from the checkpoint's (another "
+                                  "--data-dir, --weights, --asset-lengths or tokenizer): the batches from the "
+                                  "resumed step on are then not the original run's")
     deepspeed: str = opt("auto", choices=("auto", "on", "off"),
                          help="ZeRO-2; auto: on several CUDA ranks, plain torch otherwise")
     deepspeed_config: str | dict[str, Any] | None = opt(None, help="DeepSpeed config json (default: ZeRO-2)")
@@ -287,6 +290,7 @@ class Stage1Run:
     peak_flops: float | None  # one device's; None where the peak is unknown (CPU): no MFU
     first_loss: float | None = None
     last_loss: float | None = None
+    source: dict[str, Any] = field(default_factory=dict)  # data_source(): what the batches are drawn from
 
 
 def train(cfg: Stage1Config) -> int:
@@ -343,8 +347,9 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     stepper = make_stepper(CausalLMObjective(model, loss_impl), model, cfg, rt.device, rt.dist, ds)
     _, latest = rt.checkpoints(cfg.keep_checkpoints, restart=cfg.restart)
     data_state: dict[str, Any] = {"next_batch": 0}
+    source = data_source(cfg, data_dir, tok)
     if latest is not None:
-        rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist, report=rt.print)
+        rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist, report=rt.print, source=source)
         rt.print(f"# resumed from {latest} at step {rt.step}, next batch {data_state['next_batch']}")
     if rt.dist.is_main:  # after the resume: a run refused over others' checkpoints leaves their files alone
         write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
@@ -367,7 +372,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     for line in [f"packing: {packing}", *lever_lines]:
         rt.print(f"# {line}")
     model.train()
-    return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), flops_per_token, peak)
+    return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), flops_per_token, peak, source=source)
 
 
 def step_record(run: Stage1Run, rt: Runtime, batch: dict[str, Any], result: StepResult,
@@ -445,7 +450,8 @@ def model_info(cfg: Stage1Config, spec: Any, tok: Any) -> dict[str, Any]:
 
 def save_checkpoint(run: Stage1Run, rt: Runtime) -> None:
     def write(tmp: Path) -> None:
-        trainer = {"step": rt.step, "data": run.data.state_dict(), "rng": rng_state(), "config": asdict(run.cfg)}
+        trainer = {"step": rt.step, "data": run.data.state_dict(), "rng": rng_state(), "config": asdict(run.cfg),
+                   "source": run.source}
         torch.save(trainer, tmp / f"trainer_rank{rt.dist.rank:05d}.pt")
         run.stepper.save(tmp, rt.dist.is_main)
 
@@ -455,7 +461,16 @@ def save_checkpoint(run: Stage1Run, rt: Runtime) -> None:
 # What the model is made of (a change cannot resume) and what the batches are made of (a change
 # resumes, but batch k is then not the batch k of the original run: said in one line).
 MODEL_ARGS = ("shape", "vision", "codebook_sizes")
-DATA_ARGS = ("row_len", "batch_rows", "seed", "weights", "packing", "asset_lengths")
+DATA_ARGS = ("row_len", "batch_rows", "seed", "packing")
+# What the batches are drawn from: a change resumes only with --allow-data-change (a model trained
+# on one dataset and continued on another without a word is a silent mistake).
+SOURCE_FLAGS = {"data_dir": "--data-dir", "weights": "--weights", "asset_lengths": "--asset-lengths",
+                "tokenizer": "the tokenizer"}
+
+
+def data_source(cfg: Stage1Config, data_dir: Path, tok: Any) -> dict[str, Any]:
+    return {"data_dir": str(data_dir.resolve()), "weights": cfg.weights, "asset_lengths": cfg.asset_lengths,
+            "tokenizer": tok.fingerprint}
 
 
 def _shown(value: Any) -> str:
@@ -467,8 +482,23 @@ def _shown(value: Any) -> str:
     return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
+def _check_source(path: Path, saved: dict[str, Any], source: dict[str, Any], allow: bool, next_batch: int,
+                  report: Callable[[str], None]) -> None:
+    for key, flag in SOURCE_FLAGS.items():
+        if key not in saved or key not in source or saved[key] == source[key]:
+            continue
+        was, now = _shown(saved[key]), _shown(source[key])
+        if not allow:
+            raise CheckpointError(f"checkpoint {path} was trained with {flag} {was}, this run has {now}: resume with the "
+                                  "same data, add --allow-data-change to continue on this data, or use a new --out "
+                                  "or --restart")
+        report(f"# --allow-data-change: resuming with {flag} {now} where checkpoint {path} has {was}: batches from "
+               f"{next_batch} on are drawn from other data than the original run's")
+
+
 def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: DistInfo,
-                    report: Callable[[str], None] = print) -> tuple[int, dict[str, Any]]:
+                    report: Callable[[str], None] = print,
+                    source: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
     trainer_file = path / f"trainer_rank{dist_info.rank:05d}.pt"
     if not trainer_file.is_file():
         raise CheckpointError(f"{trainer_file} is missing: checkpoint {path} was written by a different world size")
@@ -484,6 +514,9 @@ def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: 
             report(f"# resuming with --{key.replace('_', '-')} {_shown(getattr(cfg, key))} where checkpoint {path} has "
                    f"{_shown(saved[key])}: batches from {trainer['data']['next_batch']} on differ from the original "
                    "run's")
+    # A checkpoint from before "source" was recorded: its config's flags stand in (no tokenizer).
+    saved_source = trainer.get("source") or {k: saved[k] for k in ("weights", "asset_lengths") if k in saved}
+    _check_source(path, saved_source, source or {}, cfg.allow_data_change, trainer["data"]["next_batch"], report)
     stepper.load(path)
     set_rng_state(trainer["rng"])
     return int(trainer["step"]), trainer["data"]
