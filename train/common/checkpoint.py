@@ -18,6 +18,7 @@ it nor prunes it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -95,31 +96,61 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         barrier()
-        write(tmp)
+        try:
+            write(tmp)
+        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+            raise self._write_failed(name, tmp, exc) from exc
         barrier()
         if is_main:
-            files = {}
-            for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                fsync_path(path)
-                files[str(path.relative_to(tmp))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-            manifest = {"step": step, "lineage": self.lineage, "files": files}
-            atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
-            for sub in sorted({p for p in tmp.rglob("*") if p.is_dir()}, reverse=True):
-                fsync_path(sub)
-            if final.exists():
-                if _lineage(final) == self.lineage and _verifies(final):
-                    shutil.rmtree(final)  # same step saved again (final save after a periodic one)
-                elif _lineage(final) == self.lineage:  # ours but damaged: kept, as on resume
-                    aside = self._set_aside(final)
-                    self.report(f"# {final.name} does not verify; kept as {aside}")
-                else:  # not ours (another run's, or damaged): kept under another name
-                    aside = _free_name(final, "replaced")
-                    os.replace(final, aside)
-                    self.report(f"# {final.name} was not written by this run; kept as {aside.name}")
-            os.replace(tmp, final)
-            fsync_path(self.root)
-            atomic_write_text(self.root / LATEST, name + "\n")
-            self._prune(keep_name=name)
+            try:
+                return self._commit(step, name, tmp, final, barrier)
+            except OSError as exc:
+                raise self._write_failed(name, tmp, exc) from exc
+        barrier()
+        return final
+
+    def _write_failed(self, name: str, tmp: Path, exc: BaseException) -> BaseException:
+        """A full (or failing) disk while a checkpoint is written: the partial one goes (it is
+        never read, and its space lets outcome.json be written), the earlier ones stay."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            st = os.statvfs(self.root)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = -1
+        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or 0 <= free < (1 << 20)
+        if not full and not isinstance(exc, OSError):
+            return exc  # not a storage problem: the trainer's own error, unchanged
+        kept = [p.name for p in self.step_dirs()]
+        why = os.strerror(errno.ENOSPC) if full else (getattr(exc, "strerror", None) or str(exc))
+        room = f"{free >> 20} MiB" if free >= 1 << 20 else f"{max(free, 0) >> 10} KiB"
+        return CheckpointError(f"cannot write checkpoint {name} in {self.root}: {why} ({room} free); "
+                               f"nothing else was touched (checkpoints kept: {', '.join(kept) or 'none'})")
+
+    def _commit(self, step: int, name: str, tmp: Path, final: Path, barrier: Callable[[], None]) -> Path:
+        """The main rank: manifest, fsync, rename, `latest`, prune."""
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            fsync_path(path)
+            files[str(path.relative_to(tmp))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        manifest = {"step": step, "lineage": self.lineage, "files": files}
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        for sub in sorted({p for p in tmp.rglob("*") if p.is_dir()}, reverse=True):
+            fsync_path(sub)
+        if final.exists():
+            if _lineage(final) == self.lineage and _verifies(final):
+                shutil.rmtree(final)  # same step saved again (final save after a periodic one)
+            elif _lineage(final) == self.lineage:  # ours but damaged: kept, as on resume
+                aside = self._set_aside(final)
+                self.report(f"# {final.name} does not verify; kept as {aside}")
+            else:  # not ours (another run's, or damaged): kept under another name
+                aside = _free_name(final, "replaced")
+                os.replace(final, aside)
+                self.report(f"# {final.name} was not written by this run; kept as {aside.name}")
+        os.replace(tmp, final)
+        fsync_path(self.root)
+        atomic_write_text(self.root / LATEST, name + "\n")
+        self._prune(keep_name=name)
         barrier()
         return final
 

@@ -9,11 +9,13 @@ same file; readers keep the last record of each step. The trainer's schema
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import resource
 import sys
+import threading
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -39,6 +41,23 @@ def compile_counts() -> tuple[int, int]:
 
     return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["recompiles"].values()))
 
+
+
+def _quiet_full_disk_in_threads() -> None:
+    """TensorBoard writes from a thread of its own: a full disk there would print a traceback
+    of that thread, while the main thread's write (or TensorBoard's own flush) raises the same
+    error and the trainer says it in one line. Other thread errors print as before."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_full_disk", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and args.exc_value.errno in (errno.ENOSPC, errno.EDQUOT):
+            return
+        previous(args)
+
+    hook.quiet_full_disk = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 class MetricsLogger:
     def __init__(
@@ -67,7 +86,11 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(out_dir) / "tb"))
+                _quiet_full_disk_in_threads()
+                try:
+                    self._tb = SummaryWriter(str(Path(out_dir) / "tb"))
+                except OSError as exc:
+                    raise OSError(exc.errno, exc.strerror, str(Path(out_dir) / "tb")) from exc
             except ImportError:
                 pass  # optional: only when tensorboard is installed
         if wandb_project:
@@ -91,8 +114,7 @@ class MetricsLogger:
         if "mfu_convention" in info:
             self.print(f"# {info['mfu_convention']}")
         if self._file:
-            self._file.write(json.dumps({"event": "header", **info}) + "\n")
-            self._file.flush()
+            self._write(json.dumps({"event": "header", **info}))
 
     def log_step(self, record: dict[str, Any]) -> None:
         """One step: the schema's fields (absent ones null in the jsonl); extra keys pass through."""
@@ -101,8 +123,7 @@ class MetricsLogger:
         record = {**dict.fromkeys(self.schema.fields), **record}
         self.print(step_line(self.schema, record, self.tasks))
         assert self._file is not None
-        self._file.write(json.dumps({"event": "step", **_finite_or_none(record)}) + "\n")
-        self._file.flush()
+        self._write(json.dumps({"event": "step", **_finite_or_none(record)}))
         scalars = {k: v for k, v in record.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
         scalars.update({f"task_loss/{t}": v for t, v in (record.get("task_loss") or {}).items()})
@@ -115,12 +136,22 @@ class MetricsLogger:
     def event(self, name: str, **fields: Any) -> None:
         """A non-step record (e.g. a skipped non-finite step), kept in the jsonl."""
         if self._file:
-            self._file.write(json.dumps({"event": name, **_finite_or_none(fields)}) + "\n")
+            self._write(json.dumps({"event": name, **_finite_or_none(fields)}))
+
+    def _write(self, line: str) -> None:
+        assert self._file is not None
+        try:
+            self._file.write(line + "\n")
             self._file.flush()
+        except OSError as exc:  # a full disk: named, so the one-line error says which file
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def close(self) -> None:
         if self._file:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass  # the failed write was already raised (and said); the lines before it are whole
             self._file = None
         if self._tb is not None:
             self._tb.close()
