@@ -174,6 +174,15 @@ def job_states(job_ids: list[str], env_extra: dict[str, str] | None = None) -> d
                 out[jid.strip()] = {"state": (state.split() or ["UNKNOWN"])[0], "elapsed": elapsed, "nodes": nodes,
                                     "reason": "", "exit_code": exit_code}
         err = err or a.stderr.strip()
+        if a.returncode != 0 and q.returncode == 0:
+            # Accounting (slurmdbd, MariaDB) down: slurmctld still knows jobs that ended within
+            # MinJobAge, which plain squeue does not list (its default is pending/running).
+            ended = run_slurm(["squeue", "-h", "-t", "all", "-j", ",".join(missing), "-o", "%i|%T|%M|%N|%r"],
+                              env_extra)
+            for line in ended.stdout.splitlines() if ended.returncode == 0 else []:
+                jid, state, elapsed, nodes, reason = (line.split("|") + [""] * 5)[:5]
+                out.setdefault(jid.strip(), {"state": state, "elapsed": elapsed, "nodes": nodes, "reason": reason,
+                                             "exit_code": ""})
     unreachable = _contact_failure(q) if q.returncode != 0 and missing else None
     if unreachable and a.returncode == 0:
         unreachable = None  # slurmdbd answered for them: they are jobs it does not know, not a dead Slurm

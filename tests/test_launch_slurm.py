@@ -268,6 +268,39 @@ def test_dry_run_prints_script_and_submits_nothing(launch_env):
     assert run_launch(["list"], launch_env).stdout.startswith("no jobs")
 
 
+def test_accounting_killed_mid_job_the_job_finishes_and_up_restarts_only_it(launch_env, slurm_cluster):
+    """slurmdbd and MariaDB SIGKILLed while a job runs: the job completes, `launch status`
+    answers (from slurmctld), and `up` restarts exactly those two; sacct then knows the job."""
+    job = _submit(launch_env, "--preset", "slow", "--arg", "sleep=5")
+    assert wait_for_state(job, launch_env, {"RUNNING"}) == "RUNNING"
+    before = slurm_cluster.running_daemons()
+    said: list[str] = []
+    try:
+        for name in ("slurmdbd", "mariadb"):
+            os.kill(before[name], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while {"slurmdbd", "mariadb"} & set(slurm_cluster.running_daemons()) and time.monotonic() < deadline:
+            for name in ("slurmdbd", "mariadb"):
+                slurm_cluster._reap(before[name])
+            time.sleep(0.1)
+        assert not {"slurmdbd", "mariadb"} & set(slurm_cluster.running_daemons())
+        assert wait_for_state(job, launch_env, {"COMPLETED", "FAILED"}) == "COMPLETED"
+        status = run_launch(["status", job], launch_env)
+        assert status.returncode == 0 and "COMPLETED" in status.stdout, status.stdout + status.stderr
+    finally:
+        assert slurm_cluster.up(progress=said.append) is True
+    after = slurm_cluster.running_daemons()
+    assert {n for n in before if after.get(n) != before[n]} == {"slurmdbd", "mariadb"}, (before, after)
+    assert any("restarting mariadb, slurmdbd" in line for line in said), said
+    deadline = time.monotonic() + 60  # slurmctld resends the job's records once slurmdbd is back
+    sacct = ""
+    while time.monotonic() < deadline and sacct != "COMPLETED":
+        sacct = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State"], env=launch_env,
+                               capture_output=True, text=True).stdout.strip()
+        time.sleep(1)
+    assert sacct == "COMPLETED"
+
+
 def test_second_up_changes_nothing(slurm_cluster):
     pids = slurm_cluster.running_daemons()
     assert slurm_cluster.up(gpus=4, cpus=4) is False
