@@ -518,9 +518,14 @@ class EmbeddedCluster:
         # slurmdbd finds its config beside slurm.conf.
         env.pop("SLURM_JOB_ID", None)
         with open(spec.log, "ab") as out:
-            proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    env=env, cwd=self.state_dir, start_new_session=True,
-                                    preexec_fn=_own_hostname(spec.hostname) if spec.hostname else None)
+            try:
+                proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        env=env, cwd=self.state_dir, start_new_session=True,
+                                        preexec_fn=_own_hostname(spec.hostname) if spec.hostname else None)
+            except subprocess.SubprocessError as exc:  # the preexec_fn: no CAP_SYS_ADMIN for a UTS namespace
+                raise LaunchError(f"cannot start {spec.name} under its own host name {spec.hostname} ({exc}): the "
+                                  "embedded cluster keeps its daemons on loopback that way, which needs root with "
+                                  "CAP_SYS_ADMIN (unshare)") from None
         atomic_write_text(self._pid_file(spec.name), f"{proc.pid}\n")
         return proc.pid
 
