@@ -217,7 +217,7 @@ def _data_is_file(tmp: Path) -> None:
 
 def _all_bad(d: Path) -> None:
     for task in ("gen_img", "gen_txt", "und", "replay_img", "replay_text"):
-        every_line(task, b"\xff\xfe not json \x80")(d)
+        every_line(task, b"{ not json ,")(d)
 
 
 UND_LINE = "und.jsonl:2"

@@ -331,6 +331,11 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         rt.print(f"# generated synthetic data in {data_dir}: {counts}")
     rt.barrier()
     check_data_dir(data_dir)  # before the model is built: a wrong --data-dir fails in a second
+    # The checkpoint to resume from, and whether it is of this model, before the model is built:
+    # another --shape is one line in a second, not after building (say) a 2B model.
+    _, latest = rt.checkpoints(cfg.keep_checkpoints, restart=cfg.restart)
+    if latest is not None:
+        check_model_args(latest, _trainer_state(latest, rt.dist).get("config") or {}, cfg)
     if cfg.deepspeed_config:  # read at setup (not at submit: the file may exist only where the job runs)
         deepspeed_config(cfg, rt.device)
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
@@ -345,7 +350,6 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     packing = resolve_layout(cfg.packing, rt.device.type)
     loss_impl = select_loss_impl(rt.device, cfg.loss_impl)
     stepper = make_stepper(CausalLMObjective(model, loss_impl), model, cfg, rt.device, rt.dist, ds)
-    _, latest = rt.checkpoints(cfg.keep_checkpoints, restart=cfg.restart)
     data_state: dict[str, Any] = {"next_batch": 0}
     source = data_source(cfg, data_dir, tok)
     if latest is not None:
@@ -496,19 +500,29 @@ def _check_source(path: Path, saved: dict[str, Any], source: dict[str, Any], all
                f"{next_batch} on are drawn from other data than the original run's")
 
 
-def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: DistInfo,
-                    report: Callable[[str], None] = print,
-                    source: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+def _trainer_state(path: Path, dist_info: DistInfo) -> dict[str, Any]:
     trainer_file = path / f"trainer_rank{dist_info.rank:05d}.pt"
     if not trainer_file.is_file():
         raise CheckpointError(f"{trainer_file} is missing: checkpoint {path} was written by a different world size")
-    trainer = torch.load(trainer_file, weights_only=False)
-    saved = trainer.get("config") or {}
-    for key in MODEL_ARGS:  # other shape changes: Stepper.load names the first mismatch
+    return torch.load(trainer_file, weights_only=False)
+
+
+def check_model_args(path: Path, saved: dict[str, Any], cfg: Stage1Config) -> None:
+    """One line naming both values when the checkpoint is of another model (other shape
+    changes: Stepper.load names the first mismatching tensor and both sizes)."""
+    for key in MODEL_ARGS:
         if key in saved and saved[key] != getattr(cfg, key):
             raise CheckpointError(f"checkpoint {path} was written with --{key.replace('_', '-')} {_shown(saved[key])}, "
                                   f"this run has {_shown(getattr(cfg, key))}: resume with the same model arguments, "
                                   "or use a new --out or --restart")
+
+
+def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: DistInfo,
+                    report: Callable[[str], None] = print,
+                    source: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    trainer = _trainer_state(path, dist_info)
+    saved = trainer.get("config") or {}
+    check_model_args(path, saved, cfg)
     for key in DATA_ARGS:
         if key in saved and saved[key] != getattr(cfg, key):
             report(f"# resuming with --{key.replace('_', '-')} {_shown(getattr(cfg, key))} where checkpoint {path} has "
