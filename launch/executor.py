@@ -11,6 +11,7 @@ scratch path expands only $SLURM_JOB_ID, $LAUNCH_NODE_SCRATCH and $USER.
 from __future__ import annotations
 
 import shlex
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,9 @@ def job_environment(job: ResolvedJob, folder: Path, scratch: str, extra_env: dic
     except ValueError as exc:
         raise LaunchError(f"--scratch: {exc}") from None
     lines = [
+        # srun by absolute path: a shell function wins over PATH, which the env below may set
+        # (with --allow-loader-env) and which must not choose the program that starts the tasks.
+        *([f"srun() {{ {shlex.quote(srun)} \"$@\"; }}"] if (srun := shutil.which("srun")) else []),
         # A rendezvous left in the submitting shell (a torchrun or an in-process torch.distributed
         # there) is not this job's: each job derives its own from its allocation. The spec's
         # env and --env may still set them, below.
@@ -59,8 +63,14 @@ def job_environment(job: ResolvedJob, folder: Path, scratch: str, extra_env: dic
         f"export LAUNCH_SCRATCH={scratch_word}",
     ]
     lines += [f'export {var}="$LAUNCH_SCRATCH"/{sub}' for var, sub in CACHE_VARS.items()]
+    for key in job.env:  # the spec loader checked these; this is the last line of defence
+        try:
+            values.check_env_key(key)
+            values.check_env_not_hijack(key, "a job spec may not set it")
+        except ValueError as exc:
+            raise LaunchError(f"{job.spec.source}: key 'env.{key}': {exc}") from None
     for key, value in {**job.env, **(extra_env or {})}.items():
-        values.check_env_key(key)  # the spec loader and --env checked it; this is the last line of defence
+        values.check_env_key(key)  # --env was checked (and loader variables allowed) in launch submit
         lines.append(f"export {key}={shlex.quote(value)}")
     lines.append('mkdir -p "$LAUNCH_JOB_DIR" "$LAUNCH_SCRATCH"')
     return lines

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from launch.errors import LaunchError
@@ -20,3 +22,19 @@ def launch_home() -> Path:
         raise LaunchError(f"LAUNCH_HOME={home} is not a directory; point LAUNCH_HOME at a directory "
                           "(default ~/.launch)")
     return home
+
+
+# Job folders hold the sbatch script (its env values: tokens, keys), pickled calls and logs.
+PRIVATE_UMASK = 0o077
+
+
+@contextlib.contextmanager
+def private_files() -> Iterator[None]:
+    """Everything created inside is for its owner only: folders 0700, files 0600 (0700 where
+    executable). sbatch records this umask (SLURM_UMASK) and the job runs with it, so the job's
+    logs, checkpoints and metrics are created the same way."""
+    previous = os.umask(PRIVATE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)

@@ -141,6 +141,8 @@ def run_status(args: argparse.Namespace) -> int:
         return run_list(argparse.Namespace(n=10, json=args.json))
     rec = registry.find(args.job_id)
     st = job_state(rec.job_id, rec.slurm_env())
+    if st.get("unreachable"):
+        return _status_unreachable(rec, st, args.json)
     row = _row(rec, st)
     outcome = job_outcome(rec, st["state"])
     tasks = task_outcomes(rec)
@@ -185,6 +187,35 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unreachable_note(why: str, what: str) -> None:
+    print(f"launch: Slurm not reachable ({why}); {what}", file=sys.stderr)
+
+
+def _recorded_rc(outcome: dict | None) -> int:
+    """Exit status from what a job recorded, when Slurm cannot be asked: 0 completed, 1 failed
+    or cancelled, 2 unknown (nothing recorded, or a state that may have changed since)."""
+    state = (outcome or {}).get("state")
+    return 0 if state == "completed" else 1 if state in ("failed", "cancelled") else 2
+
+
+def _status_unreachable(rec: JobRecord, st: dict[str, str], as_json: bool) -> int:
+    """`launch status JOB` while slurmctld does not answer: said once, with what the job
+    itself recorded (outcome.json), never a bare UNKNOWN with exit 0."""
+    outcome = read_outcome(rec.folder)
+    _unreachable_note(st["unreachable"], f"showing what job {rec.job_id} recorded in {rec.folder}/outcome.json"
+                      if outcome else f"job {rec.job_id} recorded no outcome, so its state is unknown")
+    row = {**_row(rec, st), "slurm_unreachable": st["unreachable"], "outcome": outcome}
+    if as_json:
+        print(json.dumps(row))
+        return _recorded_rc(outcome)
+    print(HEADER)
+    print(_line(row))
+    print(f"  folder: {rec.folder}")
+    if outcome:
+        print(f"  recorded outcome: {describe(outcome)} (outcome.json; Slurm not asked)")
+    return _recorded_rc(outcome)
+
+
 def run_list(args: argparse.Namespace) -> int:
     jobs, bad = registry.load()
     jobs = jobs[-args.n:]
@@ -204,22 +235,47 @@ def run_list(args: argparse.Namespace) -> int:
         for jid, st in job_states([r.job_id for r in recs], recs[0].slurm_env()).items():
             states[(conf, jid)] = st
     rows = [_row(rec, states[(rec.slurm_conf, rec.job_id)]) for rec in jobs]
+    rc = 0
+    why = next((st["unreachable"] for st in states.values() if st.get("unreachable")), None)
+    if why:
+        # Once for the listing; each job Slurm could not be asked about shows what it recorded.
+        _unreachable_note(why, "states marked * are what the jobs recorded (outcome.json), the rest are unknown")
+        for rec, row in zip(jobs, rows, strict=True):
+            if states[(rec.slurm_conf, rec.job_id)].get("unreachable"):
+                outcome = read_outcome(rec.folder)
+                row["slurm_unreachable"], row["outcome"] = why, outcome
+                if outcome:
+                    row["recorded"] = outcome["state"]
+                rc = max(rc, 2 if _recorded_rc(outcome) == 2 else 0)
     if args.json:
         print(json.dumps(rows))
-        return 0
+        return rc
     print(f"{HEADER} SUBMITTED")
     for row in rows:
         resumes = f"  (resumes {row['resumes']})" if row["resumes"] else ""
-        print(f"{_line(row)} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(row['submitted_at']))}{resumes}")
-    return 0
+        line = _line({**row, "state": row["recorded"] + "*"} if "recorded" in row else row)
+        print(f"{line} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(row['submitted_at']))}{resumes}")
+    return rc
 
 
 def run_cancel(args: argparse.Namespace) -> int:
     rec = registry.find(args.job_id)
     env = require_cluster(rec.slurm_env())
-    proc = run_slurm(["scancel", rec.job_id], env)
-    if proc.returncode != 0:
-        raise LaunchError(f"scancel {rec.job_id}: {proc.stderr.strip()}")
+    st = job_state(rec.job_id, env)
+    ended = st["state"] in TERMINAL_STATES
+    if not ended:
+        proc = run_slurm(["scancel", rec.job_id], env)
+        # It may end between the two calls: slurmctld then answers "already completing or completed".
+        ended = "already completing or completed" in proc.stderr
+        if proc.returncode != 0 and not ended:
+            raise LaunchError(f"scancel {rec.job_id}: {proc.stderr.strip()}")
+        if ended:
+            st = job_state(rec.job_id, env)
+    if ended:
+        outcome = job_outcome(rec, st["state"]) if st["state"] in TERMINAL_STATES else None
+        print(f"job {rec.job_id} had already ended ({st['state']}" + (f", {describe(outcome)}" if outcome else "")
+              + "); nothing to cancel")
+        return 0
     print(f"cancel requested for job {rec.job_id}")
     return 0
 

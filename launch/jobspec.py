@@ -207,6 +207,11 @@ def _check_resources(data: dict[str, Any], where: str, source: Path) -> dict[str
     return data
 
 
+# Anyone who can write a spec on LAUNCH_JOBS_PATH could otherwise run code as the submitting user.
+SPEC_HIJACK_HOW = ("a job spec may not set it (whoever writes a spec on LAUNCH_JOBS_PATH would run code as the "
+                   "submitting user); give it with `launch submit --env KEY=VALUE --allow-loader-env` if you mean it")
+
+
 def _check_str_map(data: dict[str, Any], where: str, source: Path, *, shell_keys: bool = False) -> dict[str, str]:
     for key, value in data.items():
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
@@ -214,6 +219,7 @@ def _check_str_map(data: dict[str, Any], where: str, source: Path, *, shell_keys
         if shell_keys:
             try:
                 values.check_env_key(key)
+                values.check_env_not_hijack(key, SPEC_HIJACK_HOW)
                 values.check_env_value(str(key), str(value))
             except ValueError as exc:
                 raise LaunchError(f"{source}: key '{where}.{key}': {exc}") from exc
@@ -277,11 +283,15 @@ class _SpecLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _size(n: int) -> str:
+    return f"{n} bytes ({n / 2**20:.1f} MiB)" if n >= 2**20 else f"{n} bytes"
+
+
 def parse_yaml(raw: bytes, source: Path) -> Any:
     """Spec bytes to data: UTF-8 only, no duplicate keys, no aliases; errors are one line."""
     if len(raw) > MAX_SPEC_BYTES:
         raise LaunchError(f"{source}: a job spec is at most {MAX_SPEC_BYTES >> 10} KiB, this one is "
-                          f"{len(raw) >> 10} KiB")
+                          f"{_size(len(raw))}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -307,8 +317,12 @@ def load_spec(path: str | os.PathLike[str]) -> JobSpec:
         # A FIFO or a device (/dev/zero) would block or never end: only a regular file, read bounded.
         fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK)
         with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise LaunchError(f"{source}: not a regular file; a job spec is a .yaml file")
+            if info.st_size > MAX_SPEC_BYTES:  # named by its real size, not by the bytes read
+                raise LaunchError(f"{source}: a job spec is at most {MAX_SPEC_BYTES >> 10} KiB, this one is "
+                                  f"{_size(info.st_size)}")
             raw = f.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         raise LaunchError(f"{source}: cannot read job spec ({exc.strerror})") from None

@@ -170,6 +170,7 @@ def job_states(job_ids: list[str], env_extra: dict[str, str] | None = None) -> d
                                          "exit_code": ""})
     missing = [j for j in job_ids if j not in out]
     err = q.stderr.strip()
+    a = subprocess.CompletedProcess([], 1, "", "")
     if missing:
         a = run_slurm(["sacct", "-j", ",".join(missing), "-X", "-n", "-P", "-o",
                        "JobID,State,Elapsed,NodeList,ExitCode"], env_extra)
@@ -180,7 +181,36 @@ def job_states(job_ids: list[str], env_extra: dict[str, str] | None = None) -> d
                 out[jid.strip()] = {"state": (state.split() or ["UNKNOWN"])[0], "elapsed": elapsed, "nodes": nodes,
                                     "reason": "", "exit_code": exit_code}
         err = err or a.stderr.strip()
-    return {j: out.get(j) or _blank("UNKNOWN", _first_meaningful(err) if err else "") for j in job_ids}
+        if a.returncode != 0 and q.returncode == 0:
+            # Accounting (slurmdbd, MariaDB) down: slurmctld still knows jobs that ended within
+            # MinJobAge, which plain squeue does not list (its default is pending/running).
+            ended = run_slurm(["squeue", "-h", "-t", "all", "-j", ",".join(missing), "-o", "%i|%T|%M|%N|%r"],
+                              env_extra)
+            for line in ended.stdout.splitlines() if ended.returncode == 0 else []:
+                jid, state, elapsed, nodes, reason = (line.split("|") + [""] * 5)[:5]
+                out.setdefault(jid.strip(), {"state": state, "elapsed": elapsed, "nodes": nodes, "reason": reason,
+                                             "exit_code": ""})
+    unreachable = _contact_failure(q) if q.returncode != 0 and missing else None
+    if unreachable and a.returncode == 0:
+        unreachable = None  # slurmdbd answered for them: they are jobs it does not know, not a dead Slurm
+    states = {j: out.get(j) or _blank("UNKNOWN", _first_meaningful(err) if err else "") for j in job_ids}
+    for j in missing:
+        if unreachable and j not in out:
+            states[j]["unreachable"] = unreachable
+    return states
+
+
+# What Slurm's clients print when slurmctld does not answer (as opposed to "Invalid job id").
+_CONTACT_FAILURES = ("Unable to contact slurm controller", "Connection refused", "connect failure",
+                     "Socket timed out", "Zero Bytes were transmitted")
+
+
+def _contact_failure(proc: subprocess.CompletedProcess[str]) -> str | None:
+    """Why the controller could not be asked (its client's one line), or None."""
+    for line in proc.stderr.splitlines():
+        if any(f.lower() in line.lower() for f in _CONTACT_FAILURES):
+            return line.strip().removeprefix("squeue: ").removeprefix("error: ")
+    return None
 
 
 def job_state(job_id: str, env_extra: dict[str, str] | None = None) -> dict[str, str]:

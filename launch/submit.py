@@ -21,7 +21,7 @@ from pathlib import Path
 from launch import feasibility, registry, values
 from launch.errors import LaunchError
 from launch.executor import SlurmOptions, make_executor, sbatch_failure, sbatch_script
-from launch.fsutil import launch_home
+from launch.fsutil import launch_home, private_files
 from launch.jobs_cli import follow, next_line
 from launch.jobspec import JobSpec, ResolvedJob, find_spec, known_jobs
 from launch.runner import EntrypointRun, entry_parser, entry_task_check
@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="e.g. afterok:1234 (start after job 1234 completed)")
     s.add_argument("--env", type=values.env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="set an environment variable in the job (repeatable)")
+    s.add_argument("--allow-loader-env", action="store_true",
+                   help="let --env set variables that choose which code the job runs: the loader's (LD_PRELOAD, "
+                   "LD_LIBRARY_PATH, LD_AUDIT, ...), shell start-up hooks (BASH_ENV, ENV, ...) and search paths "
+                   "(PATH, PYTHONPATH, PYTHONHOME, PYTHONSTARTUP, ...); the job then runs whatever they point to")
     p.add_argument("--scratch", type=values.scratch_value,
                    help="node-local scratch for caches; may expand $SLURM_JOB_ID, $LAUNCH_NODE_SCRATCH, $USER "
                    "(default: per job under $LAUNCH_NODE_SCRATCH, else /tmp)")
@@ -124,6 +128,14 @@ def _check_option_combinations(args: argparse.Namespace) -> None:
         if env.get(key, value) != value:
             raise LaunchError(f"--env {key} given twice ({env[key]!r}, then {value!r}); give it once")
         env[key] = value
+        if not args.allow_loader_env:
+            try:
+                values.check_env_not_hijack(key, "add --allow-loader-env if you mean it")
+            except ValueError as exc:
+                raise LaunchError(f"--env {key}: {exc}") from None
+    if args.allow_loader_env and not any(values.is_hijack_var(k) for k in env):
+        raise LaunchError("--allow-loader-env allows --env to set loader, shell start-up or search-path variables, "
+                          "and no --env sets one; drop it")
     printed = [f for f, on in (("--follow", args.follow), ("--json", args.json), ("--parsable", args.parsable)) if on]
     if args.verbose and not args.follow:
         raise LaunchError("--verbose is about what --follow shows; add --follow (or use `launch logs JOB --verbose`)")
@@ -146,6 +158,10 @@ def job_folder(args: argparse.Namespace, spec: JobSpec) -> Path:
     if args.runs_dir is not None and not args.runs_dir.strip():
         raise LaunchError("--runs-dir is empty; give a directory (default $LAUNCH_HOME/runs)")
     runs = Path(args.runs_dir or launch_home() / "runs").expanduser().resolve()
+    virtual = next((top for top in ("/proc", "/sys", "/dev") if runs == Path(top) or Path(top) in runs.parents), None)
+    if virtual:
+        raise LaunchError(f"runs directory {runs} is under {virtual}, a kernel file system that holds no job folders; "
+                          "choose another --runs-dir or LAUNCH_HOME")
     bad = sorted({c for c in str(runs) if ord(c) < 32 or c in "%\x7f"})
     if bad:
         raise LaunchError(f"runs directory {str(runs)!r} has {', '.join(map(repr, bad))}: Slurm's --output/--error "
@@ -268,14 +284,15 @@ def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: 
     runner = EntrypointRun(spec.entrypoint, argv, spec_ref, preflight=not args.no_preflight, main_task=job.main_task,
                            meta=meta)
     registry.check_writable()  # a job queued but not recorded could not be followed from here
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise LaunchError(f"cannot create the job folder {folder} ({exc.strerror}); choose another --runs-dir") from None
-    try:
-        submitted = executor.submit(runner)
-    except Exception as exc:  # submitit wraps sbatch failures in several exception types
-        raise LaunchError(f"sbatch refused the job: {sbatch_failure(exc)}") from None
+    with private_files():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LaunchError(f"cannot create the job folder {folder} ({exc.strerror}); choose another --runs-dir") from None
+        try:
+            submitted = executor.submit(runner)
+        except Exception as exc:  # submitit wraps sbatch failures in several exception types
+            raise LaunchError(f"sbatch refused the job: {sbatch_failure(exc)}") from None
     job_id = str(submitted.job_id)
     rec = registry.JobRecord(job_id=job_id, name=spec.name, preset=job.preset, folder=str(folder / job_id),
                              submitted_at=registry.now(), slurm_conf=env_extra.get("SLURM_CONF"), argv=argv,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 MAX_NODES = 10_000
 MAX_GPUS_PER_NODE = 256
 MAX_CPUS_PER_TASK = 100_000
+MIN_MEM_GB = 0.125  # 128 MB: the interpreter alone needs more than that
 MAX_MEM_GB = 100_000
 MAX_TIME_MIN = 365 * 24 * 60
 
@@ -49,6 +50,34 @@ SLURM_JOB_VARS = frozenset({
     "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE",
     "SLURM_SUBMIT_DIR", "SLURM_JOB_NAME",
 })
+# Variables that choose which code runs: the dynamic loader's (LD_PRELOAD, LD_AUDIT, ...), the
+# shell's start-up and parsing hooks, and the search paths of the programs the batch script
+# starts (srun, the interpreter). Exported before them, any of these runs code of the setter's
+# choosing as the job's user, so a spec may not set them, and --env only with
+# --allow-loader-env. (srun and python are also called by absolute path.)
+HIJACK_VARS = frozenset({
+    "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "IFS", "PS4", "PROMPT_COMMAND", "CDPATH", "GLOBIGNORE",
+    "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
+    "PYTHONPLATLIBDIR", "PYTHONINSPECT", "PYTHONBREAKPOINT", "GCONV_PATH", "GLIBC_TUNABLES", "LOCPATH",
+    "NLSPATH", "HOSTALIASES", "RESOLV_HOST_CONF", "MALLOC_CHECK_", "TMPDIR_HOOK", "PERL5LIB", "PERL5OPT",
+    "NODE_OPTIONS", "RUBYOPT", "RUBYLIB",
+})
+HIJACK_PREFIXES = ("LD_", "DYLD_", "BASH_FUNC_")
+
+
+def is_hijack_var(key: str) -> bool:
+    return key in HIJACK_VARS or key.startswith(HIJACK_PREFIXES)
+
+
+def check_env_not_hijack(key: str, how: str) -> str:
+    """Refuse a variable that would choose the code the job runs (HIJACK_VARS); `how` says
+    how it could still be set, when it can."""
+    if is_hijack_var(key):
+        raise ValueError(f"environment key {key} chooses which code the job runs (loader, shell start-up or "
+                         f"search path): {how}")
+    return key
+
+
 # The variables a scratch path may expand on the node, and what a ${VAR:-default} may hold.
 SCRATCH_VARS = ("SLURM_JOB_ID", "LAUNCH_NODE_SCRATCH", "USER")
 _SAFE_DEFAULT_RE = re.compile(r"[A-Za-z0-9_./+,@%=-]*")
@@ -107,6 +136,9 @@ def check_mem_gb(value: object) -> float:
         raise ValueError(f"mem_gb must be a number, got {value!r}")
     if not 0 < value <= MAX_MEM_GB:
         raise ValueError(f"mem_gb must be > 0 and <= {MAX_MEM_GB}, got {value}")
+    if value < MIN_MEM_GB:
+        raise ValueError(f"mem_gb {value:g} is below {MIN_MEM_GB} ({round(MIN_MEM_GB * 1024)} MB): no job starts in "
+                         "less (sbatch would be asked for --mem=1M); leave it out for the node's default")
     return float(value)
 
 
@@ -181,6 +213,9 @@ def scratch_shell(value: str) -> str:
         raise ValueError(f"scratch {value!r}: only {allowed} may be expanded, found {rest[rest.index('$'):]!r}")
     if rest:
         words.append(shlex.quote(rest))
+    if not value.startswith(("/", "$LAUNCH_NODE_SCRATCH", "${LAUNCH_NODE_SCRATCH")):
+        raise ValueError(f"scratch {value!r} is a relative path: each task would make it in whatever directory it "
+                         "starts in; give an absolute path (or one under $LAUNCH_NODE_SCRATCH)")
     return "".join(words)
 
 
@@ -210,7 +245,14 @@ def int_range(low: int, high: int) -> Callable[[str], object]:
 
 positive_int = int_range(1, 10**9)
 nonneg_int = int_range(0, 10**9)
-slurm_time = _arg_type(lambda t: (parse_slurm_time(t), t)[1], "time")
+def _cli_time(text: str) -> str:
+    if text != text.strip():
+        raise ValueError(f"time {text!r} has spaces around it; give {text.strip()!r}")
+    parse_slurm_time(text)
+    return text
+
+
+slurm_time = _arg_type(_cli_time, "time")
 job_name = _arg_type(lambda t: check_name(t, "--name"), "name")
 dependency = _arg_type(check_dependency, "dependency")
 

@@ -121,6 +121,64 @@ def test_a_foreign_checkpoint_at_the_same_step_is_kept_aside(tmp_path: Path) -> 
     assert (tmp_path / "step_00000004.replaced-1" / "model.pt").is_file() and seen
 
 
+def test_a_damaged_newer_checkpoint_is_moved_aside_on_resume_and_never_overwritten(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path, keep=5)
+    for step in (4, 6):
+        mgr.save(step, _write({"model.pt": {"w": torch.full((100,), float(step))}, "optim.pt": {"s": step}}))
+    victim = tmp_path / "step_00000006"
+    (victim / "model.pt").write_bytes((victim / "model.pt").read_bytes()[:50])
+    before = {p.relative_to(victim): p.read_bytes() for p in victim.rglob("*") if p.is_file()}
+    seen: list[str] = []
+    other_rank = CheckpointManager(tmp_path, report=lambda line: None)
+    assert other_rank.resume(is_main=False) == tmp_path / "step_00000004" and victim.exists()  # only the main moves
+    resumed = CheckpointManager(tmp_path, keep=5, report=seen.append)
+    assert resumed.resume() == tmp_path / "step_00000004"
+    [aside] = tmp_path.glob("step_00000006.damaged-*")
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == before
+    assert any(f"moved to {aside}" in line and "model.pt is corrupt" in line for line in seen), seen
+    resumed.save(6, _write({"model.pt": {"w": torch.zeros(100)}}))  # the resumed run reaches step 6 again
+    assert verify(victim) and {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == before
+    # and a same-lineage checkpoint that stopped verifying since the resume is kept too, never rmtree'd
+    (victim / "model.pt").write_bytes(b"x")
+    resumed.save(6, _write({"model.pt": {"w": torch.ones(100)}}))
+    assert len(list(tmp_path.glob("step_00000006.damaged-*"))) == 2 and any("kept as" in line for line in seen)
+
+
+def test_a_run_resumed_past_a_damaged_checkpoint_keeps_it(tmp_path: Path, data: Path, capsys,
+                                                         one_torch_thread: None) -> None:
+    """model.pt of step 4 truncated: the run resumes from step 2, says where step 4 went, and
+    its own new step 4 does not touch the damaged one."""
+    out = tmp_path / "run"
+    assert run(out, data, 4, "--ckpt-every", "2") == 0
+    victim = out / "checkpoints" / "step_00000004"
+    with open(victim / "model.pt", "r+b") as f:
+        f.truncate(100)
+    before = {p.relative_to(victim): p.read_bytes() for p in victim.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert run(out, data, 4, "--ckpt-every", "2") == 0
+    said = capsys.readouterr()
+    [aside] = (out / "checkpoints").glob("step_00000004.damaged-*")
+    assert f"moved to {aside}" in said.out + said.err
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == before
+    assert [r["step"] for r in step_records(out)][-2:] == [3, 4] and verify(victim)
+
+
+def test_resume_onto_another_tokenizer_is_refused_unless_allowed(tmp_path: Path) -> None:
+    """The tokenizer's fingerprint is part of what a checkpoint was trained on (the corpus
+    covers --data-dir, --weights and --asset-lengths through real runs)."""
+    from train.stage1.train import _check_source
+
+    saved = {"data_dir": "/d", "weights": None, "asset_lengths": None, "tokenizer": "aaaa"}
+    now = {**saved, "tokenizer": "bbbb"}
+    with pytest.raises(CheckpointError, match=r"was trained with the tokenizer aaaa, this run has bbbb: .*--allow-data"):
+        _check_source(tmp_path, saved, now, allow=False, next_batch=4, report=print)
+    said: list[str] = []
+    _check_source(tmp_path, saved, now, allow=True, next_batch=4, report=said.append)
+    assert len(said) == 1 and "batches from 4 on are drawn from other data" in said[0]
+    _check_source(tmp_path, saved, dict(saved), allow=False, next_batch=4, report=said.append)  # same: silent
+    assert len(said) == 1
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_data(tmp_path_factory.mktemp("ckpt-data"))

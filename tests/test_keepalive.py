@@ -142,6 +142,16 @@ def test_prolog_releases_exactly_the_jobs_gpus_and_epilog_reclaims(holder: Holde
     assert holder.state()["released"] == {}
 
 
+def test_prolog_for_a_gpu_the_node_does_not_have_fails_and_releases_nothing(holder: Holder) -> None:
+    """gres.conf gives job 102 GPU 7 on a 4-GPU node: the prolog exits 1 (Slurm then requeues
+    the job and drains the node) naming the GPU, and GPU 1 stays held."""
+    done = holder.hook("prolog", "102", "1,7")
+    assert done.returncode == 1
+    log = holder.hook_log.read_text()
+    assert "job 102 was allocated GPU(s) [7], which this node does not have (it has [0, 1, 2, 3])" in log
+    assert held_by_holder(holder) == [0, 1, 2, 3] and holder.state()["released"] == {}
+
+
 def test_overlapping_jobs_on_disjoint_gpus(holder: Holder) -> None:
     results: dict[str, subprocess.CompletedProcess[str]] = {}
 

@@ -45,6 +45,33 @@ def test_submit_runs_to_completed_with_accounting(launch_env, tmp_path):
     assert job in listing.stdout and "COMPLETED" in listing.stdout
 
 
+def test_loader_env_cannot_choose_srun_and_the_job_folder_is_private(launch_env, tmp_path):
+    """--env PATH (allowed with --allow-loader-env) puts a fake srun first: the script still
+    starts the tasks with the real one, by absolute path. The job folder is its owner's only:
+    folders 0700, the sbatch script (it holds the env values), pickles and logs 0600."""
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "srun").write_text(f"#!/bin/sh\ntouch {tmp_path}/pwned\nexit 1\n")
+    (evil / "srun").chmod(0o755)
+    path = f"{evil}:/usr/local/bin:/usr/bin:/bin"
+    refused = run_launch(["submit", "fixture", "--env", f"PATH={path}"], launch_env)
+    assert refused.returncode != 0 and "add --allow-loader-env if you mean it" in refused.stderr
+    job = _submit(launch_env, "--env", f"PATH={path}", "--allow-loader-env", "--env", "TOKEN=s3cret")
+    assert wait_for_state(job, launch_env, {"COMPLETED", "FAILED"}) == "COMPLETED"
+    assert not (tmp_path / "pwned").exists()
+    folder = Path(launch_env["LAUNCH_HOME"]) / "runs" / "fixture" / job
+    assert "fixture done" in run_launch(["logs", job], launch_env).stdout
+    script = folder / f"{job}_submission.sh"
+    assert "TOKEN=s3cret" in script.read_text()
+    for path in (folder.parent, folder, *folder.iterdir()):
+        mode = path.stat().st_mode & 0o777
+        assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
+    assert folder.stat().st_mode & 0o777 == 0o700 and script.stat().st_mode & 0o777 == 0o600
+    # cancelling the finished job says it had ended (and how), rather than "cancel requested"
+    cancel = run_launch(["cancel", job], launch_env)
+    assert cancel.returncode == 0 and cancel.stdout.startswith(f"job {job} had already ended (COMPLETED"), cancel.stdout
+
+
 def test_follow_streams_log_and_exit_code(launch_env):
     out = run_launch(["submit", "fixture", "--follow"], launch_env)
     assert out.returncode == 0, out.stderr
@@ -241,10 +268,53 @@ def test_dry_run_prints_script_and_submits_nothing(launch_env):
     assert run_launch(["list"], launch_env).stdout.startswith("no jobs")
 
 
+def test_accounting_killed_mid_job_the_job_finishes_and_up_restarts_only_it(launch_env, slurm_cluster):
+    """slurmdbd and MariaDB SIGKILLed while a job runs: the job completes, `launch status`
+    answers (from slurmctld), and `up` restarts exactly those two; sacct then knows the job."""
+    job = _submit(launch_env, "--preset", "slow", "--arg", "sleep=5")
+    assert wait_for_state(job, launch_env, {"RUNNING"}) == "RUNNING"
+    before = slurm_cluster.running_daemons()
+    said: list[str] = []
+    try:
+        for name in ("slurmdbd", "mariadb"):
+            os.kill(before[name], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while {"slurmdbd", "mariadb"} & set(slurm_cluster.running_daemons()) and time.monotonic() < deadline:
+            for name in ("slurmdbd", "mariadb"):
+                slurm_cluster._reap(before[name])
+            time.sleep(0.1)
+        assert not {"slurmdbd", "mariadb"} & set(slurm_cluster.running_daemons())
+        assert wait_for_state(job, launch_env, {"COMPLETED", "FAILED"}) == "COMPLETED"
+        status = run_launch(["status", job], launch_env)
+        assert status.returncode == 0 and "COMPLETED" in status.stdout, status.stdout + status.stderr
+    finally:
+        assert slurm_cluster.up(progress=said.append) is True
+    after = slurm_cluster.running_daemons()
+    assert {n for n in before if after.get(n) != before[n]} == {"slurmdbd", "mariadb"}, (before, after)
+    assert any("restarting mariadb, slurmdbd" in line for line in said), said
+    deadline = time.monotonic() + 60  # slurmctld resends the job's records once slurmdbd is back
+    sacct = ""
+    while time.monotonic() < deadline and sacct != "COMPLETED":
+        sacct = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State"], env=launch_env,
+                               capture_output=True, text=True).stdout.strip()
+        time.sleep(1)
+    assert sacct == "COMPLETED"
+
+
 def test_second_up_changes_nothing(slurm_cluster):
     pids = slurm_cluster.running_daemons()
     assert slurm_cluster.up(gpus=4, cpus=4) is False
     assert slurm_cluster.running_daemons() == pids
+
+
+def test_daemons_are_reachable_from_this_machine_only(slurm_cluster):
+    """slurmctld, slurmd, slurmdbd and MariaDB listen on loopback only; a neighbour one veth
+    hop away is refused on every one of their ports (tests/netprobe.py)."""
+    from netprobe import assert_reachable_from_this_machine_only
+
+    pids = slurm_cluster.running_daemons()
+    pids.pop("munged")  # a unix socket only
+    assert_reachable_from_this_machine_only(pids)
 
 
 def _live_processes_of(state_dir: Path) -> list[str]:

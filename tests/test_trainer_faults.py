@@ -210,3 +210,66 @@ def test_sigkill_during_a_checkpoint_write_recomputes_only_the_steps_since_the_l
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [
         f"step_{s:08d}" for s in range(1, steps + 1)]
     assert not list((out / "checkpoints").glob(".tmp-step_*"))  # the half-written one was cleaned up
+
+
+FULL_FS_CHILD = r"""
+import json, os, subprocess, sys
+mnt, data, logs, keep = map(__import__("pathlib").Path, sys.argv[1:5])
+argv = json.loads(sys.argv[5])
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mnt)], check=True)
+out = mnt / "run"
+
+def trainer(name, steps):
+    code = ("import sys; from train.stage1.train import main; "
+            f"sys.exit(main({[*argv, '--out', str(out), '--data-dir', str(data), '--steps', str(steps)]!r}, guard=False))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    (logs / f"{name}.json").write_text(json.dumps({"rc": p.returncode, "out": p.stdout, "err": p.stderr}))
+
+def fill(leave):
+    st = os.statvfs(mnt)
+    with open(mnt / "filler", "ab") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+
+trainer("first", 2)                      # checkpoint at step 2
+fill(64 << 10)                           # room for a few metrics lines, not for a checkpoint
+trainer("checkpoint_full", 4)
+fill(0)                                  # not even a metrics line
+trainer("metrics_full", 4)
+(mnt / "filler").unlink()
+trainer("after", 4)                      # space again: the same argv resumes and finishes
+subprocess.run(["cp", "-a", str(out), str(keep)], check=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_full_file_system_during_a_checkpoint_or_a_metrics_write_is_one_line_and_loses_nothing(
+        tmp_path: Path, data: Path) -> None:
+    """The run dir on a small tmpfs (its own mount namespace: real ENOSPC from the kernel). A full
+    disk at the step-4 checkpoint, then at a metrics write: each run stops with one line naming
+    ENOSPC; the step-2 checkpoint and the metrics already written stay whole, and once there is
+    space the same command resumes from step 2 and finishes."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount namespaces (unshare -m)")
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "logs").mkdir()
+    argv = [*FAST_ARGS, "--num-workers", "0", "--ckpt-every", "2", "--export", "off"]
+    child = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", sys.executable, "-c", FULL_FS_CHILD, str(tmp_path / "mnt"),
+         str(data), str(tmp_path / "logs"), str(tmp_path / "kept"), json.dumps(argv)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert child.returncode == 0, child.stderr
+    runs = {name: json.loads((tmp_path / "logs" / f"{name}.json").read_text())
+            for name in ("first", "checkpoint_full", "metrics_full", "after")}
+    assert runs["first"]["rc"] == 0 and runs["after"]["rc"] == 0, runs
+    for name in ("checkpoint_full", "metrics_full"):
+        err = [ln for ln in runs[name]["err"].splitlines() if ln.strip()]
+        assert runs[name]["rc"] == 1 and len(err) == 1, (name, runs[name])
+        assert "No space left on device" in err[0] and "Traceback" not in runs[name]["err"], (name, err)
+    kept = tmp_path / "kept"
+    assert "# resumed from" in runs["after"]["out"] and "step_00000002 at step 2" in runs["after"]["out"]
+    assert [r["step"] for r in step_records(kept)][-2:] == [3, 4]
+    assert 1 in [r["step"] for r in step_records(kept)] and 2 in [r["step"] for r in step_records(kept)]
+    assert (kept / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    from train.common.checkpoint import verify
+    verify(kept / "checkpoints" / "step_00000004")
+    verify(kept / "checkpoints" / "step_00000002")

@@ -150,6 +150,18 @@ def test_status_lists_both_nodes_and_up_refuses_other_resources(cluster: Embedde
     assert cluster.running_daemons() == pids
 
 
+def test_both_nodes_daemons_are_reachable_from_this_machine_only(cluster: EmbeddedCluster) -> None:
+    """Each slurmd listens on its own NodeAddr (127.0.0.2, 127.0.0.3), the rest on 127.0.0.1;
+    a neighbour one veth hop away is refused on every port (tests/netprobe.py)."""
+    from tests.netprobe import assert_reachable_from_this_machine_only, listening
+
+    pids = cluster.running_daemons()
+    pids.pop("munged")  # a unix socket only
+    assert_reachable_from_this_machine_only(pids)
+    for node in cluster.nodes():
+        assert listening(pids[node_daemon(node["name"])]) == [(node["addr"], node["port"])]
+
+
 # ---- jobs across the two nodes ---------------------------------------------------------------
 
 

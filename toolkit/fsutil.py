@@ -12,7 +12,8 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o
     """Write `data` to `path` so that readers see either the old file or the whole new one.
 
     Temp file in the same directory, fsync, chmod, rename, then fsync the directory so the
-    rename itself survives a crash.
+    rename itself survives a crash. `mode` is narrowed by the umask, as open() does: a job
+    submitted with a private umask (launch.fsutil.private_files) keeps its files private.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -22,7 +23,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, mode & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -31,6 +32,20 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o
             pass
         raise
     fsync_path(path.parent)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it (os.umask can only set it, which would
+    race with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    previous = os.umask(0o022)
+    os.umask(previous)
+    return previous
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import io
 import ipaddress
 import os
@@ -184,7 +185,29 @@ def _int(host: str, name: str, value: object, low: int, high: int | None = None)
 def _abs_path(host: str, name: str, value: object) -> PurePosixPath:
     if not isinstance(value, str) or not value.startswith("/"):
         raise InventoryError(f"{host}: {name}={value!r} must be an absolute path")
+    if any(c.isspace() for c in value):
+        # lxc.mount.entry and Proxmox's mpN are space- and comma-separated: the mount would break.
+        raise InventoryError(f"{host}: {name}={value!r} has whitespace, which an lxc.mount.entry cannot carry; "
+                             "choose a path without spaces")
     return PurePosixPath(value)
+
+
+# Every ct_* variable the lxc_container role reads (see its README); another is a typo that the
+# role would silently ignore (`ct_gpu:` for `ct_gpus:` gives the container no GPUs).
+CT_KEYS = frozenset({
+    "ct_vmid", "ct_name", "ct_hostname", "ct_template", "ct_rootfs_storage", "ct_rootfs_size_gb", "ct_unprivileged",
+    "ct_net0", "ct_cores", "ct_memory_mb", "ct_gpus", "ct_scratch_mount", "ct_scratch_host_path",
+    "ct_scratch_allow_rootfs_storage", "ct_scratch_allow_network_fs",
+})
+
+
+def _unknown_ct_keys(host: str, hv: dict) -> None:
+    unknown = sorted(k for k in hv if k.startswith("ct_") and k not in CT_KEYS)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], CT_KEYS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise InventoryError(f"{host}: {unknown[0]} is not a container variable{hint}; the lxc_container role reads "
+                             f"only {', '.join(sorted(CT_KEYS))}")
 
 
 # Variables the roles derive on the host itself; an inventory value could only widen access.
@@ -287,6 +310,7 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     if parent not in container_hosts:
         raise InventoryError(f"{host}: container_host={parent!r} is not a host in group container_hosts")
     phv = hosts[parent]
+    _unknown_ct_keys(host, hv)
     if phv.get("lxc_container_backend") == "proxmox":
         if "ct_vmid" not in hv:
             raise InventoryError(f"{host}: ct_vmid is missing; set the Proxmox CT id (100..999999999)")
@@ -385,8 +409,9 @@ def check(inventory_path: str, limit: str | None = None) -> None:
             raise InventoryError(f"{host}: ct_scratch_host_path={scratch} is also {other}'s, and one of the two is "
                                  "privileged: its owner is each CT's root; give each a directory of its own")
         if hosts[parent].get("lxc_container_backend") == "proxmox":
-            vmids = [hosts[h].get("ct_vmid") for h in groups.get(f"{parent}_containers", [])]
-            if vmids.count(hosts[host].get("ct_vmid")) > 1:
+            # by value: 200 and "200" are the same CT id
+            vmids = [str(hosts[h].get("ct_vmid")).strip() for h in groups.get(f"{parent}_containers", [])]
+            if vmids.count(str(hosts[host].get("ct_vmid")).strip()) > 1:
                 raise InventoryError(f"{host}: ct_vmid={hosts[host]['ct_vmid']} is used twice on {parent}")
 
 

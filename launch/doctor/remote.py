@@ -21,7 +21,7 @@ from launch.doctor.job import JobRequirements
 from launch.doctor.results import CheckResult, Status
 from launch.errors import LaunchError
 from launch.executor import make_executor, sbatch_failure
-from launch.fsutil import launch_home
+from launch.fsutil import launch_home, private_files
 from launch.jobspec import JobSpec, ResolvedJob
 from launch.slurmenv import TERMINAL_STATES, job_state, pending_words, require_cluster, run_slurm
 
@@ -95,7 +95,7 @@ def run_on_cluster(job: JobRequirements | None, lock_path: Path | None, wait_s: 
     executor = make_executor(resolved, folder, resolved.spec.scratch)
     executor.update_parameters(job_name="launch-doctor", time=DOCTOR_TIME_LIMIT_MIN, nodes=nodes, ntasks_per_node=1)
     os.environ.update(env_extra)  # submitit calls sbatch with this process's environment
-    with CancelOnSignals(env_extra) as guard:
+    with CancelOnSignals(env_extra) as guard, private_files():
         try:
             sjob = executor.submit(doctor_in_allocation, job.source and str(job.source) if job else None,
                                    job.preset if job else None, str(lock_path.resolve()) if lock_path else None)

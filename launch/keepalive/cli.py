@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_daemon(args: argparse.Namespace) -> int:
     from launch.keepalive.daemon import KeepaliveDaemon
-    from launch.keepalive.holders import build_holders
+    from launch.keepalive.holders import build_holders, node_gpus
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s launch-keepalive %(levelname)s %(message)s")
@@ -159,7 +159,8 @@ def _run_daemon(args: argparse.Namespace) -> int:
             return slurm_state.current_allocations(node_names)
 
     daemon = KeepaliveDaemon(holders, socket_path(args.socket), state_path(args.state), query,
-                             hold_timeout=hold_timeout, reconcile_interval=args.reconcile_interval)
+                             hold_timeout=hold_timeout, reconcile_interval=args.reconcile_interval,
+                             present=node_gpus(args.devices_dir)[1])
     daemon.install_signal_handlers()
     try:
         daemon.start()

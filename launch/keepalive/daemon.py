@@ -73,8 +73,12 @@ class KeepaliveDaemon:
         hold_timeout: float = 2.0,
         reconcile_interval: float = 30.0,
         allowed_uids: frozenset[int] = frozenset({0}),
+        present: set[int] | None = None,
     ) -> None:
         self.holders = holders
+        # Every GPU the node has (the holder may manage fewer): a job given another one was
+        # allocated a GPU that does not exist (gres.conf and the node disagree).
+        self.present = set(holders) if present is None else set(present) | set(holders)
         self.socket_path = socket_path
         self.state_path = state_path
         self.query_allocations = query_allocations
@@ -289,6 +293,12 @@ class KeepaliveDaemon:
     def release(self, job: str, gpus: list[int]) -> dict[str, Any]:
         """Free exactly `gpus` for `job`; return only once they are actually free."""
         t0 = time.monotonic()
+        absent = sorted({g for g in gpus if g not in self.present})
+        if absent:  # refused before anything is released: the prolog fails, Slurm drains the node
+            log.error("job %s was allocated GPU(s) %s, which this node does not have (it has %s)", job, absent,
+                      sorted(self.present))
+            return {"ok": False, "error": f"job {job} was allocated GPU(s) {absent}, which this node does not have "
+                    f"(it has {sorted(self.present)}): Slurm's gres.conf lists GPUs the node lacks"}
         mine = sorted({g for g in gpus if g in self.holders})
         unmanaged = sorted({g for g in gpus if g not in self.holders})
         with self._state_lock:

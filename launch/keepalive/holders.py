@@ -193,6 +193,15 @@ def count_cuda_gpus() -> int:
     return int(torch.cuda.device_count())
 
 
+def node_gpus(devices_dir: Path | None) -> tuple[dict[int, Path], set[int]]:
+    """The GPUs this node has: stand-in device nodes in `devices_dir` (with their paths), else
+    CUDA's count."""
+    if devices_dir is not None:
+        devices = discover_standin_gpus(devices_dir)
+        return devices, set(devices)
+    return {}, set(range(count_cuda_gpus()))
+
+
 def build_holders(
     gpus: str, devices_dir: Path | None, mem_fraction: float
 ) -> dict[int, GpuHolder]:
@@ -204,12 +213,7 @@ def build_holders(
     wanted = None if gpus == "auto" else parse_gpu_list(gpus, "--gpus", unique=True)
     if wanted == []:
         raise LaunchError(f"--gpus {gpus!r} names no GPU; give indices like 0,1, or 'auto' for all found")
-    if devices_dir is not None:
-        devices = discover_standin_gpus(devices_dir)
-        available = set(devices)
-    else:
-        devices = {}
-        available = set(range(count_cuda_gpus()))
+    devices, available = node_gpus(devices_dir)
     wanted = sorted(available) if wanted is None else wanted
     missing = [i for i in wanted if i not in available]
     if missing:

@@ -134,6 +134,11 @@ def _destination_with(files: dict[str, str]) -> Callable[[Path], None]:
     return setup
 
 
+def _other_data(tmp: Path) -> None:
+    """{tmp}/data2: the same records at another place (a different --data-dir all the same)."""
+    copy_built("stage1-synthetic", _synthetic, tmp / "data2")
+
+
 SKIPPED = r"# skipping a newer checkpoint that does not verify: "
 RESUMED_1 = rf"# resumed from \S*{STEP1} at step 1"
 EXPORT = ["export", "{tmp}/run", "--job", "stage1"]
@@ -145,11 +150,30 @@ CASES = [
     Case("checkpoint", "resume-other-codebook-sizes", [*RESUME, "--codebook-sizes", "128"],
          rf"checkpoint \S*{STEP2} was written with --codebook-sizes unset, this run has 128: resume with the same "
          "model arguments", entry="stage1", setup=broken()),
+    # refused before the model is built: seconds, not the minutes a 0.8B model takes on a CPU
+    Case("checkpoint", "resume-other-shape", [*RESUME, "--shape", "qwen35-0.8b"],
+         rf"checkpoint \S*{STEP2} was written with --shape tiny, this run has qwen35-0.8b: resume with the same model",
+         entry="stage1", setup=broken()),
     Case("checkpoint", "resume-vision-off", [*RESUME, "--vision", "off"],
          rf"checkpoint \S*{STEP2} was written with --vision on, this run has off", entry="stage1", setup=broken()),
     Case("checkpoint", "resume-other-row-len", [*RESUME, "--row-len", "64", "--steps", "3"],
          rf"(?s)# resuming with --row-len 64 where checkpoint \S*{STEP2} has 128: batches from 2 on differ.*"
          r"step 3/3 ", entry="stage1", outcome="counted", setup=broken()),
+    # ---- resume onto other data: refused unless --allow-data-change (then said)
+    Case("checkpoint", "resume-other-data-dir", [*RESUME, "--data-dir", "{tmp}/data2"],
+         rf"checkpoint \S*{STEP2} was trained with --data-dir \S+, this run has \S*data2: resume with the same data, "
+         "add --allow-data-change", entry="stage1", setup=lambda tmp: (broken()(tmp), _other_data(tmp))),
+    Case("checkpoint", "resume-other-data-dir-allowed", [*RESUME, "--data-dir", "{tmp}/data2", "--allow-data-change",
+                                                        "--steps", "3"],
+         rf"(?s)# --allow-data-change: resuming with --data-dir \S*data2 where checkpoint \S*{STEP2} has \S+: batches "
+         r"from 2 on are drawn from other data.*step 3/3 ", entry="stage1", outcome="counted",
+         setup=lambda tmp: (broken()(tmp), _other_data(tmp))),
+    Case("checkpoint", "resume-other-weights", [*RESUME, "--weights", '{"und": 1}'],
+         rf"checkpoint \S*{STEP2} was trained with --weights unset, this run has {{\"und\": 1.0}}: resume with the same",
+         entry="stage1", setup=broken()),
+    Case("checkpoint", "resume-other-asset-lengths", [*RESUME, "--asset-lengths", "8,16,16"],
+         rf"checkpoint \S*{STEP2} was trained with --asset-lengths unset, this run has 8,16,16", entry="stage1",
+         setup=broken()),
     # ---- the newest checkpoint damaged: resume from the one before, saying so
     Case("checkpoint", "newest-bit-flipped", FROM_1,
          rf"(?s){SKIPPED}\S*{STEP2}/model\.pt is corrupt .*{RESUMED_1}", entry="stage1", outcome="counted",

@@ -17,6 +17,10 @@ presets:
 """
 
 
+# A Slurm whose controller does not answer: port 9 (discard) is closed here; 1 s, not 10, per try.
+DEAD_SLURM = ("ClusterName=dead\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=9\nAuthType=auth/none\n"
+              "CredType=cred/none\nMessageTimeout=1\nNodeName=n1 NodeAddr=127.0.0.1 CPUs=1 State=UNKNOWN\n"
+              "PartitionName=p Nodes=n1 Default=YES\n")
 SPEC = "{tmp}/job.yaml"
 SUBMIT = ["submit", "fixture", "--dry-run"]
 STATE = "home/cluster/cluster.json"
@@ -62,6 +66,12 @@ CASES = [
     Case("cli", "time-day-hours", [*SUBMIT, "--time", "1-25"], r"after D- the fields are HH < 24"),
     Case("cli", "mem-negative", [*SUBMIT, "--mem-gb", "-4"], r"--mem-gb: mem_gb must be > 0"),
     Case("cli", "mem-nan", [*SUBMIT, "--mem-gb", "nan"], r"--mem-gb: mem_gb must be a number"),
+    Case("cli", "mem-tiny", [*SUBMIT, "--mem-gb", "1e-9"], r"--mem-gb: mem_gb 1e-09 is below 0.125 \(128 MB\)"),
+    Case("cli", "time-leading-space", [*SUBMIT, "--time", " 10"], r"time ' 10' has spaces around it; give '10'"),
+    Case("cli", "scratch-relative", [*SUBMIT, "--scratch", "relative/dir"], r"scratch 'relative/dir' is a relative path"),
+    Case("cli", "scratch-user-relative", [*SUBMIT, "--scratch", "$USER/x"], r"scratch '\$USER/x' is a relative path"),
+    Case("cli", "runs-dir-proc", [*SUBMIT, "--runs-dir", "/proc/self"], r"runs directory /proc/\d+ is under /proc, a kernel"),
+    Case("cli", "runs-dir-sys", [*SUBMIT, "--runs-dir", "/sys/kernel"], r"runs directory /sys/kernel is under /sys"),
     Case("cli", "partition-space", [*SUBMIT, "--partition", "a b"], r"--partition 'a b' has characters Slurm does not use"),
     Case("cli", "partition-newline", [*SUBMIT, "--partition", "gpu\n#SBATCH --wrap=x"], r"--partition 'gpu\\n#SBATCH"),
     Case("cli", "name-shell", [*SUBMIT, "--name", "a;touch x"], r"--name 'a;touch x' is not a plain identifier"),
@@ -190,6 +200,19 @@ CASES = [
     Case("cli", "status-slurm-conf-garbage", ["status", "1"], r"Slurm's clients cannot run with .*bad.conf: squeue: fatal: "
          r"Unable to process configuration file \(squeue: error: .*garbage\)",
          {"bad.conf": "garbage = = =\n"}, setup=_record_with(slurm_conf="{tmp}/bad.conf")),
+    # slurmctld not answering (a slurm.conf whose controller port is closed): said once, with what the job recorded
+    Case("cli", "status-slurm-unreachable", ["status", "1"], r"^launch: Slurm not reachable \(.*Unable to contact slurm "
+         r"controller.*\); job 1 recorded no outcome, so its state is unknown$", {"dead.conf": DEAD_SLURM},
+         setup=_record_with(slurm_conf="{tmp}/dead.conf")),
+    Case("cli", "status-slurm-unreachable-recorded", ["status", "1"], r"recorded outcome: completed at step 6 "
+         r"\(outcome.json; Slurm not asked\)\n(?s:.*)Slurm not reachable \(.*\); showing what job 1 recorded in",
+         {"dead.conf": DEAD_SLURM, "runs/1/outcome.json": '{"state": "completed", "step": 6, "error": null}'},
+         setup=_record_with(slurm_conf="{tmp}/dead.conf"), outcome="counted"),
+    Case("cli", "list-slurm-unreachable", ["list"], r"^launch: Slurm not reachable \(.*\); states marked \* are what "
+         r"the jobs recorded", {"dead.conf": DEAD_SLURM}, setup=_record_with(slurm_conf="{tmp}/dead.conf")),
+    Case("cli", "list-slurm-unreachable-recorded", ["list"], r"\n1 +fixture +- +failed\* (?s:.*)Slurm not reachable",
+         {"dead.conf": DEAD_SLURM, "runs/1/outcome.json": '{"state": "failed", "step": 2, "error": "boom"}'},
+         setup=_record_with(slurm_conf="{tmp}/dead.conf"), outcome="counted"),
     Case("cli", "logs-folder-gone", ["logs", "1"], r"job 1's folder .*runs/1 is gone \(moved or deleted\?\)", job_record=True),
     Case("cli", "logs-log-is-dir", ["logs", "1"], r"cannot read .*1_0_log.out \(Is a directory\)", job_record=True,
          setup=_job_folder_with_log_dir),
@@ -297,6 +320,9 @@ CASES = [
     Case("job-spec", "yaml-list", ["submit", SPEC, "--dry-run"], r"top level: expected a mapping, got list", spec("- a\n- b\n")),
     Case("job-spec", "yaml-huge", ["submit", SPEC, "--dry-run"], r"a job spec is at most 1024 KiB",
          spec(GOOD_SPEC + "# " + "x" * (1 << 20) + "\n")),
+    # the real size, not the 1 MiB + 1 bytes read of it
+    Case("job-spec", "yaml-huge-real-size", ["submit", SPEC, "--dry-run"],
+         r"a job spec is at most 1024 KiB, this one is 5242880 bytes \(5\.0 MiB\)", spec("#" * ((5 << 20) - 1) + "\n")),
     Case("job-spec", "spec-env-injection", ["submit", SPEC, "--dry-run"],
          r"key 'env.A;touch /tmp/pwned': environment key 'A;touch /tmp/pwned' is not a shell variable name",
          spec(GOOD_SPEC.replace('env: {A: "1"}', 'env: {"A;touch /tmp/pwned": "1"}'))),
@@ -365,6 +391,59 @@ CASES = [
          spec(GOOD_SPEC.replace("entrypoint: fixture_entry", "entrypoint: no_such_module_xyz"))),
     Case("job-spec", "spec-env-value-nul", ["submit", SPEC, "--dry-run"], r"key 'env.A': environment value of A contains a NUL",
          spec(GOOD_SPEC.replace('A: "1"', 'A: "x\\0y"'))),
+    Case("job-spec", "spec-env-hijack-ld-preload", ["submit", SPEC, "--dry-run"],
+         r"key 'env.LD_PRELOAD': environment key LD_PRELOAD chooses which code the job runs .*a job spec may not set it",
+         spec(GOOD_SPEC.replace('A: "1"', 'LD_PRELOAD: "/tmp/x"'))),
+    Case("job-spec", "spec-env-hijack-ld-audit", ["submit", SPEC, "--dry-run"],
+         r"key 'env.LD_AUDIT': environment key LD_AUDIT chooses which code the job runs .*a job spec may not set it",
+         spec(GOOD_SPEC.replace('A: "1"', 'LD_AUDIT: "/tmp/x"'))),
+    Case("job-spec", "spec-env-hijack-ld-library-path", ["submit", SPEC, "--dry-run"],
+         r"key 'env.LD_LIBRARY_PATH': environment key LD_LIBRARY_PATH chooses which code the job runs .*a job spec may not set it",
+         spec(GOOD_SPEC.replace('A: "1"', 'LD_LIBRARY_PATH: "/tmp/x"'))),
+    Case("job-spec", "spec-env-hijack-bash-env", ["submit", SPEC, "--dry-run"],
+         r"key 'env.BASH_ENV': environment key BASH_ENV chooses which code the job runs .*a job spec may not set it",
+         spec(GOOD_SPEC.replace('A: "1"', 'BASH_ENV: "/tmp/x"'))),
+    Case("job-spec", "spec-env-hijack-env", ["submit", SPEC, "--dry-run"],
+         r"key 'env.ENV': environment key ENV chooses which code the job runs .*a job spec may not set it",
+         spec(GOOD_SPEC.replace('A: "1"', 'ENV: "/tmp/x"'))),
+    Case("job-spec", "spec-env-hijack-path", ["submit", SPEC, "--dry-run"],
+         r"key 'env.PATH': environment key PATH chooses which code the job runs .*a job spec may not set it",
+         spec(GOOD_SPEC.replace('A: "1"', 'PATH: "/tmp/x"'))),
+    Case("job-spec", "spec-env-hijack-pythonpath", ["submit", SPEC, "--dry-run"],
+         r"key 'env.PYTHONPATH': environment key PYTHONPATH chooses which code the job runs .*a job spec may not set it",
+         spec(GOOD_SPEC.replace('A: "1"', 'PYTHONPATH: "/tmp/x"'))),
+    Case("job-spec", "spec-env-hijack-pythonhome", ["submit", SPEC, "--dry-run"],
+         r"key 'env.PYTHONHOME': environment key PYTHONHOME chooses which code the job runs .*a job spec may not set it",
+         spec(GOOD_SPEC.replace('A: "1"', 'PYTHONHOME: "/tmp/x"'))),
+    Case("job-spec", "spec-env-hijack-pythonstartup", ["submit", SPEC, "--dry-run"],
+         r"key 'env.PYTHONSTARTUP': environment key PYTHONSTARTUP chooses which code the job runs .*a job spec may not set it",
+         spec(GOOD_SPEC.replace('A: "1"', 'PYTHONSTARTUP: "/tmp/x"'))),
+    Case("job-spec", "spec-env-hijack-glibc-tunables", ["submit", SPEC, "--dry-run"],
+         r"key 'env.GLIBC_TUNABLES': environment key GLIBC_TUNABLES chooses which code the job runs .*a job spec may not set it",
+         spec(GOOD_SPEC.replace('A: "1"', 'GLIBC_TUNABLES: "/tmp/x"'))),
+    Case("job-spec", "spec-preset-env-hijack", ["submit", SPEC, "--dry-run"],
+         r"key 'presets.small.env.LD_PRELOAD': environment key LD_PRELOAD chooses which code",
+         spec(GOOD_SPEC.replace("{args: {sleep: 0}}", '{env: {LD_PRELOAD: "/tmp/x.so"}}'))),
+    Case("cli", "env-hijack-ld-preload", [*SUBMIT, "--env", "LD_PRELOAD=/tmp/x"],
+         r"--env LD_PRELOAD: environment key LD_PRELOAD chooses which code the job runs .*add --allow-loader-env if you mean it"),
+    Case("cli", "env-hijack-ld-audit", [*SUBMIT, "--env", "LD_AUDIT=/tmp/x"],
+         r"--env LD_AUDIT: environment key LD_AUDIT chooses which code the job runs .*add --allow-loader-env if you mean it"),
+    Case("cli", "env-hijack-ld-library-path", [*SUBMIT, "--env", "LD_LIBRARY_PATH=/tmp/x"],
+         r"--env LD_LIBRARY_PATH: environment key LD_LIBRARY_PATH chooses which code the job runs .*add --allow-loader-env if you mean it"),
+    Case("cli", "env-hijack-bash-env", [*SUBMIT, "--env", "BASH_ENV=/tmp/x"],
+         r"--env BASH_ENV: environment key BASH_ENV chooses which code the job runs .*add --allow-loader-env if you mean it"),
+    Case("cli", "env-hijack-env", [*SUBMIT, "--env", "ENV=/tmp/x"],
+         r"--env ENV: environment key ENV chooses which code the job runs .*add --allow-loader-env if you mean it"),
+    Case("cli", "env-hijack-path", [*SUBMIT, "--env", "PATH=/tmp/x"],
+         r"--env PATH: environment key PATH chooses which code the job runs .*add --allow-loader-env if you mean it"),
+    Case("cli", "env-hijack-pythonpath", [*SUBMIT, "--env", "PYTHONPATH=/tmp/x"],
+         r"--env PYTHONPATH: environment key PYTHONPATH chooses which code the job runs .*add --allow-loader-env if you mean it"),
+    Case("cli", "env-hijack-pythonhome", [*SUBMIT, "--env", "PYTHONHOME=/tmp/x"],
+         r"--env PYTHONHOME: environment key PYTHONHOME chooses which code the job runs .*add --allow-loader-env if you mean it"),
+    Case("cli", "env-hijack-pythonstartup", [*SUBMIT, "--env", "PYTHONSTARTUP=/tmp/x"],
+         r"--env PYTHONSTARTUP: environment key PYTHONSTARTUP chooses which code the job runs .*add --allow-loader-env if you mean it"),
+    Case("cli", "allow-loader-env-for-nothing", [*SUBMIT, "--env", "X=1", "--allow-loader-env"],
+         r"--allow-loader-env allows --env to set .* and no --env sets one; drop it"),
 ]
 
 

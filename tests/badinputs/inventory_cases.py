@@ -89,6 +89,12 @@ CASES = [
           rf"{CT}: ct_vmid=99 is out of range \(100\.\.999999999\)"),
     _case("vmid-word", kpro6({"ct_vmid": "two hundred", "proxmox_vmid": None}),
           rf"{CT}: ct_vmid='two hundred' is not an integer"),
+    _case("vmid-twice-int-and-string", kpro6(more={"kpro6-ct201": {"ct_vmid": "200", "proxmox_vmid": "200",
+                                                                    "ct_hostname": "trainer201", "ct_gpus": []}}),
+          r"kpro6-ct20[01]: ct_vmid='?200'? is used twice on kpro6"),
+    # ---- a typo in a variable name would be ignored by the role
+    _case("ct-key-typo", kpro6({"ct_gpu": [0, 1]}), rf"{CT}: ct_gpu is not a container variable \(did you mean ct_gpus\?\)"),
+    _case("ct-key-unknown", kpro6({"ct_swap_mb": 512}), rf"{CT}: ct_swap_mb is not a container variable; the lxc_container"),
     # ---- names and the network
     _case("hostname-space", kpro6({"ct_hostname": "trainer 200"}),
           rf"{CT}: ct_hostname='trainer 200' is not a host name \(letters, digits and '-'"),
@@ -121,6 +127,14 @@ CASES = [
           rf"{CT}: node_caches_root is on nfs4, a network file system"),
     _case("scratch-mounted-over-root", kpro6({"ct_scratch_mount": "/", "node_caches_root": "/cache"}),
           rf"{CT}: ct_scratch_mount=/ would cover the container's own /"),
+    _case("scratch-mount-space", kpro6({"ct_scratch_mount": "/scratch dir"}),
+          rf"{CT}: ct_scratch_mount='/scratch dir' has whitespace, which an lxc.mount.entry cannot carry"),
+    _case("scratch-host-path-space", kpro6({"ct_scratch_host_path": "/nvme/ct 200"}),
+          rf"{CT}: ct_scratch_host_path='/nvme/ct 200' has whitespace"),
+    _case("scratch-host-path-tab", kpro6({"ct_scratch_host_path": "/nvme/ct\t200"}),
+          rf"{CT}: ct_scratch_host_path='/nvme/ct\\t200' has whitespace"),
+    _case("host-scratch-path-space", kpro6(host={"gpu_host_scratch_path": "/nvme/my scratch"}),
+          r"kpro6: gpu_host_scratch_path='/nvme/my scratch' has whitespace"),
     # ---- backends and required keys
     _case("backend-unknown", kpro6(host={"lxc_container_backend": "docker"}),
           r"kpro6: lxc_container_backend='docker'; set it to one of proxmox, lxc"),

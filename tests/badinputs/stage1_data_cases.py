@@ -110,6 +110,16 @@ def one_good_and(task: str, key: str, name: str, content: bytes | Callable[[Path
     return mutate
 
 
+def one_good_linked(task: str, key: str, name: str, target: str) -> Callable[[Path], None]:
+    """As one_good_and, with the bad record's file a symlink to `target`."""
+    def mutate(d: Path) -> None:
+        one_good_and(task, key, name, None)(d)
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).symlink_to(target)
+
+    return mutate
+
+
 def npz(**arrays: object) -> bytes:
     buf = io.BytesIO()
     np.savez(buf, **arrays)  # type: ignore[arg-type]
@@ -207,7 +217,7 @@ def _data_is_file(tmp: Path) -> None:
 
 def _all_bad(d: Path) -> None:
     for task in ("gen_img", "gen_txt", "und", "replay_img", "replay_text"):
-        every_line(task, b"\xff\xfe not json \x80")(d)
+        every_line(task, b"{ not json ,")(d)
 
 
 UND_LINE = "und.jsonl:2"
@@ -230,8 +240,15 @@ CASES = [
     Case("stage1-data", "num-workers-negative", [*RUN, "--num-workers", "-1"], r"--num-workers must be >= 0, got -1",
          entry="stage1"),
     # ---- manifest lines: counted below --max-bad-fraction, refused above
-    Case("stage1-data", "jsonl-not-utf8-counted", COUNTED, r"malformed record: \S*und\.jsonl:10: invalid JSON",
+    Case("stage1-data", "jsonl-not-utf8-counted", COUNTED, r"malformed record: \S*und\.jsonl:10: not UTF-8 \(byte 0xff at column 1\)",
          entry="stage1", outcome="counted", setup=data(append_line("und", b"\xff\xfe{\"id\": \x80}"))),
+    # a byte that is not UTF-8 inside the text: a malformed record (file:line), never U+FFFD trained on
+    Case("stage1-data", "text-not-utf8-counted", COUNTED,
+         r"malformed record: \S*replay_text\.jsonl:5: not UTF-8 \(byte 0xe9 at column 25\)", entry="stage1",
+         outcome="counted", setup=data(append_line("replay_text", b'{"id": "x", "text": "caf\xe9 au lait"}'))),
+    Case("stage1-data", "text-not-utf8-refused", STRICT,
+         r"1 of \d+ records malformed .*first: \S*replay_text\.jsonl:5: not UTF-8 \(byte 0xe9", entry="stage1",
+         setup=data(append_line("replay_text", b'{"id": "x", "text": "caf\xe9 au lait"}'))),
     Case("stage1-data", "jsonl-garbage-refused", [*RUN], r"of \d+ records malformed .*first: \S*gen_img\.jsonl:1: invalid JSON",
          entry="stage1", setup=data(_all_bad)),
     Case("stage1-data", "record-missing-keys-counted", COUNTED,
@@ -254,6 +271,18 @@ CASES = [
     # ---- 3D asset files (sampled: one good record and the bad one)
     Case("stage1-data", "asset-missing-file", [*COUNTED, *UND], rf"malformed record: \S*{UND_LINE}: unreadable 3D token file",
          entry="stage1", outcome="counted", setup=data(one_good_and("und", "tokens3d", "tokens3d/nope.npz", None))),
+    # symlinks: a manifest reads only the data it ships, and a loop is named, not followed forever
+    Case("stage1-data", "asset-symlink-out-counted", [*COUNTED, *UND],
+         rf"malformed record: \S*{UND_LINE}: tokens3d 'tokens3d/out.npz': \S*out\.npz is a symlink out of the data "
+         r"directory \(to /etc/hostname\)", entry="stage1", outcome="counted",
+         setup=data(one_good_linked("und", "tokens3d", "tokens3d/out.npz", "/etc/hostname"))),
+    Case("stage1-data", "asset-symlink-loop-refused", [*STRICT, *UND],
+         rf"records malformed .*first: \S*{UND_LINE}: tokens3d 'tokens3d/loop.npz': \S*loop\.npz is a symlink loop",
+         entry="stage1", setup=data(one_good_linked("und", "tokens3d", "tokens3d/loop.npz", "loop.npz"))),
+    Case("stage1-data", "image-symlink-out-refused", [*STRICT, *IMG],
+         r"records malformed .*first: \S*replay_img\.jsonl:2: image 'images/out.png': \S*out\.png is a symlink out "
+         r"of the data directory", entry="stage1",
+         setup=data(one_good_linked("replay_img", "image", "images/out.png", "/etc/hostname"))),
     Case("stage1-data", "asset-npz-corrupt-counted", [*COUNTED, *UND],
          rf"malformed record: \S*{UND_LINE}: unreadable 3D token file \S*bad\.npz", entry="stage1", outcome="counted",
          setup=data(one_good_and("und", "tokens3d", "tokens3d/bad.npz", b"PK\x03\x04 garbage, not a zip"))),

@@ -11,14 +11,19 @@ only after that rename. On load every file is checked against the manifest, so a
 altered file is reported (one line, naming it) instead of being trained from. Resume takes the
 newest checkpoint that verifies, whatever `latest` says (a missing or dangling pointer loses
 nothing); each manifest names its lineage, and pruning deletes only the run's own lineage.
+A newer checkpoint that does not verify is moved aside on resume (`step_00000006.damaged-<time>`,
+its files untouched, for whoever wants to recover them), so the resumed run never writes over
+it nor prunes it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -91,28 +96,61 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         barrier()
-        write(tmp)
+        try:
+            write(tmp)
+        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+            raise self._write_failed(name, tmp, exc) from exc
         barrier()
         if is_main:
-            files = {}
-            for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                fsync_path(path)
-                files[str(path.relative_to(tmp))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-            manifest = {"step": step, "lineage": self.lineage, "files": files}
-            atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
-            for sub in sorted({p for p in tmp.rglob("*") if p.is_dir()}, reverse=True):
-                fsync_path(sub)
-            if final.exists():
-                if _lineage(final) == self.lineage:  # same step saved again (final save after a periodic one)
-                    shutil.rmtree(final)
-                else:  # not ours (another run's, or damaged): kept under another name
-                    aside = _free_name(final, "replaced")
-                    os.replace(final, aside)
-                    self.report(f"# {final.name} was not written by this run; kept as {aside.name}")
-            os.replace(tmp, final)
-            fsync_path(self.root)
-            atomic_write_text(self.root / LATEST, name + "\n")
-            self._prune(keep_name=name)
+            try:
+                return self._commit(step, name, tmp, final, barrier)
+            except OSError as exc:
+                raise self._write_failed(name, tmp, exc) from exc
+        barrier()
+        return final
+
+    def _write_failed(self, name: str, tmp: Path, exc: BaseException) -> BaseException:
+        """A full (or failing) disk while a checkpoint is written: the partial one goes (it is
+        never read, and its space lets outcome.json be written), the earlier ones stay."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            st = os.statvfs(self.root)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = -1
+        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or 0 <= free < (1 << 20)
+        if not full and not isinstance(exc, OSError):
+            return exc  # not a storage problem: the trainer's own error, unchanged
+        kept = [p.name for p in self.step_dirs()]
+        why = os.strerror(errno.ENOSPC) if full else (getattr(exc, "strerror", None) or str(exc))
+        room = f"{free >> 20} MiB" if free >= 1 << 20 else f"{max(free, 0) >> 10} KiB"
+        return CheckpointError(f"cannot write checkpoint {name} in {self.root}: {why} ({room} free); "
+                               f"nothing else was touched (checkpoints kept: {', '.join(kept) or 'none'})")
+
+    def _commit(self, step: int, name: str, tmp: Path, final: Path, barrier: Callable[[], None]) -> Path:
+        """The main rank: manifest, fsync, rename, `latest`, prune."""
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            fsync_path(path)
+            files[str(path.relative_to(tmp))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        manifest = {"step": step, "lineage": self.lineage, "files": files}
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        for sub in sorted({p for p in tmp.rglob("*") if p.is_dir()}, reverse=True):
+            fsync_path(sub)
+        if final.exists():
+            if _lineage(final) == self.lineage and _verifies(final):
+                shutil.rmtree(final)  # same step saved again (final save after a periodic one)
+            elif _lineage(final) == self.lineage:  # ours but damaged: kept, as on resume
+                aside = self._set_aside(final)
+                self.report(f"# {final.name} does not verify; kept as {aside}")
+            else:  # not ours (another run's, or damaged): kept under another name
+                aside = _free_name(final, "replaced")
+                os.replace(final, aside)
+                self.report(f"# {final.name} was not written by this run; kept as {aside.name}")
+        os.replace(tmp, final)
+        fsync_path(self.root)
+        atomic_write_text(self.root / LATEST, name + "\n")
+        self._prune(keep_name=name)
         barrier()
         return final
 
@@ -125,6 +163,16 @@ class CheckpointManager:
     def step_dirs(self) -> list[Path]:
         """Checkpoint directories, oldest step first."""
         return sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+    def _set_aside(self, path: Path) -> Path:
+        base = f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside, n = path.with_name(base), 1
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"{base}-{n}")
+        os.replace(path, aside)
+        fsync_path(self.root)
+        return aside
 
     def latest(self) -> Path | None:
         """The newest checkpoint that verifies, whatever `latest` says; None when there is none at all.
@@ -155,11 +203,23 @@ class CheckpointManager:
                                   "(--restart starts over and keeps them aside)")
         return None
 
-    def resume(self) -> Path | None:
-        """latest(), and continue its lineage."""
+    def resume(self, is_main: bool = True) -> Path | None:
+        """latest(), and continue its lineage. The main rank moves every newer checkpoint that
+        does not verify aside (never deleted: the run would otherwise write its step anew over
+        it) and says where it went."""
         path = self.latest()
         if path is not None:
             self.lineage = _lineage(path) or self.lineage
+            if is_main:
+                for damaged in [d for d in self.step_dirs() if d.name > path.name]:
+                    try:
+                        verify(damaged)
+                        continue  # appeared since latest() looked (another writer): not ours to move
+                    except CheckpointError as exc:
+                        why = str(exc)
+                    aside = self._set_aside(damaged)
+                    self.report(f"# {damaged.name} does not verify ({why.split(';')[0]}); moved to {aside} "
+                                f"(kept, never overwritten); resuming from {path.name}")
         return path
 
     def restart(self) -> Path | None:
@@ -183,6 +243,14 @@ def _free_name(path: Path, why: str) -> Path:
     while (candidate := path.with_name(f"{path.name}.{why}-{n}")).exists():
         n += 1
     return candidate
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        verify(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def verify(path: Path) -> dict[str, Any]:

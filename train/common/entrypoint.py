@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -40,4 +41,11 @@ def run_entrypoint(name: str, argv: Sequence[str] | None, *, parse: Callable[[li
         return 128 + exc.signum
     except (*COMMON_RUN_ERRORS, *run_errors) as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f"cannot write {exc.filename}" if exc.filename else "a write failed"
+        print(f"{name}: error: {where}: {exc.strerror}; the checkpoints written before are kept: free space and run "
+              "the same command again, it resumes from the newest", file=sys.stderr)
         return 1

@@ -9,11 +9,13 @@ same file; readers keep the last record of each step. The trainer's schema
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import resource
 import sys
+import threading
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -56,6 +58,22 @@ def require_sink(module: str) -> None:
         raise ConfigError(f"{flag} needs the {module} package, which is not installed here ({how})") from None
 
 
+def _quiet_full_disk_in_threads() -> None:
+    """TensorBoard writes from a thread of its own: a full disk there would print a traceback
+    of that thread, while the main thread's write (or TensorBoard's own flush) raises the same
+    error and the trainer says it in one line. Other thread errors print as before."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_full_disk", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and args.exc_value.errno in (errno.ENOSPC, errno.EDQUOT):
+            return
+        previous(args)
+
+    hook.quiet_full_disk = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
 class MetricsLogger:
     def __init__(
         self,
@@ -86,7 +104,11 @@ class MetricsLogger:
             require_sink("tensorboard")
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(out_dir) / "tb"))
+            _quiet_full_disk_in_threads()
+            try:
+                self._tb = SummaryWriter(str(Path(out_dir) / "tb"))
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(Path(out_dir) / "tb")) from exc
         if wandb_project:
             require_sink("wandb")
             import wandb
@@ -106,8 +128,7 @@ class MetricsLogger:
         if "mfu_convention" in info:
             self.print(f"# {info['mfu_convention']}")
         if self._file:
-            self._file.write(json.dumps({"event": "header", **info}) + "\n")
-            self._file.flush()
+            self._write(json.dumps({"event": "header", **info}))
 
     def log_step(self, record: dict[str, Any]) -> None:
         """One step: the schema's fields (absent ones null in the jsonl); extra keys pass through."""
@@ -116,8 +137,7 @@ class MetricsLogger:
         record = {**dict.fromkeys(self.schema.fields), **record}
         self.print(step_line(self.schema, record, self.tasks))
         assert self._file is not None
-        self._file.write(json.dumps({"event": "step", **_finite_or_none(record)}) + "\n")
-        self._file.flush()
+        self._write(json.dumps({"event": "step", **_finite_or_none(record)}))
         scalars = {k: v for k, v in record.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
         scalars.update({f"task_loss/{t}": v for t, v in (record.get("task_loss") or {}).items()})
@@ -130,12 +150,22 @@ class MetricsLogger:
     def event(self, name: str, **fields: Any) -> None:
         """A non-step record (e.g. a skipped non-finite step), kept in the jsonl."""
         if self._file:
-            self._file.write(json.dumps({"event": name, **_finite_or_none(fields)}) + "\n")
+            self._write(json.dumps({"event": name, **_finite_or_none(fields)}))
+
+    def _write(self, line: str) -> None:
+        assert self._file is not None
+        try:
+            self._file.write(line + "\n")
             self._file.flush()
+        except OSError as exc:  # a full disk: named, so the one-line error says which file
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def close(self) -> None:
         if self._file:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass  # the failed write was already raised (and said); the lines before it are whole
             self._file = None
         if self._tb is not None:
             self._tb.close()

@@ -132,7 +132,7 @@ class Runtime:
                 if aside is not None:
                     self.print(f"# --restart: the earlier checkpoints are kept in {aside}")
             self.barrier()
-        latest = self.ckpts.resume()
+        latest = self.ckpts.resume(is_main=self.dist.is_main)
         self.last_checkpoint = latest
         self.barrier()  # every rank has found its start before any rank may write a newer checkpoint
         return self.ckpts, latest

@@ -133,12 +133,16 @@ def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -
             continue
         if not path.is_file():
             raise DataError(f"{path} is not a file")
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                if not raw.strip():
                     continue
                 man.total_lines += 1
                 try:
+                    try:  # strict: a byte that is not UTF-8 is a malformed record, never U+FFFD trained on
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as exc:
+                        raise MalformedRecord(f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as exc:
@@ -178,6 +182,19 @@ def load_asset(path: Path, codebooks: CodebookConfig) -> tuple[np.ndarray, np.nd
     return arrays["ss"], arrays["shape"], arrays["tex"]
 
 
+def data_path(root: Path, rec: dict[str, Any], key: str) -> Path:
+    """The file a record's `key` names, after following symlinks: MalformedRecord when a link
+    loops or leads out of the data directory (a manifest may only read the data it ships)."""
+    path = root / rec[key]
+    try:
+        real = path.resolve()
+    except (RuntimeError, OSError) as exc:  # RuntimeError: Python < 3.13's "Symlink loop"
+        raise MalformedRecord(f"{key} {rec[key]!r}: {path} is a symlink loop ({exc})") from None
+    if not real.is_relative_to(root.resolve()):
+        raise MalformedRecord(f"{key} {rec[key]!r}: {path} is a symlink out of the data directory (to {real})")
+    return path
+
+
 def tokenize_record(tok: Stage1Tokenizer, root: Path, task: str, rec: dict[str, Any]) -> Document:
     """One document (tokens, task, images); MalformedRecord if a referenced file is missing or bad."""
     head = [*tok.bos_ids, tok.task_token(task)]
@@ -185,7 +202,7 @@ def tokenize_record(tok: Stage1Tokenizer, root: Path, task: str, rec: dict[str, 
     ids = tok.vision_ids
 
     def image() -> list[int]:
-        path = root / rec["image"]
+        path = data_path(root, rec, "image")
         try:
             if tok.encoder is None:
                 return [ids["vision_start_token_id"], *tok.image_standin(path), ids["vision_end_token_id"]]
@@ -196,7 +213,7 @@ def tokenize_record(tok: Stage1Tokenizer, root: Path, task: str, rec: dict[str, 
         return [ids["vision_start_token_id"], *[ids["image_token_id"]] * img.n_tokens, ids["vision_end_token_id"]]
 
     def codes() -> list[int]:
-        return tok.codes3d(*load_asset(root / rec["tokens3d"], tok.codebooks))
+        return tok.codes3d(*load_asset(data_path(root, rec, "tokens3d"), tok.codebooks))
 
     # The image, when there is one, comes first in the body: its span starts after the head.
     body = {

@@ -20,6 +20,8 @@ known to its tokenizer (one-line :class:`TokenizerError`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,16 @@ class Stage1Tokenizer:
     @property
     def codebooks(self) -> CodebookConfig:
         return self.vocab.config
+
+    @property
+    def fingerprint(self) -> str:
+        """What the token ids mean, as a short hash (a resume compares it): the base vocabulary
+        (the byte stand-in's layout, or the checkpoint tokenizer's token -> id map) and the
+        3D/special tokens' ids."""
+        hf = getattr(self, "hf", None)
+        base = sorted(hf.get_vocab().items()) if hf is not None else [type(self).__name__, self.vocab.base_vocab]
+        text = json.dumps([base, sorted(self.vocab.special_ids.items())], separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
     def can_tokenize_images(self) -> bool:

@@ -24,7 +24,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,9 @@ class Stage1Config:
     restart: bool = opt(False, help="start from step 0: existing checkpoints are moved aside, never deleted")
     max_bad_steps: int = opt(0, help="non-finite steps to skip (update dropped) before the run stops")
     allow_slow_path: bool = opt(False, help="train on GPU without the fast kernels (loud)")
+    allow_data_change: bool = opt(False, help="resume although the data differs from the checkpoint's (another "
+                                  "--data-dir, --weights, --asset-lengths or tokenizer): the batches from the "
+                                  "resumed step on are then not the original run's")
     deepspeed: str = opt("auto", choices=("auto", "on", "off"),
                          help="ZeRO-2; auto: on several CUDA ranks, plain torch otherwise")
     deepspeed_config: str | dict[str, Any] | None = opt(None, help="DeepSpeed config json (default: ZeRO-2)")
@@ -324,6 +327,7 @@ class Stage1Run:
     vision_config: Any = None  # the tower's config (its FLOPs count in MFU); None: text-only
     first_loss: float | None = None
     last_loss: float | None = None
+    source: dict[str, Any] = field(default_factory=dict)  # data_source(): what the batches are drawn from
 
 
 def train(cfg: Stage1Config) -> int:
@@ -366,6 +370,11 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         rt.print(f"# generated synthetic data in {data_dir}: {counts}")
     rt.barrier()
     check_data_dir(data_dir)  # before the model is built: a wrong --data-dir fails in a second
+    # The checkpoint to resume from, and whether it is of this model, before the model is built:
+    # another --shape is one line in a second, not after building (say) a 2B model.
+    _, latest = rt.checkpoints(cfg.keep_checkpoints, restart=cfg.restart)
+    if latest is not None:
+        check_model_args(latest, _trainer_state(latest, rt.dist).get("config") or {}, cfg)
     if cfg.deepspeed_config:  # read at setup (not at submit: the file may exist only where the job runs)
         deepspeed_config(cfg, rt.device)
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
@@ -389,10 +398,10 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     packing = resolve_layout(cfg.packing, rt.device.type)
     loss_impl = select_loss_impl(rt.device, cfg.loss_impl)
     stepper = make_stepper(CausalLMObjective(model, loss_impl), model, cfg, rt.device, rt.dist, ds)
-    _, latest = rt.checkpoints(cfg.keep_checkpoints, restart=cfg.restart)
     data_state: dict[str, Any] = {"next_batch": 0}
+    source = data_source(cfg, data_dir, tok)
     if latest is not None:
-        rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist, report=rt.print)
+        rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist, report=rt.print, source=source)
         rt.print(f"# resumed from {latest} at step {rt.step}, next batch {data_state['next_batch']}")
     if rt.dist.is_main:  # after the resume: a run refused over others' checkpoints leaves their files alone
         write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
@@ -419,7 +428,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         rt.print(f"# {line}")
     model.train()
     return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), ProgressWatch(cfg.steps, rt.device),
-                     flops_per_token, peak, vision_config=vision_config(model))
+                     flops_per_token, peak, vision_config=vision_config(model), source=source)
 
 
 STEP_LINE_LEGEND = ("step line: step n/N, loss (per task: gi gen_img, gt gen_txt, un und, ri replay_img, "
@@ -558,7 +567,8 @@ def model_info(cfg: Stage1Config, spec: Any, tok: Any) -> dict[str, Any]:
 
 def save_checkpoint(run: Stage1Run, rt: Runtime) -> None:
     def write(tmp: Path) -> None:
-        trainer = {"step": rt.step, "data": run.data.state_dict(), "rng": rng_state(), "config": asdict(run.cfg)}
+        trainer = {"step": rt.step, "data": run.data.state_dict(), "rng": rng_state(), "config": asdict(run.cfg),
+                   "source": run.source}
         torch.save(trainer, tmp / f"trainer_rank{rt.dist.rank:05d}.pt")
         run.stepper.save(tmp, rt.dist.is_main)
 
@@ -568,7 +578,16 @@ def save_checkpoint(run: Stage1Run, rt: Runtime) -> None:
 # What the model is made of (a change cannot resume) and what the batches are made of (a change
 # resumes, but batch k is then not the batch k of the original run: said in one line).
 MODEL_ARGS = ("shape", "vision", "codebook_sizes")
-DATA_ARGS = ("row_len", "batch_rows", "seed", "weights", "packing", "asset_lengths")
+DATA_ARGS = ("row_len", "batch_rows", "seed", "packing")
+# What the batches are drawn from: a change resumes only with --allow-data-change (a model trained
+# on one dataset and continued on another without a word is a silent mistake).
+SOURCE_FLAGS = {"data_dir": "--data-dir", "weights": "--weights", "asset_lengths": "--asset-lengths",
+                "tokenizer": "the tokenizer"}
+
+
+def data_source(cfg: Stage1Config, data_dir: Path, tok: Any) -> dict[str, Any]:
+    return {"data_dir": str(data_dir.resolve()), "weights": cfg.weights, "asset_lengths": cfg.asset_lengths,
+            "tokenizer": tok.fingerprint}
 
 
 def _shown(value: Any) -> str:
@@ -580,23 +599,51 @@ def _shown(value: Any) -> str:
     return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
-def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: DistInfo,
-                    report: Callable[[str], None] = print) -> tuple[int, dict[str, Any]]:
+def _check_source(path: Path, saved: dict[str, Any], source: dict[str, Any], allow: bool, next_batch: int,
+                  report: Callable[[str], None]) -> None:
+    for key, flag in SOURCE_FLAGS.items():
+        if key not in saved or key not in source or saved[key] == source[key]:
+            continue
+        was, now = _shown(saved[key]), _shown(source[key])
+        if not allow:
+            raise CheckpointError(f"checkpoint {path} was trained with {flag} {was}, this run has {now}: resume with the "
+                                  "same data, add --allow-data-change to continue on this data, or use a new --out "
+                                  "or --restart")
+        report(f"# --allow-data-change: resuming with {flag} {now} where checkpoint {path} has {was}: batches from "
+               f"{next_batch} on are drawn from other data than the original run's")
+
+
+def _trainer_state(path: Path, dist_info: DistInfo) -> dict[str, Any]:
     trainer_file = path / f"trainer_rank{dist_info.rank:05d}.pt"
     if not trainer_file.is_file():
         raise CheckpointError(f"{trainer_file} is missing: checkpoint {path} was written by a different world size")
-    trainer = torch.load(trainer_file, weights_only=False)
-    saved = trainer.get("config") or {}
-    for key in MODEL_ARGS:  # other shape changes: Stepper.load names the first mismatch
+    return torch.load(trainer_file, weights_only=False)
+
+
+def check_model_args(path: Path, saved: dict[str, Any], cfg: Stage1Config) -> None:
+    """One line naming both values when the checkpoint is of another model (other shape
+    changes: Stepper.load names the first mismatching tensor and both sizes)."""
+    for key in MODEL_ARGS:
         if key in saved and saved[key] != getattr(cfg, key):
             raise CheckpointError(f"checkpoint {path} was written with --{key.replace('_', '-')} {_shown(saved[key])}, "
                                   f"this run has {_shown(getattr(cfg, key))}: resume with the same model arguments, "
                                   "or use a new --out or --restart")
+
+
+def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: DistInfo,
+                    report: Callable[[str], None] = print,
+                    source: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    trainer = _trainer_state(path, dist_info)
+    saved = trainer.get("config") or {}
+    check_model_args(path, saved, cfg)
     for key in DATA_ARGS:
         if key in saved and saved[key] != getattr(cfg, key):
             report(f"# resuming with --{key.replace('_', '-')} {_shown(getattr(cfg, key))} where checkpoint {path} has "
                    f"{_shown(saved[key])}: batches from {trainer['data']['next_batch']} on differ from the original "
                    "run's")
+    # A checkpoint from before "source" was recorded: its config's flags stand in (no tokenizer).
+    saved_source = trainer.get("source") or {k: saved[k] for k in ("weights", "asset_lengths") if k in saved}
+    _check_source(path, saved_source, source or {}, cfg.allow_data_change, trainer["data"]["next_batch"], report)
     stepper.load(path)
     set_rng_state(trainer["rng"])
     return int(trainer["step"]), trainer["data"]
