@@ -216,7 +216,9 @@ def too_big_advice(spec: JobSpec, job: ResolvedJob, cluster: feasibility.Cluster
     (DFlash online k-1: check_tasks) cannot ask for fewer GPUs; the embedded cluster can be
     restarted bigger (its GPUs on CPU are only a task count)."""
     try:
-        fixed = entry_task_check(spec.entrypoint) is not None
+        # A check_tasks may only vet the arguments (stage-1's image tasks); the task count is fixed
+        # only where the entrypoint says so (DFlash's k-1 topology).
+        fixed = bool(getattr(entry_task_check(spec.entrypoint), "fixes_task_count", False))
     except ImportError:
         fixed = False
     hint = feasibility.embedded_up_hint(job.resources, cluster) if is_embedded(env_extra) else None

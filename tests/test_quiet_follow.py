@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,10 @@ def test_follow_of_tiny_stage1_is_short_before_the_first_step(slurm_cluster, tmp
     assert any(ln.strip().startswith("loss ") and "->" in ln for ln in lines)
     tail = run_launch(["logs", job, "--tail", "3", "--stderr"], env).stdout
     out_tail = run_launch(["logs", job, "--tail", "3"], env).stdout.split("<==\n")[1].splitlines()[:3]
-    assert [ln.split("|")[0].split()[:2] for ln in out_tail] == [["step", "1"], ["step", "2"], ["step", "3"]], out_tail
+    assert [ln.split()[:2] for ln in out_tail] == [["step", "1/3"], ["step", "2/3"], ["step", "3/3"]], out_tail
+    # every step line of the follow: at most 120 characters, `step n/N` and an ETA
+    step_lines = [ln for ln in lines if ln.startswith("step ")]
+    assert len(step_lines) == 3 and all(len(ln) <= 120 and re.search(r" eta \S+", ln) for ln in step_lines), step_lines
     assert "submitit INFO" not in tail
     verbose = run_launch(["logs", job, "--verbose"], env).stdout
     assert "submitit INFO" in verbose and "# done: " in verbose

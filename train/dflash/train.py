@@ -329,6 +329,11 @@ def check_tasks(cfg: DFlashConfig, tasks: int) -> None:
     check_layout(cfg, tasks)
 
 
+# The topology fixes the job's task count (k targets + 1 drafter, or 1 offline): the launcher's
+# advice for a request too big for the cluster is then a smaller preset, never fewer GPUs.
+check_tasks.fixes_task_count = True  # type: ignore[attr-defined]
+
+
 def check_layout(cfg: DFlashConfig, world: int) -> int:
     """The number of target ranks (0 offline); the job's task count (`world`) must fit the topology."""
     if cfg.mode != "online":
