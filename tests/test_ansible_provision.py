@@ -1043,3 +1043,17 @@ def test_zz_munge_key_never_in_output_or_the_process_table(provisioned: Provisio
     assert key[:40] not in proc.stdout + proc.stderr
     assert seen == [], f"the munge key was visible in /proc: {seen}"
     assert provisioned.attach("base64 -w0 /etc/munge/munge.key").stdout == key
+
+
+def test_the_inventory_checks_ct_keys_are_exactly_the_ones_the_roles_read() -> None:
+    """The unknown-`ct_*` refusal (a `ct_gpu:` typo) must know every key a role reads: a new one
+    missing from the check's list would refuse every inventory that sets it."""
+    sys.path.insert(0, str(ANSIBLE_DIR / "tools"))
+    try:
+        import check_inventory
+    finally:
+        sys.path.pop(0)
+    read = set()
+    for path in [*(ANSIBLE_DIR / "roles").rglob("*.yml"), *(ANSIBLE_DIR / "roles").rglob("*.j2")]:
+        read |= set(re.findall(r"\bct_[a-z0-9_]+", path.read_text()))
+    assert read == set(check_inventory.CT_KEYS), sorted(read ^ set(check_inventory.CT_KEYS))

@@ -196,7 +196,7 @@ def _abs_path(host: str, name: str, value: object) -> PurePosixPath:
 # role would silently ignore (`ct_gpu:` for `ct_gpus:` gives the container no GPUs).
 CT_KEYS = frozenset({
     "ct_vmid", "ct_name", "ct_hostname", "ct_template", "ct_rootfs_storage", "ct_rootfs_size_gb", "ct_unprivileged",
-    "ct_net0", "ct_cores", "ct_memory_mb", "ct_gpus", "ct_scratch_mount", "ct_scratch_host_path",
+    "ct_net0", "ct_cores", "ct_memory_mb", "ct_gpus", "ct_scratch_mount", "ct_scratch_host_path", "ct_scratch_mode",
     "ct_scratch_allow_rootfs_storage", "ct_scratch_allow_network_fs",
 })
 
