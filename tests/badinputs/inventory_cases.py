@@ -148,7 +148,8 @@ CASES = [
     _case("yaml-syntax-error", {"inventory.yml": KPRO6_TEXT.replace("ct_cores: 64", "ct_cores: [64")},
           r"inventory\.yml: line \d+: not valid YAML"),
     _case("not-utf8", {"inventory.yml": KPRO6_TEXT.encode().replace(b"trainer200", b"trainer\xff200")},
-          r"inventory\.yml: line 39: not UTF-8 \(byte 0xff\); save the file as UTF-8"),
+          rf"inventory\.yml: line {KPRO6_TEXT[:KPRO6_TEXT.index('trainer200')].count(chr(10)) + 1}: not UTF-8 "
+          r"\(byte 0xff\); save the file as UTF-8"),
     _case("duplicate-key", {"inventory.yml": KPRO6_TEXT.replace("              ct_cores: 64\n",
                                                                 "              ct_cores: 64\n              ct_cores: 2\n")},
           r"inventory\.yml: line \d+: key 'ct_cores' is given twice \(lines \d+ and \d+\); keep one"),
