@@ -14,11 +14,12 @@ TORCH_SPEC ?= torch==2.13.0
 DEB_PACKAGES := slurm-wlm slurmdbd slurm-client munge mariadb-server mariadb-client \
                 lxc debootstrap zstd xz-utils rsync gcc python3-dev iproute2 procps
 
-.PHONY: help demo test lint deps deps-system venv cluster-up cluster-down sample-data bench-submit clean
+.PHONY: help demo test test-fast lint deps deps-system venv cluster-up cluster-down sample-data bench-submit clean
 
 help:
 	@echo "make demo    - embedded Slurm cluster + 'launch submit stage1 --preset tiny --follow'"
 	@echo "make test    - the test suite (real Slurm, real LXC where available)"
+	@echo "make test-fast - unit tests only: no cluster, no container (a few minutes)"
 	@echo "make lint    - ruff"
 	@echo "make deps    - Debian packages (as root) + .venv"
 
@@ -47,6 +48,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The tiers come from markers that tests/tiers.py sets from the fixtures a test uses.
+test-fast: venv
+	$(PY) -m pytest -q -m "not slurm and not lxc" $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check launch train toolkit tests bench images

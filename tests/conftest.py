@@ -20,6 +20,8 @@ from launch.cluster.embedded import EmbeddedCluster
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_FIXTURES = Path(__file__).with_name("jobfixtures")
+# Tiers (slurm/lxc markers set from the fixtures a test uses) and the per-file progress lines.
+pytest_plugins = ["tests.tiers"]
 
 
 @pytest.fixture(scope="module")
