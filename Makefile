@@ -19,7 +19,7 @@ DEB_PACKAGES := slurm-wlm slurmdbd slurm-client munge mariadb-server mariadb-cli
 help:
 	@echo "make demo    - embedded Slurm cluster + 'launch submit stage1 --preset tiny --follow'"
 	@echo "make test    - the test suite (real Slurm, real LXC where available)"
-	@echo "make test-fast - unit tests only: no cluster, no container (a few minutes)"
+	@echo "make test-fast - unit tests only: no cluster, container or Ansible play (<= 5 min)"
 	@echo "make lint    - ruff"
 	@echo "make deps    - Debian packages (as root) + .venv"
 
@@ -51,7 +51,7 @@ test: deps
 
 # The tiers come from markers that tests/tiers.py sets from the fixtures a test uses.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slurm and not lxc" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slurm and not lxc and not ansible" $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check launch train toolkit tests bench images

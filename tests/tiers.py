@@ -1,13 +1,16 @@
 """Test tiers and progress output (a pytest plugin, loaded by tests/conftest.py).
 
-Tiers: `make test-fast` runs `-m "not slurm and not lxc"` (unit tests: no cluster, no
-container); `make test` runs everything. A test gets its tier without anyone remembering:
+Tiers: `make test-fast` runs `-m "not slurm and not lxc and not ansible"` (unit tests: no
+cluster, no container, no whole Ansible play); `make test` runs everything. A test gets its tier
+without anyone remembering:
 
 - at collection, a test that uses a fixture of TIER_FIXTURES (directly or through another
-  fixture, such as launch_env) is marked with its tier;
-- at run time, a test that starts an embedded Slurm cluster or an LXC container (or builds a
-  rootfs with debootstrap) without its marker fails with one line that says which marker to add,
-  so the fast tier can never start a cluster or a container by accident.
+  fixture, such as launch_env) is marked with its tier; a test whose code, or the code of a
+  fixture it uses, calls a PLAY_RUNNERS function (or a helper of its module that does) is marked
+  `ansible`, unless it is `lxc` already;
+- at run time, a test that starts an embedded Slurm cluster, an LXC container (or builds a
+  rootfs with debootstrap) or an ansible-playbook play without its marker fails with one line
+  that says which marker to add, so the fast tier never starts one by accident.
 
 Progress: with -q, pytest names no file; this plugin turns the file names back on (each line
 starts with the file it runs), so a long file never looks hung, and the summary ends with the
@@ -17,10 +20,14 @@ slowest files' wall times.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -28,10 +35,43 @@ import pytest
 TIER_FIXTURES = {"slurm_cluster": "slurm"}
 # Programs whose start means "a container" (argv[0]'s basename).
 LXC_PROGRAMS = frozenset({"lxc-create", "lxc-start", "lxc-copy", "lxc-execute", "debootstrap"})
+# Functions that run a whole Ansible play (tens of seconds each on 2 cores).
+PLAY_RUNNERS = ("run_playbook",)
 SLOWEST_FILES = 10
 
 _current: list[pytest.Item] = []
 _file_seconds: dict[str, float] = {}
+
+
+@functools.cache
+def _source(obj: object) -> str:
+    try:
+        return inspect.getsource(obj)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return ""
+
+
+@functools.cache
+def _play_pattern(module: ModuleType) -> re.Pattern[str]:
+    """A call of PLAY_RUNNERS or of a function/class of `module` whose code calls one of them."""
+    runners = re.compile(r"\b(?:{})\s*\(".format("|".join(PLAY_RUNNERS)))
+    helpers = [name for name, obj in vars(module).items()
+               if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == module.__name__
+               and runners.search(_source(obj))]
+    return re.compile(r"\b(?:{})\s*\(".format("|".join([*PLAY_RUNNERS, *helpers])))
+
+
+def _runs_a_play(item: pytest.Item) -> bool:
+    """The test's own code, or a fixture's of this project it uses, runs a play (itself or
+    through a helper of its module). Installed packages (pytest's own fixtures) are not read."""
+    fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]  # type: ignore[attr-defined]
+    for func in [getattr(item, "function", None), *fixtures]:
+        module = inspect.getmodule(func) if func is not None else None
+        path = Path(getattr(module, "__file__", None) or "/")
+        if module is not None and path.is_relative_to(item.config.rootpath) and "site-packages" not in path.parts \
+                and _play_pattern(module).search(_source(func)):
+            return True
+    return False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -40,11 +80,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             tier = TIER_FIXTURES.get(name)
             if tier and item.get_closest_marker(tier) is None:
                 item.add_marker(tier)
+        if item.get_closest_marker("lxc") is None and item.get_closest_marker("ansible") is None and _runs_a_play(item):
+            item.add_marker("ansible")
 
 
-def _require(tier: str, what: str) -> None:
-    """Fail the running test unless it carries `tier` (outside a test: nothing to check)."""
-    if _current and _current[-1].get_closest_marker(tier) is None:
+def _require(tier: str, what: str, also: tuple[str, ...] = ()) -> None:
+    """Fail the running test unless it carries `tier` (or one of `also`); outside a test, nothing."""
+    if _current and not any(_current[-1].get_closest_marker(t) for t in (tier, *also)):
         pytest.fail(f"{_current[-1].nodeid} {what} but is not marked `{tier}`: add @pytest.mark.{tier} "
                     f"(or use a fixture of tests/tiers.py TIER_FIXTURES)", pytrace=False)
 
@@ -72,11 +114,15 @@ def _guard_container_start() -> None:
 
     @functools.wraps(init)
     def guarded(self, args, *rest, **kwargs):  # type: ignore[no-untyped-def]
-        argv0 = args if isinstance(args, (str, bytes, os.PathLike)) else (args[0] if args else "")
-        name = os.path.basename(os.fsdecode(argv0).split()[0]) if argv0 else ""
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        words = os.fsdecode(argv[0]).split() if argv else []
+        name = os.path.basename(words[0]) if words else ""
         if name in LXC_PROGRAMS:
             self._child_created = False  # what Popen.__del__ reads when __init__ stops early
             _require("lxc", f"runs {name}")
+        elif name == "ansible-playbook" and "--syntax-check" not in [*words, *map(os.fsdecode, argv[1:])]:
+            self._child_created = False
+            _require("ansible", "runs an ansible-playbook play", also=("lxc",))
         return init(self, args, *rest, **kwargs)
 
     guarded._tier_guard = True  # type: ignore[attr-defined]
