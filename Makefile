@@ -51,7 +51,7 @@ test: deps
 
 # The tiers come from markers that tests/tiers.py sets from the fixtures a test uses.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slurm and not lxc and not ansible" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slurm and not lxc and not ansible and not slow" $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check launch train toolkit tests bench images

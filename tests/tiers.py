@@ -1,7 +1,8 @@
 """Test tiers and progress output (a pytest plugin, loaded by tests/conftest.py).
 
-Tiers: `make test-fast` runs `-m "not slurm and not lxc and not ansible"` (unit tests: no
-cluster, no container, no whole Ansible play); `make test` runs everything. A test gets its tier
+Tiers: `make test-fast` runs `-m "not slurm and not lxc and not ansible and not slow"` (unit
+tests: no cluster, no container, no whole Ansible play, none marked slow by hand); `make test`
+runs everything. A test gets its tier
 without anyone remembering:
 
 - at collection, a test that uses a fixture of TIER_FIXTURES (directly or through another
