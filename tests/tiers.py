@@ -93,19 +93,22 @@ def _require(tier: str, what: str, also: tuple[str, ...] = ()) -> None:
 
 
 def _guard_cluster_start() -> None:
+    """The first process of a fresh `up` (the database's initialisation) and every daemon spawn;
+    an `up` refused before those (bad resources, an unwritable state dir) is a unit test."""
     from launch.cluster.embedded import EmbeddedCluster
 
-    start = EmbeddedCluster._start_fresh
-    if getattr(start, "_tier_guard", False):
-        return
+    for name in ("_init_mariadb", "_spawn"):
+        method = getattr(EmbeddedCluster, name)
+        if getattr(method, "_tier_guard", False):
+            continue
 
-    @functools.wraps(start)
-    def guarded(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        _require("slurm", "starts an embedded Slurm cluster")
-        return start(self, *args, **kwargs)
+        def guarded(self, *args, _method=method, **kwargs):  # type: ignore[no-untyped-def]
+            _require("slurm", "starts an embedded Slurm cluster")
+            return _method(self, *args, **kwargs)
 
-    guarded._tier_guard = True  # type: ignore[attr-defined]
-    EmbeddedCluster._start_fresh = guarded  # type: ignore[method-assign]
+        functools.update_wrapper(guarded, method)
+        guarded._tier_guard = True  # type: ignore[attr-defined]
+        setattr(EmbeddedCluster, name, guarded)
 
 
 def _guard_container_start() -> None:
