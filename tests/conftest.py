@@ -39,16 +39,6 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Every test's in-process torch work on one intra-op thread, as one_torch_thread does for a
-    module: on 2 shared cores a second thread only contends (a tiny stage-1 run took 36.6 s on
-    the default threads, 4.6 s on one). Children (jobs, trainers run as processes) keep theirs.
-    Only when torch is imported already (a test that needs no torch does not pay for it)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
-
-
 def slurm_available() -> str | None:
     if os.geteuid() != 0:
         return "the embedded cluster needs root (slurmd)"
