@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEB_PACKAGES := slurm-wlm slurmdbd slurm-client munge mariadb-server mariadb-client \
                 lxc debootstrap zstd xz-utils rsync gcc python3-dev iproute2 procps
 
-.PHONY: help install-cli demo test lint deps deps-system venv cluster-up cluster-down sample-data bench-submit clean
+.PHONY: help install-cli demo test test-fast lint deps deps-system venv cluster-up cluster-down sample-data bench-submit clean
 
 # Every target of this Makefile and mk/*.mk that has a `## what it does` after its prerequisites.
 help:  ## this list
@@ -54,6 +54,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: deps  ## the whole test suite (real Slurm, real LXC where available)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The tiers come from markers that tests/tiers.py sets from the fixtures a test uses.
+test-fast: venv  ## unit tests only: no cluster, container or Ansible play (<= 5 min)
+	$(PY) -m pytest -q -m "not slurm and not lxc and not ansible and not slow" $(PYTEST_ARGS)
 
 lint: venv  ## ruff + ansible-lint + playbook syntax
 	$(PY) -m ruff check launch train toolkit tests bench images

@@ -20,6 +20,11 @@ from launch.cluster.embedded import EmbeddedCluster
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_FIXTURES = Path(__file__).with_name("jobfixtures")
+# A requeued job's wait on the session cluster (Slurm's cred_expire, 120 s by default). It is also
+# a step credential's lifetime, so it keeps room for a loaded 2-core machine.
+REQUEUE_DELAY_S = 20
+# Tiers (slurm/lxc markers set from the fixtures a test uses) and the per-file progress lines.
+pytest_plugins = ["tests.tiers"]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,8 @@ def slurm_available() -> str | None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedCluster]:
-    """One cluster for the session: 4 stand-in GPUs, 4 CPUs, a Prolog that records what it sees."""
+    """One cluster for the session: 4 stand-in GPUs, 4 CPUs, a Prolog that records what it sees;
+    a requeued job starts again after REQUEUE_DELAY_S, not Slurm's 120 s."""
     reason = slurm_available()
     if reason:
         pytest.skip(reason)
@@ -55,7 +61,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
     prolog.write_text(f"#!/bin/sh\necho \"$SLURM_JOB_ID gpus=$SLURM_JOB_GPUS\" >> {hook_log}\nexit 0\n")
     prolog.chmod(0o755)
     cluster = EmbeddedCluster(state)
-    cluster.up(gpus=4, cpus=4, prolog=str(prolog))
+    cluster.up(gpus=4, cpus=4, prolog=str(prolog), requeue_delay=REQUEUE_DELAY_S)
     yield cluster
     cluster.down()
 

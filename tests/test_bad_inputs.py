@@ -32,6 +32,9 @@ CASES: list[Case] = [*CLI_CASES, *INVENTORY_CASES, *STAGE1_DATA_CASES, *CHECKPOI
                      *KEEPALIVE_CASES]
 JOB_FIXTURES = Path(__file__).with_name("jobfixtures")
 CHILD_TIMEOUT_S = 60
+# The trainer cases run a real step in this process: on a loaded 2-core machine two intra-op
+# threads only contend (a stage-1 data case took 46-50 s instead of 3-8 s on one thread).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prepare(case: Case, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:

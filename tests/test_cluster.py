@@ -43,6 +43,19 @@ def test_two_nodes_each_with_own_port_address_spool_and_gpus(tmp_path: Path) -> 
     assert 100_000 <= int(first_job.split("=")[1]) < 1_000_000
 
 
+def test_requeue_delay_is_cred_expire_and_leaves_the_node_timeout_alone(tmp_path: Path) -> None:
+    """The tests' session cluster asks for a short requeue wait; Slurm's node timeout stays its own."""
+    cluster = EmbeddedCluster(tmp_path / "c")
+    node = dict(name="n", addr="127.0.0.1", port=40000, cpus=1, memory_mb=1000, gpus=0, gpu_files=[])
+    for config, expire in ((ClusterConfig(requeue_delay=20), 20), (ClusterConfig(slurmd_timeout=12, requeue_delay=30), 30),
+                           (ClusterConfig(), None)):
+        cluster._render_configs([node], {"slurmctld": 1, "slurmdbd": 2, "mariadb": 3}, "pw", config)
+        lines = cluster.slurm_conf.read_text().splitlines()
+        auth = next(ln for ln in lines if ln.startswith("AuthInfo="))
+        assert auth.endswith(f",cred_expire={expire}") if expire else "cred_expire" not in auth, (config, auth)
+        assert any(ln.startswith("SlurmdTimeout=") for ln in lines) == bool(config.slurmd_timeout)
+
+
 def test_one_node_keeps_the_plain_layout(tmp_path: Path) -> None:
     lines = _render(tmp_path, 1).splitlines()
     assert any(ln.startswith("SlurmdSpoolDir=") and ln.endswith("/spool/d") for ln in lines)
@@ -67,6 +80,7 @@ def test_the_ansible_role_context_renders_without_the_embedded_keys() -> None:
     ({"gpus": -1}, "--gpus must be a whole number >= 0"),
     ({"nodes": 10**20}, "at most 64 nodes"),
     ({"prolog": "/nonexistent/prolog"}, "--prolog /nonexistent/prolog: not an executable file"),
+    ({"requeue_delay": 2}, "--requeue-delay must be a whole number >= 5"),
 ])
 def test_bad_resources_are_refused_before_anything_starts(tmp_path: Path, kwargs: dict, message: str) -> None:
     cluster = EmbeddedCluster(tmp_path / "c")

@@ -22,11 +22,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epilog", help="Slurm Epilog executable")
     p.add_argument("--slurmd-timeout", type=positive_int, metavar="S",
                    help="seconds a silent node stays up before Slurm marks it DOWN (Slurm's default 300)")
+    p.add_argument("--requeue-delay", type=positive_int, metavar="S",
+                   help="seconds a requeued job waits before it may start again (default: --slurmd-timeout "
+                   "when given, else Slurm's 120)")
     p.add_argument("--json", action="store_true", help="status: one JSON object (daemons, nodes, GPUs)")
     p.add_argument("--state-dir", help="where configs, logs and data live (default $LAUNCH_HOME/cluster)")
 
 
-UP_ONLY = ("nodes", "gpus", "cpus", "prolog", "epilog", "slurmd_timeout")
+UP_ONLY = ("nodes", "gpus", "cpus", "prolog", "epilog", "slurmd_timeout", "requeue_delay")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "up":
         t0 = time.monotonic()
         started = cluster.up(gpus=args.gpus, cpus=args.cpus, prolog=args.prolog, epilog=args.epilog,
-                             nodes=args.nodes, slurmd_timeout=args.slurmd_timeout,
+                             nodes=args.nodes, slurmd_timeout=args.slurmd_timeout, requeue_delay=args.requeue_delay,
                              progress=lambda msg: print(f"[cluster] {msg}", flush=True))
         if not started:
             print(f"embedded cluster is already up in {cluster.state_dir}; nothing changed")

@@ -156,6 +156,9 @@ class ClusterConfig:
     epilog: str | None = None
     partition: str = "debug"
     slurmd_timeout: int | None = None
+    # Seconds a requeued job waits before it may start again (Slurm's cred_expire, also the
+    # lifetime of a step's credential). None: slurmd_timeout when given, else Slurm's 120 s.
+    requeue_delay: int | None = None
 
     def describe(self) -> str:
         def n(count: int, what: str) -> str:
@@ -252,7 +255,8 @@ class EmbeddedCluster:
     # ------------------------------------------------------------------ up
     def up(self, gpus: int | None = None, cpus: int | None = None, prolog: str | None = None,
            epilog: str | None = None, partition: str | None = None, nodes: int | None = None,
-           slurmd_timeout: int | None = None, progress: Progress | None = None, timeout: float = 60) -> bool:
+           slurmd_timeout: int | None = None, requeue_delay: int | None = None, progress: Progress | None = None,
+           timeout: float = 60) -> bool:
         """Start the cluster; True if anything was started.
 
         On a cluster that is already (partly) up, only the daemons that died are restarted,
@@ -261,7 +265,7 @@ class EmbeddedCluster:
         """
         say = progress or (lambda _msg: None)
         asked = _asked(nodes=nodes, gpus=gpus, cpus=cpus, prolog=prolog, epilog=epilog, partition=partition,
-                       slurmd_timeout=slurmd_timeout)
+                       slurmd_timeout=slurmd_timeout, requeue_delay=requeue_delay)
         state = self.read_state()
         if state is not None and self._restartable(state):
             self._refuse_other_resources(state, asked)
@@ -298,7 +302,7 @@ class EmbeddedCluster:
         config = ClusterConfig(nodes=n, gpus=len(gpu_files[0]), cpus=asked.get("cpus") or os.cpu_count() or 1,
                                prolog=asked.get("prolog"), epilog=asked.get("epilog"),
                                partition=asked.get("partition", "debug"),
-                               slurmd_timeout=asked.get("slurmd_timeout"))
+                               slurmd_timeout=asked.get("slurmd_timeout"), requeue_delay=asked.get("requeue_delay"))
         ports = {k: _free_port() for k in ("slurmctld", "slurmdbd", "mariadb")}
         mem_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.9 / n)
         node_list = [dict(name=name, addr=addr, port=_free_port(), cpus=config.cpus, memory_mb=mem_mb,
@@ -431,8 +435,8 @@ class EmbeddedCluster:
             scheduler_parameters="batch_sched_delay=0,sched_min_interval=0",
             slurmd_timeout=config.slurmd_timeout,
             # A requeued job waits cred_expire (default 120 s) before it may start again; with a
-            # short node timeout (fast fail-over, as in tests) the wait is as short.
-            cred_expire=config.slurmd_timeout,
+            # short node timeout (fast fail-over, as in tests) the wait is as short, unless asked.
+            cred_expire=config.requeue_delay or config.slurmd_timeout,
             prolog=config.prolog or "", epilog=config.epilog or "",
             nodes=[{**node, "gpu_files": ",".join(node["gpu_files"])} for node in nodes],
             partition=config.partition,
@@ -753,7 +757,8 @@ def _answers(node_state: str) -> bool:
 def _asked(**values: object) -> dict:
     """The resources a caller gave explicitly (None: not given), validated."""
     asked = {k: v for k, v in values.items() if v is not None}
-    for key, low in (("nodes", 1), ("cpus", 1), ("gpus", 0), ("slurmd_timeout", 1)):
+    # cred_expire is also a step credential's lifetime: below 5 s a loaded node may miss it.
+    for key, low in (("nodes", 1), ("cpus", 1), ("gpus", 0), ("slurmd_timeout", 1), ("requeue_delay", 5)):
         if key in asked and (not isinstance(asked[key], int) or asked[key] < low):
             raise LaunchError(f"--{key.replace('_', '-')} must be a whole number >= {low}, got {asked[key]}")
     if asked.get("nodes", 1) > MAX_NODES:
