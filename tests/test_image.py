@@ -257,7 +257,8 @@ def test_wheelhouse_fetches_the_lock_with_the_controllers_pip(tmp_path: Path, lo
         wh.verify(house)
 
 
-def test_wheelhouse_for_the_containers_python_takes_its_wheels(tmp_path: Path, local_index: Path) -> None:
+def test_wheelhouse_for_the_containers_python_takes_its_wheels(tmp_path: Path, local_index: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`make wheelhouse os=ubuntu-24.04`: pip download for CPython 3.12 / glibc 2.39 (the Ubuntu
     24.04 CT), not the image's 3.11: of two builds of one version it takes the cp312 file.
     The two are a pip-built wheel under both platform names (no compiler needed)."""
@@ -280,8 +281,32 @@ def test_wheelhouse_for_the_containers_python_takes_its_wheels(tmp_path: Path, l
     assert sorted(sums) == [cp312.name, "requirements.txt"]
     with pytest.raises(wh.LaunchError):  # the image's own 3.11 target cannot use that lock
         wh.build_wheelhouse(lock, wh.WheelhouseSpec(), tmp_path / "house311", log=lambda _: None)
-    # No lock for the CT's Python yet: one line naming the file to make.
-    assert main(["--flavour", "gpu", "--os", "ubuntu-24.04", "--out", str(tmp_path / "none")]) == 2
+    # No lock for the CT's Python (Debian 13: CPython 3.13): one line naming the file to make.
+    assert main(["--flavour", "gpu", "--os", "debian-13", "--out", str(tmp_path / "none")]) == 2
+    assert "requirements-gpu-cp313.lock" in capsys.readouterr().err
+
+
+def test_cp312_lock_pins_the_gpu_locks_set_for_ubuntu_24_04(tmp_path: Path, local_index: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """requirements-gpu-cp312.lock (the Ubuntu 24.04 CT: CPython 3.12) pins the same
+    distributions at the same versions as the gpu lock (CPython 3.11; none of its pins is
+    3.11-only), one file each: compiled ones are other files (other hashes), deepspeed is the
+    same sdist. `make wheelhouse flavour=gpu os=ubuntu-24.04` takes it by default and asks pip
+    for its wheels for 3.12 / glibc 2.39 (here pip has no index, so the download fails)."""
+    from images.make_wheelhouse import main
+
+    gpu = load_image("trainer", "gpu").lock_file
+    cp311 = {p.name: p for p in wh.read_lock(gpu)}
+    cp312 = {p.name: p for p in wh.read_lock(gpu.with_name("requirements-gpu-cp312.lock"))}
+    assert all(len(p.hashes) == 1 and len(p.hashes[0]) == 64 for p in cp312.values())
+    assert {n: p.version for n, p in cp312.items()} == {n: p.version for n, p in cp311.items()}
+    for compiled in ("torch", "triton", "numpy", "pydantic-core"):
+        assert cp312[compiled].hashes != cp311[compiled].hashes, compiled
+    assert cp312["deepspeed"].hashes == cp311["deepspeed"].hashes
+    assert main(["--flavour", "gpu", "--os", "ubuntu-24.04", "--out", str(tmp_path / "house")]) == 2
+    out, err = capsys.readouterr()
+    assert f"pip download: {len(cp312) - 1} wheels for Python 3.12 on glibc 2.39 x86_64" in out, out
+    assert err.startswith("make wheelhouse: pip download failed: ERROR"), err
 
 
 def test_wheelhouse_refuses_a_wheel_whose_hash_differs_from_the_lock(tmp_path: Path, local_index: Path) -> None:
