@@ -413,7 +413,7 @@ def test_nvswitch_host_needs_fabric_manager_and_keeps_the_switches(tmp_path: Pat
         (tmp_path / "bin" / tool).chmod(0o755)
     _ok(pve.run())
     conf = pve.conf.read_text()
-    assert "nvswitch" not in conf and all(f"/dev/nvidia{i}," in conf for i in range(8))
+    assert "/dev/nvidia-nvswitch" not in conf and all(f"/dev/nvidia{i}," in conf for i in range(8))
 
 
 @needs_root
