@@ -13,8 +13,11 @@ container's venv against the host driver's version.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import re
 import sys
+from pathlib import Path
 
 # CUDA runtime major -> the lowest driver branch that runs it.
 MIN_DRIVER_BRANCH = {13: 580, 12: 525, 11: 450}
@@ -39,6 +42,23 @@ def driver_cuda_problem(driver: str, cuda: str) -> str | None:
     return None
 
 
+def torch_cuda_version() -> str | None:
+    """torch.version.cuda without importing torch (3+ s): read the literal from torch/version.py."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "cuda" and isinstance(node.value, ast.Constant):
+            return node.value.value
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2):
@@ -47,8 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) == 2:
         cuda = args[1]
     else:
-        from launch.doctor.versions import torch_cuda_version
-
         cuda = torch_cuda_version() or ""
         if not cuda:
             print("no CUDA build of torch here: nothing to check")

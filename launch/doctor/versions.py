@@ -20,7 +20,6 @@ or names something not installed, FAILs.
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
@@ -44,25 +43,12 @@ def dist_version(name: str) -> str | None:
         return None
 
 
-def torch_cuda_version() -> str | None:
-    """torch.version.cuda without importing torch (3+ s): read the literal from torch/version.py."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
-    try:
-        tree = ast.parse(path.read_text())
-    except (OSError, SyntaxError):
-        return None
-    for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-        if isinstance(target, ast.Name) and target.id == "cuda" and isinstance(node.value, ast.Constant):
-            return node.value.value
-    return None
-
-
 def recorded_versions(ctx: DoctorContext) -> dict[str, str | None]:
     versions: dict[str, str | None] = {name: dist_version(name) for name in RECORDED}
+    # Imported here: `python -m launch.doctor.driver_cuda` (the python_env role) must not find its
+    # module imported already by the package.
+    from launch.doctor.driver_cuda import torch_cuda_version
+
     versions["cuda"] = torch_cuda_version() if versions["torch"] else None
     versions["nvidia-driver"] = ctx.gpus[0].driver if ctx.gpus else None
     return versions
@@ -114,6 +100,7 @@ def parse_lock_file(path: Path) -> list[LockLine]:
 def check_driver_cuda(versions: dict[str, str | None]) -> CheckResult:
     """The host driver's branch against the CUDA runtime torch brings (launch/doctor/driver_cuda.py)."""
     from launch.doctor.driver_cuda import driver_cuda_problem
+
 
     name, driver, cuda = "versions.driver_cuda", versions.get("nvidia-driver"), versions.get("cuda")
     if not driver or not cuda:
