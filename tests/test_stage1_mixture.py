@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig
 
 from tests.stage1_fixtures import make_data
 from train.common.config import ConfigError
@@ -46,13 +47,15 @@ def test_submit_check_keeps_image_tasks_or_refuses(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"task\(s\) gen_img, replay_img carry images but --vision off"):
         check_tasks(parse_args(["--vision", "off"]), 1)
     vlm, text = tmp_path / "vlm", tmp_path / "text"
-    for d, cfg in ((vlm, {"vision_config": {}}), (text, {"model_type": "qwen3_5_text"})):
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps(cfg))
+    # configs as transformers writes them (a checkpoint's own config.json; no weights needed here)
+    AutoConfig.for_model("qwen3_5").save_pretrained(vlm)
+    AutoConfig.for_model("qwen3_5_text").save_pretrained(text)
     check_tasks(parse_args(["--init-from", str(vlm)]), 1)
     with pytest.raises(ConfigError) as exc:
         check_tasks(parse_args(["--init-from", str(text), "--weights", '{"replay_img": 1, "und": 1}']), 1)
     msg = str(exc.value)
     assert "\n" not in msg and "task(s) replay_img carry images" in msg and f"checkpoint {text} has no vision" in msg
     assert "--arg vision=on" in msg and """--arg weights='{"gen_txt": 1, "und": 1, "replay_text": 1}'""" in msg
-    check_tasks(parse_args(["--init-from", str(tmp_path / "elsewhere")]), 1)  # not here: the job checks it
+    # a checkpoint that is not here is refused at parse time, before any task check (one line at submit)
+    with pytest.raises(ConfigError, match=r"--init-from \S+elsewhere: not a directory"):
+        parse_args(["--init-from", str(tmp_path / "elsewhere")])
