@@ -53,7 +53,9 @@ def job_environment(job: ResolvedJob, folder: Path, scratch: str, extra_env: dic
     lines = [
         # srun by absolute path: a shell function wins over PATH, which the env below may set
         # (with --allow-loader-env) and which must not choose the program that starts the tasks.
-        *([f"srun() {{ {shlex.quote(srun)} \"$@\"; }}"] if (srun := shutil.which("srun")) else []),
+        # LAUNCH_SRUN_CONF (the embedded cluster's, see EmbeddedCluster.env) is srun's own config.
+        *([f'srun() {{ if [ -n "${{LAUNCH_SRUN_CONF:-}}" ]; then SLURM_CONF="$LAUNCH_SRUN_CONF" {shlex.quote(srun)} "$@"; '
+           f'else {shlex.quote(srun)} "$@"; fi; }}'] if (srun := shutil.which("srun")) else []),
         # A rendezvous left in the submitting shell (a torchrun or an in-process torch.distributed
         # there) is not this job's: each job derives its own from its allocation. The spec's
         # env and --env may still set them, below.

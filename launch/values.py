@@ -42,6 +42,7 @@ LAUNCHER_VARS = {
     "LAUNCH_JOB_NAME": "the spec's name: use --name for Slurm's",
     "LAUNCH_SCRATCH": "use --scratch or the spec's scratch",
     "LAUNCH_NODE_SCRATCH": "the node's own setting, read before the job's env applies: use --scratch",
+    "LAUNCH_SRUN_CONF": "the embedded cluster's own setting for srun",
 }
 SLURM_JOB_VARS = frozenset({
     "SLURM_CONF", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_STEP_ID",

@@ -238,8 +238,15 @@ class EmbeddedCluster:
         return set(self.running_daemons()) >= set(names)
 
     def env(self) -> dict[str, str]:
-        """Variables that point Slurm's client commands (and submitit) at this cluster."""
-        return {"SLURM_CONF": str(self.slurm_conf)}
+        """Variables that point Slurm's client commands (and submitit) at this cluster.
+
+        LAUNCH_SRUN_CONF: srun's own config (the job script runs srun with it). The daemons bind
+        their host name's loopback address (NoInAddrAny), and a job inherits its slurmd's host
+        name; srun binding it too (127.0.0.2 on node1) would not be where the steps call back,
+        since a loopback connection's source address is 127.0.0.1. So srun listens on any address
+        for its step's lifetime, as Slurm's default, while every daemon stays on loopback."""
+        srun_conf = self.etc / "srun.conf"
+        return {"SLURM_CONF": str(self.slurm_conf), **({"LAUNCH_SRUN_CONF": str(srun_conf)} if srun_conf.is_file() else {})}
 
     def _client_env(self) -> dict[str, str]:
         return {**os.environ, **self.env()}
@@ -444,6 +451,9 @@ class EmbeddedCluster:
             storage_pass=db_password, storage_db="slurm_acct_db",
         )
         atomic_write_text(self.slurm_conf, render_template("slurm.conf.j2", **context))
+        # srun's own (see env()): the same cluster, only slurmctld's and the daemons' binding differs.
+        atomic_write_text(self.etc / "srun.conf", render_template(
+            "slurm.conf.j2", **{**context, "communication_parameters": "NoCtldInAddrAny"}))
         atomic_write_text(self.etc / "gres.conf", render_template("gres.conf.j2", **context))
         atomic_write_text(self.etc / "slurmdbd.conf", render_template("slurmdbd.conf.j2", **context),
                           mode=0o600)
