@@ -153,13 +153,18 @@ def export_checkpoint(job_dir: Path, step: int | None = None, out: Path | None =
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    for f in tmp.iterdir():  # transformers writes the weights 0600 through a temp file; the rest is 0644
-        if f.is_file():
-            f.chmod(0o644)
     for f in files.iterdir():
         if f.is_file() and f.name not in ("config.json", "stage1.json") and not (tmp / f.name).exists():
             shutil.copy2(f, tmp / f.name)
     atomic_write_text(tmp / "README.md", _readme(info, ckpt, step_no, what, cls.__name__, config))
+    # One mode for every file, as the exporting user's umask gives a new file: transformers writes
+    # the weights 0600 through a temp file, and the tokenizer/processor files copied from the run
+    # keep the job's private 0600 (jobs run under umask 077).
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in tmp.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
     if out.exists():
         old = out.with_name(f".old-{out.name}-{os.getpid()}")
         os.replace(out, old)
