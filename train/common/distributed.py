@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 
 import torch
@@ -147,4 +148,11 @@ def init_distributed(device: torch.device, force_group: bool = False) -> DistInf
 
 def shutdown_distributed(info: DistInfo) -> None:
     if info.initialized_here and dist.is_initialized():
+        # gloo's worker threads free a finished collective's tensors after its waiter returns, and
+        # need the GIL for it; the group's destructor (run when DDP's reducer lets go of it) joins
+        # them while holding the GIL. A rank that got there first hung after its last step (seen
+        # with the per-rank timing all_gather). So: every rank past its last collective, then a
+        # moment without the GIL for the workers to finish, then the teardown.
+        dist.barrier()
+        time.sleep(0.2)
         dist.destroy_process_group()
