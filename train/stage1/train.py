@@ -147,8 +147,6 @@ def check_tasks(cfg: Stage1Config, tasks: int) -> None:
     """`launch submit` calls this before anything is queued: image tasks never leave a run's mixture
     silently, so a text-only model (vision off, or an --init-from checkpoint without a tower) with
     image tasks weighted (the default mixture weights them) is refused here, in one line."""
-    if cfg.init_from and cfg.vision is None and not (Path(cfg.init_from) / "config.json").is_file():
-        return  # the checkpoint lives only where the job runs: the job's data setup checks it
     if vision_on(cfg):
         return
     weighted = image_tasks_weighted(cfg.weights)
