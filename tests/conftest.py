@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,22 @@ from launch.cluster.embedded import EmbeddedCluster
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_FIXTURES = Path(__file__).with_name("jobfixtures")
+# The working directory of every `launch` the tests run: sbatch makes it the job's working
+# directory, where Slurm writes `slurm-<id>.out` for any job without --output. Never the repo.
+# One per pytest process (conftest is imported as `conftest` and as `tests.conftest`: one path).
+RUN_CWD = Path(tempfile.gettempdir()) / f"launch-tests-cwd-{os.getpid()}"
+RUN_CWD.mkdir(mode=0o700, exist_ok=True)
+_ROOT_SLURM_OUT_AT_START = frozenset(REPO.glob("slurm-*.out"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A job that wrote `slurm-<id>.out` into the repo ran from there: fail the run, naming it."""
+    shutil.rmtree(RUN_CWD, ignore_errors=True)
+    new = sorted(set(REPO.glob("slurm-*.out")) - _ROOT_SLURM_OUT_AT_START)
+    if new:
+        print(f"\nFAILED: a test ran a Slurm job from the repo root, which left {', '.join(p.name for p in new)}",
+              file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 # A requeued job's wait on the session cluster (Slurm's cred_expire, 120 s by default). It is also
 # a step credential's lifetime, so it keeps room for a loaded 2-core machine.
 REQUEUE_DELAY_S = 20
@@ -77,7 +94,7 @@ def launch_env(slurm_cluster: EmbeddedCluster, tmp_path: Path) -> dict[str, str]
 
 def run_launch(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "launch", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+                          timeout=timeout, cwd=RUN_CWD)
 
 
 def wait_for_state(job_id: str, env: dict[str, str], states: set[str], timeout: float = 90) -> str:

@@ -33,6 +33,7 @@ from launch.doctor.fabric import fabric_manager_pids
 from launch.doctor.gpus import check_gpus
 from launch.doctor.results import Status
 from launch.errors import LaunchError
+from tests.conftest import RUN_CWD
 
 REPO = Path(__file__).resolve().parents[1]
 LIBZ3_ERROR = "libz3.so.4.15: cannot open shared object file: No such file or directory"
@@ -61,7 +62,7 @@ def by_check(results) -> dict:
 
 def run_doctor_cli(args: list[str], env: dict[str, str], prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*(prefix or []), sys.executable, "-m", "launch", "doctor", *args],
-                          env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
+                          env=env, capture_output=True, text=True, timeout=180, cwd=RUN_CWD)
 
 
 def write_job(tmp_path: Path, gpus: int = 1, lock: dict[str, str] | None = None) -> Path:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_launch, slurm_available, wait_for_state
+from conftest import RUN_CWD, run_launch, slurm_available, wait_for_state
 
 from launch.cluster.embedded import MARKER_VAR, EmbeddedCluster, node_daemon
 
@@ -178,7 +178,7 @@ def test_follow_heartbeat_names_the_pending_reason_of_a_held_job(launch_env):
     job = held.stdout.strip()
     subprocess.run(["scontrol", "hold", job], env=launch_env, check=True, capture_output=True)
     follower = subprocess.Popen([sys.executable, "-m", "launch", "logs", "-f", job], env=launch_env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=RUN_CWD)
     try:
         first = follower.stdout.readline()
         assert first.startswith(f"[launch] job {job}: PENDING: held by ") and f"`scontrol release {job}`" in first, first
@@ -242,7 +242,7 @@ def test_json_output_of_submit_status_and_list(launch_env):
 
 def test_doctor_job_is_recorded_and_cancelled_on_sigterm(launch_env):
     doctor = subprocess.Popen([sys.executable, "-m", "launch", "doctor", "--on-cluster"], env=launch_env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=RUN_CWD)
     try:
         line = doctor.stderr.readline()
         assert line.startswith("doctor submitted as Slurm job "), line

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_launch
+from conftest import REPO, RUN_CWD, run_launch
 
 from launch.doctor.results import CheckResult, Status, render_table
 from launch.jobs_cli import elapsed_words, format_seconds
@@ -156,7 +156,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
                                                  "submitted_at": 0.0, "slurm_conf": None, "argv": []}) + "\n")
     env = {**os.environ, "LAUNCH_HOME": str(home), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "launch", "logs", "1"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=REPO)
+                            stderr=subprocess.PIPE, cwd=RUN_CWD)
     assert proc.stdout.readline().startswith(b"==> ")  # `| head -1`
     proc.stdout.close()
     err = proc.stderr.read().decode()

@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 CONFTEST = '''
@@ -29,6 +31,8 @@ def launch_env(slurm_cluster):
 TESTS = '''
 import subprocess
 from pathlib import Path
+
+import pytest
 import pytest
 from launch.cluster.embedded import EmbeddedCluster
 
@@ -105,3 +109,12 @@ def test_tiers_plugin_marks_guards_and_names_files(tmp_path: Path) -> None:
     assert not (tmp_path / "c" / "mysql" / "mysql").exists(), "the guard let the cluster's database start"
     summary = lines[lines.index(next(ln for ln in lines if "slowest 2 files" in ln)) + 1:][:2]
     assert sorted(ln.split()[-1] for ln in summary) == ["test_other.py", "test_scratch.py"], out
+
+
+def test_no_slurm_job_output_is_committed_at_the_repo_root():
+    """`slurm-<id>.out` at the root is a job some test ran from there (sbatch's default output):
+    the tests run `launch` from conftest.RUN_CWD, and the session fails if one appears."""
+    listed = subprocess.run(["git", "ls-files", "slurm-*.out"], cwd=REPO, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert listed.stdout.split() == []

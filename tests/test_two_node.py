@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from launch.cluster.embedded import MARKER_VAR, NODE_VAR, EmbeddedCluster, node_daemon
-from tests.conftest import JOB_FIXTURES, REPO, slurm_available
+from tests.conftest import JOB_FIXTURES, REPO, RUN_CWD, slurm_available
 from tests.stage1_fixtures import make_data
 from toolkit.metrics import logged_step_records
 
@@ -37,7 +37,7 @@ STAGE1 = ["--preset", "tiny", "--no-preflight", "--cpus-per-task", "1", "--arg",
 
 def launch(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "launch", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+                          timeout=timeout, cwd=RUN_CWD)
 
 
 @pytest.fixture(scope="module")
