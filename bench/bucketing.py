@@ -85,7 +85,7 @@ def write_rate(n_samples: int, batch: int, hidden: int, n_layers: int, seed: int
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=902_000)
     p.add_argument("--token-budget", type=int, default=65536)
     p.add_argument("--buckets", type=int, default=None)

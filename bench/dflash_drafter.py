@@ -222,7 +222,7 @@ def extract_bench(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("what", choices=("drafter", "extract"))
     p.add_argument("--anchors", default="4,512")
     p.add_argument("--impls", default="dense:logits,flex:cce")

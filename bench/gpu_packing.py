@@ -150,7 +150,7 @@ def refuse(args) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("check", choices=("equivalence", "step", "refuse"))
     parser.add_argument("--preset", default=None)
     parser.add_argument("--row-len", type=int, default=None)

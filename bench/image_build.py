@@ -61,7 +61,7 @@ def boot(template: Path, work: Path, flavour: str) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--flavour", default="cpu", choices=["cpu", "gpu", "test"])
     parser.add_argument("--jsonl", type=Path, help="append one record per stage")
     parser.add_argument("--keep", type=Path, help="work directory to use and keep (default: a temp dir, removed)")

@@ -147,7 +147,7 @@ def bench_slurm(root: Path, args: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("direct", "slurm"), default="direct")
     parser.add_argument("--cuda", action="store_true", help="real GPUs through CUDA instead of stand-ins")
     parser.add_argument("--gpus", default="auto")

@@ -277,7 +277,7 @@ def rank_main(job: str, argv_json: str) -> int:
 def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "_rank":
         return rank_main(sys.argv[2], sys.argv[3])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="bench", required=True)
     s1 = sub.add_parser("stage1")
     s1.add_argument("--gpus", default="1,2", help="GPU counts, comma-separated; the first is the scaling base")

@@ -186,7 +186,7 @@ def profile_steps(stepper, batches, device, top: int = 15) -> list[dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen35-2b", help="model shape (train/common/shapes.py)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--row-len", type=int, default=8192)

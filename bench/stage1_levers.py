@@ -265,7 +265,7 @@ def format_row(r: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for levers.jsonl")
     p.add_argument("--shape", default="qwen35-2b", help="model shape (train/common/shapes.py)")
     p.add_argument("--variants", default=None, help=f"comma-separated, from: {', '.join(VARIANTS)}")

@@ -37,7 +37,7 @@ ONE_RANK = DistInfo(0, 1, 0, "127.0.0.1", 0, "gloo", False)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--row-len", type=int, default=256)

@@ -55,7 +55,7 @@ def one_sbatch(env: dict[str, str], out_dir: Path) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--n", type=int, default=10)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -108,7 +108,7 @@ def measure(path: Path, device: str, mode: str) -> tuple[int, int, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="/tmp/target-1b")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--shard-gib", type=float, default=2.0)

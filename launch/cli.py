@@ -14,7 +14,7 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from launch.errors import LaunchError, debug
 
@@ -38,10 +38,28 @@ VERBS: dict[str, tuple[str, str]] = {
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line (`launch submit: error: ...`), not usage + error."""
+    """argparse whose usage errors are one line (`launch submit: error: ...`), not usage + error.
+    No prefix matching: `--step` must never be taken for `--steps` (a typo would change the run)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"{self.prog}: error: {message}{_entrypoint_hint(self.prog, message)} "
+                     f"(see `{self.prog} --help`)\n")
+
+
+def _entrypoint_hint(prog: str, message: str) -> str:
+    """`launch submit ... --steps 10`: the flag is the trainer's, which goes through --arg."""
+    if not prog.endswith(" submit") or not message.startswith("unrecognized arguments: "):
+        return ""
+    words = message.removeprefix("unrecognized arguments: ").split()
+    if not words or not words[0].startswith("--") or len(words[0]) < 3:
+        return ""
+    key, _, inline = words[0][2:].partition("=")
+    value = inline or (words[1] if len(words) > 1 and not words[1].startswith("--") else "V")
+    return f"; an argument of the job's entrypoint goes through --arg: `--arg {key.replace('-', '_')}={value}`"
 
 
 def version() -> str:
@@ -49,6 +67,10 @@ def version() -> str:
         return importlib.metadata.version("gpu-train-toolkit")
     except importlib.metadata.PackageNotFoundError:
         return "unknown (not installed)"
+
+
+# verb -> its parser, once build_parser has run: an unknown flag is the verb's error, with its hint.
+VERB_PARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
@@ -65,6 +87,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
                 raise
             continue
         p = sub.add_parser(verb, help=help_text, description=help_text)
+        VERB_PARSERS[verb] = p
         add = getattr(module, f"add_{verb}_arguments", None) or module.add_arguments
         add(p)
         runners[verb] = getattr(module, f"run_{verb}", None) or module.run
@@ -78,7 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        (VERB_PARSERS.get(args.verb) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if passthrough:
         if not hasattr(args, "extra"):
             parser.error(f"'{args.verb}' takes no arguments after --")

@@ -104,7 +104,7 @@ def gdn_check() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tilelang", action="store_true")
     parser.add_argument("--gdn", action="store_true")

@@ -241,7 +241,9 @@ def _status(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry for `python -m launch.keepalive.cli ...` (what the Slurm hook wrappers run)."""
-    parser = argparse.ArgumentParser(prog="launch keepalive", description=__doc__.splitlines()[0])
+    from launch.cli import OneLineParser  # no prefix matching, here and in its subcommands
+
+    parser = OneLineParser(prog="launch keepalive", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -19,7 +19,7 @@ _HEADROOM_BYTES = 256 << 20
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="launch.keepalive.cuda_worker")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="launch.keepalive.cuda_worker")
     parser.add_argument("--mem-fraction", type=float, required=True)
     parser.add_argument("--period", type=float, default=1.0, help="seconds between bursts")
     parser.add_argument("--busy-ms", type=float, default=20.0,

@@ -95,6 +95,13 @@ CASES = [
     # the bundled trainers' own parsers, run at submit (no model is built)
     Case("cli", "stage1-arg-bogus", ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg", "bogus=1"],
          r"stage1 does not accept these arguments: unrecognized arguments: --bogus 1"),
+    # No prefix matching (issue 38.6): `--arg step=10` is not `--steps 10`; a trainer flag given to
+    # submit itself is named with the --arg that would carry it.
+    Case("cli", "stage1-arg-prefix-of-a-flag", ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg", "step=10"],
+         r"stage1 does not accept these arguments: unrecognized arguments: --step 10"),
+    Case("cli", "submit-prefix-of-a-flag", [*SUBMIT, "--no-pre"], r"unrecognized arguments: --no-pre"),
+    Case("cli", "submit-trainer-flag-hints-arg", ["submit", "stage1", "--preset", "tiny", "--dry-run", "--steps", "10"],
+         r"unrecognized arguments: --steps 10; an argument of the job's entrypoint goes through --arg: `--arg steps=10`"),
     Case("cli", "stage1-lr-negative", ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg", "lr=-1"],
          r"stage1 does not accept these arguments: .*--lr.*nothing submitted"),
     # image tasks never leave the mixture silently: a text-only model with them weighted is refused

@@ -270,7 +270,7 @@ def read_lengths(path: str | Path) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.common.bucketing", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m train.common.bucketing", description=__doc__.splitlines()[0])
     p.add_argument("--lengths", required=True, help="one length per line, or a .npy array")
     p.add_argument("--buckets", type=int, default=None, help="number of buckets (default: fewest within 3 points "
                    "of sorted)")

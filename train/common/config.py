@@ -51,6 +51,12 @@ def _on_off(text: str) -> bool:
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No prefix matching: `--step 10` (a typo, or `launch submit --arg step=10`) is an
+        # unknown flag, never `--steps 10`.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> typing.NoReturn:
         # One line for the entrypoint to print (exit 2), not argparse's usage block.
         raise ConfigError(message)

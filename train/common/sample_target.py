@@ -81,7 +81,7 @@ def make_target(directory: Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.common.sample_target", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m train.common.sample_target", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/sample-target", help="directory for model/ and chat.jsonl")
     p.add_argument("--conversations", type=int, default=64, help="conversations in chat.jsonl")
     args = p.parse_args(argv)

@@ -143,7 +143,7 @@ def generate_synthetic(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.stage1.synthetic",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m train.stage1.synthetic",
                                 description="generate a synthetic stage-1 dataset")
     p.add_argument("--out", required=True, help="data directory to write")
     p.add_argument("--samples", type=int, default=2000, help="records over all tasks (default 2000)")
