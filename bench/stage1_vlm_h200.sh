@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue 27 on one H200 (no network, no Slurm): stage-1 as the user runs it, through the trainer.
-#   install1  (needs .wheels/a and fla-core, flash-linear-attention, apache-tvm-ffi,
-#             torch-c-dlpack-ext from .wheels/b) z3, transformers 5.23, flash-qla, loss kernels, fla,
-#             submitit + cloudpickle (the trainer reads the Slurm layout through submitit)
-#   install2  (needs tilelang from .wheels/b)
+# Stage-1 on one H200 (no network, no Slurm) as the user runs it, through the trainer, with the
+# GPU fast path's kernel packages at exactly the cp312 lock's pins (bench/install_kernels.py:
+# every wheel's version and sha256 checked against the lock; the machine's own torch and triton).
+#   install DIR  install the wheels of DIR that the lock pins (run once per wheel folder: one
+#             upload to the machine is limited in size); `check` then verifies the whole set
+#   check     every kernel package at the lock's pin (else exit 1), versions into $OUT/versions.json
 #   vlm       the qwen35-2b job preset's defaults (vision on), >= 30 timed steps, cold kernel caches:
 #             on a fresh H200 FlashQLA's TileLang set alone compiles for > 8 minutes (bench/RESULTS.md),
 #             so give this step a whole call (VLM_LIMIT=590)
@@ -11,7 +12,7 @@
 #   warm      vision on again in a new process, warm caches: the first step's time
 # DATA: a pre-generated `generate_synthetic(DIR, 500, shape="qwen35-2b")` (448-1024 px images);
 # without it the trainer generates the same set in its run directory.
-# Usage: DATA=DIR bench/stage1_vlm_h200.sh STEP...
+# Usage: DATA=DIR bench/stage1_vlm_h200.sh install .whl1 install .whl2 check vlm text warm
 set -u
 out=${OUT:-/tmp/vlm-out}
 mkdir -p "$out"
@@ -30,16 +31,20 @@ bench() {  # NAME STEPS TIMEOUT TRAINER-ARGS...
   grep -E "^# (kernels|warm-up|mixture|packing|compile|vision)" "/tmp/vlm-bench/$name/stage1-qwen35-2b-1gpu/logs/rank0.log" \
     > "$out/$name-header.txt" 2>/dev/null
 }
-for step in "$@"; do
+LOCK=${LOCK:-images/trainer/requirements-gpu-cp312.lock}
+while [ $# -gt 0 ]; do
+  step=$1
+  shift
   echo "== $step, $(date -u +%FT%TZ)"
   case $step in
-  install1)
+  install)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -m pip install -q --no-index --no-deps --target /tmp/gpuenv "${WHEELS1:-.wheels/a}"/*.whl || exit 1
+    python3 bench/install_kernels.py --lock "$LOCK" --wheels "$1" --target /tmp/gpuenv || exit 1
+    shift
     ;;
-  install2)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/gpuenv "${WHEELS2:-.wheels/b}"/*.whl || exit 1
-    python3 -c "import torch, fla, tilelang, flash_qla, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)" || exit 1
+  check)
+    python3 bench/install_kernels.py --lock "$LOCK" --target /tmp/gpuenv --check --json "$out/versions.json" || exit 1
+    python3 -c "import torch, fla, tilelang, flash_qla, cut_cross_entropy, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)" || exit 1
     ;;
   vlm) bench vlm 31 "${VLM_LIMIT:-590}" ;;
   text) bench text 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS" ;;

@@ -41,6 +41,31 @@ STAMP = ".stamp.json"  # size and mtime of every file when SHA256SUMS was writte
 BUILT_WHEEL_EPOCH = "315532800"  # 1980-01-01, the earliest a zip entry can carry
 
 
+# The trainers' GPU fast path: every package of it is pinned in each GPU lock (one per target
+# Python), so a provisioned node gets exactly what the benchmarks measured. fla's kernels (GDN,
+# its Triton causal conv with cu_seqlens); FlashQLA's fused TileLang GDN (fla takes it by itself
+# on Hopper and Blackwell) with tilelang's runtime needs (libz3 comes from z3-solver); the fused
+# cross-entropy kernel (no materialized logits over a 273k vocab). causal-conv1d is source-only
+# (needs nvcc), so a lock holds it only where a wheel was built: it is not in this set.
+KERNEL_PACKAGES: tuple[str, ...] = (
+    "fla-core", "flash-linear-attention", "flash-qla", "tilelang", "apache-tvm-ffi",
+    "torch-c-dlpack-ext", "z3-solver", "ml-dtypes", "cut-cross-entropy",
+)
+GPU_LOCKS: dict[str, str] = {  # target Python -> the GPU lock that pins its files
+    "3.11": "images/trainer/requirements-gpu.lock",
+    "3.12": "images/trainer/requirements-gpu-cp312.lock",
+}
+
+
+def kernel_pins(lock: Path) -> list[Pin]:
+    """The lock's pins of KERNEL_PACKAGES; a lock without one of them is an error naming it."""
+    pins = {p.name: p for p in read_lock(lock)}
+    missing = [name for name in KERNEL_PACKAGES if name not in pins]
+    if missing:
+        raise LaunchError(f"{lock}: no pin for {', '.join(missing)} (the GPU fast path's kernel packages)")
+    return [pins[name] for name in KERNEL_PACKAGES]
+
+
 @dataclass(frozen=True)
 class Target:
     """The image's interpreter and C library: the wheel tags its venv can load."""

@@ -6,7 +6,7 @@
 # image does it too when needed), or for a container's own Python into <flavour>-cpNNN/.
 IMAGE_OUT ?= build/images
 
-.PHONY: image wheelhouse test-image
+.PHONY: image wheelhouse test-image lock-check
 
 image: venv  ## build a container image [name=trainer] [flavour=cpu|gpu|test] (as root)
 	$(PY) -m images.build --name $(or $(name),trainer) --flavour $(or $(flavour),cpu) \
@@ -18,3 +18,6 @@ wheelhouse: venv  ## a flavour's wheels into build/wheelhouse/ (os=ubuntu-24.04 
 
 test-image: venv  ## the image tests
 	$(PY) -m pytest -q tests/test_image.py
+
+lock-check: venv  ## each GPU lock's kernel pins resolve for its Python (pip --dry-run, cp311 and cp312)
+	$(PY) -m images.check_locks

@@ -1,0 +1,120 @@
+"""Install the GPU fast path's kernel packages at exactly a lock's pins, from a local wheel folder.
+
+A GPU benchmark measures what a provisioned node gets only if it runs the same kernel packages:
+this installs, into a --target folder beside the machine's own torch and triton, every wheel of
+the folder that the lock pins (name, version and sha256 all checked against the lock; a wheel of
+another version or hash is refused, one the lock does not pin is skipped and named), then
+`--check` verifies that every package of images.wheelhouse.KERNEL_PACKAGES is there at its pin
+and prints the versions a RESULTS.md row records (`--json FILE` writes them too).
+
+    python3 bench/install_kernels.py --lock images/trainer/requirements-gpu-cp312.lock \
+        --wheels WHEELS --target /tmp/gpuenv            # may run once per wheel folder
+    python3 bench/install_kernels.py --lock images/trainer/requirements-gpu-cp312.lock \
+        --target /tmp/gpuenv --check --json versions.json
+
+Then run the benchmark with PYTHONPATH=/tmp/gpuenv and LD_LIBRARY_PATH=/tmp/gpuenv/z3/lib
+(tilelang loads libz3 from z3-solver's folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from packaging.utils import canonicalize_name  # noqa: E402
+
+from images.wheelhouse import KERNEL_PACKAGES, kernel_pins, read_lock, wheel_identity  # noqa: E402
+from launch.errors import LaunchError  # noqa: E402
+from toolkit.fsutil import atomic_write_text, sha256_file  # noqa: E402
+
+# Installed beside the kernels when the folder has them at the lock's pins (the trainer needs
+# them; the machine's own copies may be older): recorded in the versions table too.
+ALSO_RECORDED = ("transformers", "submitit", "cloudpickle", "deepspeed", "causal-conv1d")
+
+
+def install(lock: Path, wheels: Path, target: Path) -> list[str]:
+    pins = {p.name: p for p in read_lock(lock)}
+    chosen: list[Path] = []
+    for path in sorted(wheels.glob("*.whl")):
+        name, version, _tags = wheel_identity(path.name)
+        pin = pins.get(name)
+        if pin is None:
+            print(f"skipped {path.name}: {lock.name} does not pin {name}")
+            continue
+        if pin.version != version:
+            raise LaunchError(f"{path.name}: {lock.name} pins {name}=={pin.version}, not {version}")
+        if pin.hashes and sha256_file(path) not in pin.hashes:
+            raise LaunchError(f"{path.name}: its sha256 is not the one {lock.name} pins for {name}=={version}")
+        chosen.append(path)
+    if not chosen:
+        raise LaunchError(f"no wheel in {wheels} is pinned by {lock.name}")
+    target.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, chosen)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        errors = [line for line in (proc.stderr + proc.stdout).splitlines() if line.startswith("ERROR")]
+        raise LaunchError(f"pip install failed: {(errors or ['exit ' + str(proc.returncode)])[0]}")
+    return [wheel_identity(p.name)[0] for p in chosen]
+
+
+def installed_versions(target: Path) -> dict[str, str]:
+    """name -> version of what `target` holds, then of what the interpreter has beside it."""
+    found: dict[str, str] = {}
+    for path in ([str(target)], None):
+        for dist in md.distributions(**({"path": path} if path else {})):
+            name = canonicalize_name(dist.metadata["Name"] or "")
+            found.setdefault(name, dist.version)
+    return found
+
+
+def check(lock: Path, target: Path) -> tuple[dict[str, str], list[str]]:
+    versions = installed_versions(target)
+    problems = []
+    for pin in kernel_pins(lock):
+        have = versions.get(pin.name)
+        if have != pin.version:
+            problems.append(f"{pin.name}: {have or 'not installed'} (the lock pins {pin.version})")
+    recorded = {name: versions.get(name, "-") for name in (*KERNEL_PACKAGES, *ALSO_RECORDED, "torch", "triton")}
+    return recorded, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--lock", type=Path, required=True, help="the GPU lock of this machine's Python")
+    parser.add_argument("--wheels", type=Path, help="a folder of wheels to install at the lock's pins")
+    parser.add_argument("--target", type=Path, required=True, help="the install folder (put it on PYTHONPATH)")
+    parser.add_argument("--check", action="store_true", help="verify the whole kernel set is at the lock's pins")
+    parser.add_argument("--json", type=Path, help="with --check: write the versions table here")
+    args = parser.parse_args(argv)
+    try:
+        if args.wheels is not None:
+            names = install(args.lock, args.wheels, args.target)
+            print(f"installed at {args.lock.name}'s pins: {', '.join(names)}")
+        if args.check:
+            recorded, problems = check(args.lock, args.target)
+            width = max(map(len, recorded))
+            print(f"{'package':<{width}}  version")
+            for name, version in recorded.items():
+                print(f"{name:<{width}}  {version}")
+            if args.json:
+                atomic_write_text(args.json, json.dumps({"lock": args.lock.name, "versions": recorded}, indent=1) + "\n")
+            if problems:
+                for line in problems:
+                    print(f"not at the lock's pin: {line}", file=sys.stderr)
+                return 1
+            print(f"kernel set at {args.lock.name}'s pins: ok")
+        return 0
+    except LaunchError as exc:
+        print(f"install_kernels: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
