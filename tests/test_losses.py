@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from train.common import losses
 from train.common.losses import LossImplError, select_loss_impl, token_losses
 from train.common.packing import IGNORE_INDEX
 from train.stage1.model import build_model
@@ -37,3 +38,96 @@ def test_loss_impl_selection_on_cpu():
         select_loss_impl(cpu, "fast")
     with pytest.raises(LossImplError):
         token_losses(torch.zeros(1, 2, 4), torch.zeros(8, 4), torch.zeros(1, 2, dtype=torch.long), "bogus")
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused path's operands. cut-cross-entropy's Triton kernel cannot run on this CPU machine, so
+# `kernel` below stands in for it: it records the operands it is handed and computes the same loss
+# in torch (losses.reference_linear_cross_entropy: bf16 operands, fp32 products and log-sum-exp),
+# and, like cut-cross-entropy's backward, refuses fp32 embeddings. It does not model the kernel's
+# own blocking, its gradient filtering (filter_eps) or its speed.
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    seen: list[tuple[torch.dtype, torch.dtype, bool]] = []
+
+    def cce_stand_in(e, c, targets):
+        seen.append((e.dtype, c.dtype, e.is_contiguous()))
+        return losses.reference_linear_cross_entropy(e, c, targets)
+
+    monkeypatch.setitem(losses.FUSED_KERNELS, "cce", cce_stand_in)
+    return seen
+
+
+def test_reference_refuses_fp32_embeddings_as_cut_cross_entropy_does():
+    e, c = torch.randn(4, 8), torch.randn(16, 8)
+    with pytest.raises(LossImplError, match="bf16 or fp16"):
+        losses.reference_linear_cross_entropy(e, c, torch.zeros(4, dtype=torch.long))
+
+
+def test_stage1_fused_path_gets_bf16_under_fp32_autocast_and_matches_logits(kernel):
+    """fp32 weights under bf16 autocast (the RMSNorm returns fp32 hidden states): the kernel gets
+    bf16 operands, and loss and gradients equal the fp32 logits path within bf16 tolerance."""
+    torch.manual_seed(0)
+    model, _ = build_model("tiny")
+    ids = torch.randint(0, 4000, (2, 24))
+    labels = ids.clone()
+    labels[:, :3] = IGNORE_INDEX
+    results = {}
+    for impl in ("logits", "cce"):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=impl == "cce"):
+            per_token = CausalLMObjective(model, impl)(input_ids=ids, labels=labels)
+        per_token.sum().backward()
+        results[impl] = (per_token.detach(), model.lm_head.weight.grad.clone(),
+                         model.model.embed_tokens.weight.grad.clone())
+    assert kernel and all(e == torch.bfloat16 and c == torch.bfloat16 and contig for e, c, contig in kernel)
+    (want, want_head, want_emb), (got, got_head, got_emb) = results["logits"], results["cce"]
+    assert got.dtype == torch.float32 and torch.all(got[labels[:, 1:] == IGNORE_INDEX] == 0)
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    for g, w in ((got_head, want_head), (got_emb, want_emb)):
+        assert g.dtype == torch.float32
+        assert float((g - w).norm() / w.norm()) < 0.05
+
+
+def test_dflash_fused_loss_gets_bf16_and_matches_the_logits_path(kernel):
+    """The drafter trains with fp32 weights under bf16 autocast against a frozen fp32 lm_head:
+    the kernel gets bf16 rows and a bf16 lm_head (cast once, not per step), and the loss, its
+    gradient and the slot accuracies equal the logits path's."""
+    from train.dflash.model import TargetHead, drafter_loss
+
+    torch.manual_seed(0)
+    head = TargetHead(torch.randn(300, 64), torch.randn(300, 64) * 0.1)
+    hidden = torch.randn(2, 5, 8, 64, requires_grad=True)
+    labels = torch.randint(0, 300, (2, 5, 7))
+    labels[1, 3:] = IGNORE_INDEX
+    out = {}
+    for impl in ("logits", "cce"):
+        hidden.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, stats = drafter_loss(head, hidden, labels, None, 0.0, 7.0, loss_impl=impl)
+        loss.backward()
+        out[impl] = (loss.detach(), hidden.grad.clone(), stats)
+    assert len(kernel) == 1 and kernel[0][:2] == (torch.bfloat16, torch.bfloat16)
+    (l1, g1, s1), (l2, g2, s2) = out["logits"], out["cce"]
+    torch.testing.assert_close(l2, l1, atol=0.02, rtol=0.01)
+    assert float((g2 - g1).norm() / g1.norm()) < 0.05
+    assert s1["acc_slot"] == s2["acc_slot"]
+    assert head.lm_head.weight.dtype == torch.float32  # the head itself is untouched
+
+
+def test_frozen_weight_is_cast_once_and_again_after_it_changes():
+    w = torch.randn(32, 8)
+    e = torch.randn(4, 8)
+    _, c1 = losses.fused_operands(e, w)
+    _, c2 = losses.fused_operands(e, w)
+    assert c1.dtype == torch.bfloat16 and c1 is c2
+    with torch.no_grad():
+        w.mul_(2)
+    _, c3 = losses.fused_operands(e, w)
+    assert c3 is not c1 and torch.equal(c3, w.to(torch.bfloat16))
+    trainable = torch.randn(32, 8, requires_grad=True)
+    e16 = torch.randn(4, 8, dtype=torch.float16)
+    e_out, c_out = losses.fused_operands(e16, trainable)
+    assert e_out.dtype == c_out.dtype == torch.float16 and c_out.requires_grad

@@ -13,6 +13,8 @@ bench/RESULTS.md).
 from __future__ import annotations
 
 import importlib
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,88 @@ def select_loss_impl(device: torch.device, requested: str = "auto") -> str:
     return requested
 
 
+# The fused kernels' operand dtypes. cut-cross-entropy's backward asserts bf16/fp16 embeddings
+# ("Backwards requires embeddings to be bf16 or fp16"), and a Triton kernel ignores autocast: a
+# trainer with fp32 weights under bf16 autocast (DFlash, whose RMSNorm returns fp32) hands it fp32
+# hidden states, which its forward takes and its backward refuses. Both operands go in as bf16
+# (fp16 when the hidden states already are); the kernels accumulate the dot products and the
+# log-sum-exp in fp32, and the loss comes back in fp32.
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class _FrozenCast:
+    """The bf16 copy of a frozen classifier weight (DFlash's target lm_head: fp32, requires no
+    grad), made once and not per step: 248k x 2048 is a 1 GiB copy. Keyed on the tensor object
+    and its in-place version counter, so a weight that changes is cast again."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int, torch.dtype] | None = None
+        self._ref: weakref.ref | None = None
+        self._value: torch.Tensor | None = None
+
+    def __call__(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (id(weight), weight._version, dtype)
+        if self._ref is not None and self._ref() is weight and self._key == key and self._value is not None:
+            return self._value
+        value = weight.detach().to(dtype)
+        self._key, self._ref, self._value = key, weakref.ref(weight), value
+        return value
+
+
+_frozen_cast = _FrozenCast()
+
+
+def fused_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [N, D], weight [V, D]) as a fused kernel takes them: both bf16 (fp16 when the hidden
+    states are fp16), hidden contiguous. The casts are autograd ops, so the gradients reach fp32
+    hidden states and an fp32 trainable weight in their own dtype."""
+    dtype = hidden.dtype if hidden.dtype in FUSED_DTYPES else torch.bfloat16
+    e = hidden.to(dtype).contiguous()
+    if weight.dtype == dtype:
+        c = weight
+    elif weight.requires_grad:
+        c = weight.to(dtype)
+    else:
+        c = _frozen_cast(weight, dtype)
+    return e, c
+
+
+def _cce(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(e, c, targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def _liger(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(e, c, targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+# impl -> kernel(e [N, D], c [V, D], targets [N]) -> per-row loss [N] (0 at IGNORE_INDEX).
+FUSED_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "cce": _cce,
+    "liger": _liger,
+}
+
+
+def reference_linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                                   chunk_rows: int = 4096) -> torch.Tensor:
+    """What the fused kernels compute, in torch: the same bf16 operands, products and log-sum-exp
+    in fp32, per-row loss [N] (0 at IGNORE_INDEX), in chunks of rows. The oracle the CPU tests hold
+    the fused path's operands to; no faster than the logits path."""
+    if e.dtype not in FUSED_DTYPES:
+        # cut-cross-entropy's own assertion, kept so a CPU test fails where its backward would
+        raise LossImplError(f"Backwards requires embeddings to be bf16 or fp16 (got {e.dtype})")
+    out = []
+    with torch.autocast(e.device.type, enabled=False):
+        for lo in range(0, e.shape[0], chunk_rows):
+            logits = F.linear(e[lo:lo + chunk_rows].float(), c.float())
+            out.append(F.cross_entropy(logits, targets[lo:lo + chunk_rows], ignore_index=IGNORE_INDEX,
+                                       reduction="none"))
+    return torch.cat(out) if out else e.new_zeros(0, dtype=torch.float32)
+
+
 def token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, impl: str) -> torch.Tensor:
     """Per-token next-token loss [B, T-1] (fp32) from final hidden states [B, T, D] and lm_head weight [V, D]."""
     e = hidden[:, :-1].reshape(-1, hidden.shape[-1])
@@ -68,15 +152,8 @@ def token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     if impl == "logits":
         logits = F.linear(e, weight)
         out = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
-    elif impl == "cce":
-        from cut_cross_entropy import linear_cross_entropy
-
-        out = linear_cross_entropy(e.contiguous(), weight, targets, ignore_index=IGNORE_INDEX, reduction="none")
-    elif impl == "liger":
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-        out = liger_fused_linear_cross_entropy(e.contiguous(), weight, targets, ignore_index=IGNORE_INDEX,
-                                               reduction="none")
+    elif impl in FUSED_KERNELS:
+        out = FUSED_KERNELS[impl](*fused_operands(e, weight), targets.contiguous())
     else:
         raise LossImplError(f"unknown loss implementation {impl!r}")
     return out.float().view(shape)

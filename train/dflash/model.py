@@ -540,22 +540,24 @@ def _fused_loss(head: TargetHead, rows: torch.Tensor, y: torch.Tensor, w_rows: t
                 verifier_rows: torch.Tensor | None, chunk: int, impl: str) -> tuple[torch.Tensor, dict[str, Any]]:
     """The CE through stage-1's fused linear-cross-entropy kernel (train.common.losses: no logits
     tensor in forward or backward); the accuracy's argmax is a no-grad pass in chunks."""
-    from train.common.losses import token_losses
+    from train.common.losses import fused_operands, token_losses
 
-    weight = head.lm_head.weight.to(rows.dtype)
-    # token_losses predicts labels[t] from hidden[t-1]: give it each row with its label one step on
-    ce = token_losses(rows[:, None].expand(-1, 2, -1), weight,
+    # token_losses predicts labels[t] from hidden[t-1]: give it each row with its label one step on.
+    # It hands the kernel bf16 rows and a bf16 lm_head (the drafter's fp32 rows under autocast
+    # would fail cut-cross-entropy's backward); the argmax below uses the same bf16 operands.
+    ce = token_losses(rows[:, None].expand(-1, 2, -1), head.lm_head.weight,
                       torch.stack([torch.full_like(y, IGNORE_INDEX), y], 1), impl)[:, 0]
     loss = (ce * w_rows).sum() / w_rows.sum().clamp(min=1e-9)
     with torch.no_grad():
-        argmax = torch.cat([(rows[lo:lo + chunk] @ weight.T).argmax(-1) for lo in range(0, len(rows), chunk)])
+        e, weight = fused_operands(rows.detach(), head.lm_head.weight)
+        argmax = torch.cat([(e[lo:lo + chunk] @ weight.T).argmax(-1) for lo in range(0, len(rows), chunk)])
     correct = argmax == y
     acc_slot = slot_accuracies(correct, valid)
     stats: dict[str, Any] = {"ce": float(ce.detach().mean()), "acc": float(correct.float().mean()),
                              "acc_slot": acc_slot, "acc1": acc_slot[0], "tau": acceptance_length(acc_slot)}
     if verifier_rows is not None:
         with torch.no_grad():
-            agree = sum(int(((verifier_rows[lo:lo + chunk].to(rows.dtype) @ weight.T).argmax(-1)
+            agree = sum(int(((verifier_rows[lo:lo + chunk].to(weight.dtype) @ weight.T).argmax(-1)
                              == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(rows), chunk))
         stats["target_agree"] = agree / len(rows)
     return loss, stats
