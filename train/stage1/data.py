@@ -52,7 +52,8 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from train.common.codebooks import CODEBOOK_NAMES, CodebookConfig
-from train.common.packing import Document, ImageInput, collate, layout_packer, rows_per_batch
+from train.common.packing import Document, ImageInput, build_row, collate, layout_packer, rows_per_batch
+from train.common.vision_budget import BudgetGate, VisionBudget
 from train.stage1.tokenizer import Stage1Tokenizer
 from train.stage1.vision import BadImage
 
@@ -298,6 +299,20 @@ class DataConfig:
     num_workers: int = 1
     prefetch_factor: int = 4
     packing: str = "rows"  # rows: batch_rows rows of row_len; flat: one stream of batch_rows*row_len (packing.py)
+    vision_budget: VisionBudget | None = None  # images and vision tokens a batch may hold (None: unbounded)
+
+
+# Documents drawn in a row that had to wait for the vision budget before the batch is closed (its
+# rest padded): a mixture of image tasks only could otherwise draw forever once the budget is spent.
+MAX_BUDGET_WAITS = 64
+
+
+def image_tokens(tok: Stage1Tokenizer, root: Path, rec: dict[str, Any]) -> int:
+    """Vision tokens of a record's image, from its header (MalformedRecord for a bad image)."""
+    try:
+        return tok.encoder.tokens_for(data_path(root, rec, "image"))
+    except BadImage as exc:
+        raise MalformedRecord(str(exc)) from None
 
 
 def build_batch(
@@ -305,22 +320,47 @@ def build_batch(
 ) -> dict[str, Any]:
     """Pack documents of batch `batch_index` into cfg.batch_rows rows; collated, plus bookkeeping."""
     bad: list[str] = []
+    over_budget: list[str] = []  # documents whose images alone exceed the vision budget (dropped)
     docs_used = 0
+    gate = BudgetGate(cfg.vision_budget) if cfg.vision_budget is not None else None
 
     def documents() -> Iterator[Document]:
         nonlocal docs_used
+        waits = 0  # documents in a row that waited for the budget
         for task, line_no, rec in sampler.draws(batch_index):
+            where = f"{sampler.man.root / (task + '.jsonl')}:{line_no}"
             try:
-                doc = tokenize_record(tok, sampler.man.root, task, rec)
-                if any(img.n_tokens + 2 > cfg.row_len for img in doc.images):
-                    raise MalformedRecord(f"image of {doc.images[0].n_tokens} tokens does not fit a {cfg.row_len}-token row")
+                verdict, counted = "ok", 0
+                if gate is not None and task in IMAGE_TASKS:  # one image per document; its header says its size,
+                    counted = image_tokens(tok, sampler.man.root, rec)  # so a waiting one is never decoded
+                    verdict = gate.admit(1, counted)
+                if verdict == "ok":
+                    doc = tokenize_record(tok, sampler.man.root, task, rec)
+                    if any(img.n_tokens + 2 > cfg.row_len for img in doc.images):
+                        raise MalformedRecord(f"image of {doc.images[0].n_tokens} tokens does not fit a "
+                                              f"{cfg.row_len}-token row")
+                    actual = sum(img.n_tokens for img in doc.images)
+                    if gate is not None and (counted, 1 if counted else 0) != (actual, len(doc.images)):
+                        gate.release(1 if counted else 0, counted)  # the header misled: count the truth
+                        verdict = gate.admit(len(doc.images), actual)
             except MalformedRecord as exc:
-                bad.append(f"{sampler.man.root / (task + '.jsonl')}:{line_no}: {exc}")
+                if gate is not None and verdict == "ok" and counted:
+                    gate.release(1, counted)
+                bad.append(f"{where}: {exc}")
                 if len(bad) > 1000 and len(bad) > 10 * docs_used:
                     raise DataError(
                         f"batch {batch_index}: {len(bad)} malformed records against {docs_used} good; last: {bad[-1]}"
                     ) from None
                 continue
+            if verdict != "ok":
+                if verdict == "drop":
+                    over_budget.append(f"{where}: its image(s) of {counted} vision tokens exceed the step's vision "
+                                       f"budget ({gate.budget.images} images, {gate.budget.tokens} tokens)")
+                waits += 1
+                if waits >= MAX_BUDGET_WAITS:
+                    return  # the batch closes here, its rest padded
+                continue
+            waits = 0
             docs_used += 1
             yield doc
 
@@ -330,9 +370,13 @@ def build_batch(
         rows.append(row)
         if len(rows) == rows_per_batch(cfg.packing, cfg.batch_rows):
             break
+    while len(rows) < rows_per_batch(cfg.packing, cfg.batch_rows):  # the stream closed early: pad
+        rows.append(build_row([], packer.row_len, tok.pad_id))
     batch: dict[str, Any] = collate(rows)
     batch.update(
-        batch_index=batch_index, n_docs=docs_used, bad_records=bad,
+        batch_index=batch_index, n_docs=docs_used, bad_records=bad, over_budget=over_budget,
+        budget_waits=gate.waited if gate is not None else 0,
+        vision_tokens=sum(img.n_tokens for r in rows for img in r.images),
         packing_efficiency=sum(r.n_real_tokens for r in rows) / sum(r.input_ids.numel() for r in rows),
     )
     return batch
@@ -389,6 +433,7 @@ class Stage1Data:
         self.next_batch = start_batch
         self.docs_seen = 0
         self.bad_seen = 0
+        self.over_budget = 0  # documents dropped because their images alone exceed the vision budget
         self._reported: set[str] = set()  # each bad record is reported once, counted every time
         for line in self.dataset.man.bad:
             report(f"malformed record: {line}")
@@ -418,6 +463,11 @@ class Stage1Data:
         self.next_batch += 1
         self.docs_seen += batch["n_docs"] + len(batch["bad_records"])
         self.bad_seen += len(batch["bad_records"])
+        for line in batch["over_budget"]:  # not malformed: counted apart, never toward --max-bad-fraction
+            self.over_budget += 1
+            if line not in self._reported:
+                self._reported.add(line)
+                self.report(f"dropped (over the vision budget): {line}")
         for line in batch["bad_records"]:
             if line not in self._reported:
                 self._reported.add(line)

@@ -47,6 +47,7 @@ from train.common.profiler import ProgressWatch, StepProfiler, StepTiming, rank_
 from train.common.runtime import Runtime, pick_device
 from train.common.shapes import SHAPES, get_shape
 from train.common.stepper import Stepper, make_adamw, zero2_config
+from train.common.vision_budget import VisionBudget, derive_budget, fixed_budget
 from train.stage1 import model as stage1_model  # stage1_model.build_model: tests wrap it
 from train.stage1.data import (
     IMAGE_TASKS,
@@ -126,6 +127,8 @@ class Stage1Config:
                             "are recomputed in the backward (less memory for images, one more tower forward)")
     packing: str = opt("auto", choices=("auto", "flat", "rows"),
                        help="batch layout: flat (one stream of batch_rows x row_len) or rows (auto: flat on CUDA)")
+    vision_budget: str = opt("auto", help="vision tokens a step's images may hold, per rank: auto (from the model and "
+                             "the device's memory, train/common/vision_budget.py), a number, or off")
     conv_impl: str = opt("auto", choices=("auto", "causal-conv1d", "fla"),
                          help="GDN short-conv kernel on CUDA (auto: causal-conv1d when installed, else fla's Triton)")
 
@@ -183,6 +186,8 @@ def validate(cfg: Stage1Config) -> None:
             check_weights(cfg.weights)
         except DataError as exc:
             raise ConfigError(f"--weights: {exc}") from None
+    if cfg.vision_budget not in ("auto", "off") and not (cfg.vision_budget.isdigit() and int(cfg.vision_budget) >= 1):
+        raise ConfigError(f"--vision-budget must be auto, off or a number of tokens >= 1, got {cfg.vision_budget!r}")
     if cfg.vision and SHAPES[cfg.shape].vision is None:
         raise ConfigError(f"model shape {cfg.shape!r} has no vision tower; use --vision off")
     codebook_config(cfg)
@@ -403,10 +408,11 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         rt.print(f"# resumed from {latest} at step {rt.step}, next batch {data_state['next_batch']}")
     if rt.dist.is_main:  # after the resume: a run refused over others' checkpoints leaves their files alone
         write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
+    budget = step_vision_budget(cfg, model, spec, rt, ds) if tok.encoder is not None else None
     data = Stage1Data(
         DataConfig(str(data_dir), row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
                    weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers,
-                   packing=packing),
+                   packing=packing, vision_budget=budget),
         tok, rank=rt.dist.rank, start_batch=int(data_state["next_batch"]), report=rt.print,
     )
     flops_per_token, peak, peak_source = mfu_terms(model, cfg, rt.device)
@@ -419,6 +425,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         "optimizer": stepper.name, "vision_params": spec.n_vision_params,
         **({"vision_flops_per_patch": 6 * mfu.vision_matmul_params(vision_config(model))}
            if vision_config(model) is not None else {}),
+        **({"vision_budget": budget.header() if budget else "off (unbounded)"} if tok.encoder is not None else {}),
     })
     rt.print(mixture_line(data, tok))
     rt.print("# " + kernels.header().replace("\n", "\n# "))
@@ -432,6 +439,26 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
 STEP_LINE_LEGEND = ("step line: step n/N, loss (per task: gi gen_img, gt gen_txt, un und, ri replay_img, "
                     "rt replay_text), tok/s, useful-token MFU, compute+data ms, peak GiB, eta; STALL(cause) on a "
                     "step > 3x the running median")
+
+
+def step_vision_budget(cfg: Stage1Config, model: torch.nn.Module, spec: Any, rt: Runtime,
+                       ds: bool) -> VisionBudget | None:
+    """--vision-budget: the images and vision tokens one rank's step may hold (None: off).
+
+    auto: train.common.vision_budget's formula for this model, step and device (a GPU's memory; on
+    the CPU the host's, which bounds the demo too)."""
+    if cfg.vision_budget == "off":
+        return None
+    if cfg.vision_budget != "auto":
+        return fixed_budget(int(cfg.vision_budget))
+    if rt.device.type == "cuda":
+        memory, name = torch.cuda.get_device_properties(rt.device).total_memory, torch.cuda.get_device_name(rt.device)
+    else:
+        memory, name = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory (cpu)"
+    text = stage1_model.text_model_config(model)
+    return derive_budget(vision=vision_config(model), params=spec.n_params, layers=text.num_hidden_layers,
+                         hidden=text.hidden_size, step_tokens=cfg.batch_rows * cfg.row_len, device_memory=memory,
+                         zero_shards=rt.dist.world_size if ds else 1, device_name=name)
 
 
 def mixture_line(data: Stage1Data, tok: Any) -> str:
@@ -461,6 +488,7 @@ def step_record(run: Stage1Run, rt: Runtime, batch: dict[str, Any], result: Step
         "step": rt.step, "loss": loss, "task_loss": task_loss, "tok_s": tok_s, "real_tok_s": tok_s * useful,
         "mfu": mfu_all, "mfu_useful": mfu_useful, "vision_flops": vision,
         "images": 0 if batch.get("image_grid_thw") is None else len(batch["image_grid_thw"]),
+        "vision_tokens": batch.get("vision_tokens", 0), "budget_waits": batch.get("budget_waits", 0),
         "data_ms": timing.data_ms, "compute_ms": timing.compute_ms, "peak_mem_mb": peak_memory_mb(rt.device),
         "compiles": compiles, "recompiles": recompiles, "lr": run.stepper.step_lr, "grad_norm": result.grad_norm,
         "packing_efficiency": useful, "batch_index": batch["batch_index"], "batch_digest": batch_digest(batch),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
 from train.common.packing import ImageInput
 from train.common.shapes import VisionShape
@@ -113,6 +113,31 @@ class ImageEncoder:
     def max_tokens(self) -> int:
         """Placeholder tokens of the largest image this processor emits."""
         return _pixel_bounds(self.processor)[1] // (int(self.processor.patch_size) * self.merge) ** 2
+
+    @property
+    def min_tokens(self) -> int:
+        """Placeholder tokens of the smallest image this processor emits."""
+        unit = int(self.processor.patch_size) * self.merge
+        return max(1, -(-_pixel_bounds(self.processor)[0] // unit**2))
+
+    def tokens_for(self, path: Path) -> int:
+        """Placeholder tokens the image at ``path`` will have, from its header alone (nothing
+        decoded): the vision budget turns away images that would not fit before paying their
+        decode. The same resizes as ``__call__`` (bucket, then the processor's smart_resize)."""
+        try:
+            with Image.open(path) as im:
+                w, h = im.size
+        except (OSError, ValueError, SyntaxError, EOFError) as exc:
+            raise BadImage(f"unreadable image {path} ({type(exc).__name__})") from None
+        lo, hi = _pixel_bounds(self.processor)
+        if self.bucket:
+            h, w = bucketed_size(h, w, self.bucket, lo, hi)
+        unit = int(self.processor.patch_size) * self.merge
+        try:
+            h, w = smart_resize(h, w, factor=unit, min_pixels=lo, max_pixels=hi)
+        except ValueError as exc:
+            raise BadImage(f"image {path}: {exc}") from None
+        return (h // unit) * (w // unit)
 
     def __call__(self, path: Path) -> ImageInput:
         rgb = open_rgb(path)
