@@ -48,6 +48,13 @@ def replace_flag(argv: list[str], key: str, value: str) -> list[str]:
     return [*out, flag, value]
 
 
+def checkpoint_step(root: Path) -> int | None:
+    """The step of the newest complete checkpoint (its MANIFEST.json is written last), which a
+    resume starts from; None when there is none. The trainer verifies it byte for byte."""
+    steps = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "MANIFEST.json").is_file()]
+    return max(steps, default=None)
+
+
 def run(args: argparse.Namespace) -> int:
     submit._check_option_combinations(args)
     given = [f"--{k.replace('_', '-')}" for k in NOT_FOR_RESUME if getattr(args, k, None)]
@@ -63,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
                           f"(see `launch status {rec.job_id}`)")
     if args.steps is not None and args.steps < 1:
         raise LaunchError(f"--steps must be >= 1, got {args.steps}")
+    at = checkpoint_step(run_dir / "checkpoints")
+    if args.steps is not None and at is not None and args.steps <= at:
+        raise LaunchError(f"job {rec.job_id}'s run is at step {at} (its newest checkpoint): --steps {args.steps} would "
+                          f"train nothing; give the new total, above {at} (e.g. `launch resume {rec.job_id} --steps "
+                          f"{2 * at}`); nothing submitted")
     config = runconfig.read(run_dir) or {}
     source = config.get("spec")
     spec = find_spec(source if isinstance(source, str) and Path(source).is_file() else rec.name)

@@ -153,6 +153,15 @@ CASES = [
     Case("cli", "resume-unknown", ["resume", "424242"], r"job 424242 was not submitted from here"),
     Case("cli", "resume-steps-zero", ["resume", "1", "--steps", "0"], r"--steps must be >= 1", job_record=True,
          setup=_mkdir("runs/1/checkpoints")),
+    # A total the run has already reached trains nothing: refused before anything is queued (38.4).
+    Case("cli", "resume-steps-not-past-the-run", ["resume", "1", "--steps", "50"],
+         r"job 1's run is at step 70 \(its newest checkpoint\): --steps 50 would train nothing; give the new total, "
+         r"above 70 \(e.g. `launch resume 1 --steps 140`\); nothing submitted", job_record=True,
+         files={"runs/1/checkpoints/step_00000050/MANIFEST.json": "{}", "runs/1/checkpoints/step_00000070/MANIFEST.json": "{}",
+                "runs/1/checkpoints/step_00000090/partial": ""}),
+    Case("cli", "resume-steps-equal-to-the-run", ["resume", "1", "--steps", "70"],
+         r"job 1's run is at step 70 \(its newest checkpoint\): --steps 70 would train nothing", job_record=True,
+         files={"runs/1/checkpoints/step_00000070/MANIFEST.json": "{}"}),
     Case("cli", "verbose-without-follow", ["submit", "fixture", "--verbose"], r"--verbose is about what --follow shows"),
     # ---- no Slurm reachable: one line saying which Slurm was tried and how to bring one up
     Case("cli", "submit-no-cluster", ["submit", "fixture"],
