@@ -13,9 +13,11 @@ import json
 import os
 import pickle
 import re
+import shlex
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -476,13 +478,44 @@ def summary_lines(rec: JobRecord) -> list[str]:
     return lines
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The last `--flag V` / `--flag=V` of an argv, or None."""
+    value = None
+    for i, item in enumerate(argv):
+        if item == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif item.startswith(flag + "="):
+            value = item.split("=", 1)[1]
+    return value
+
+
+def _preset(rec: JobRecord) -> str:
+    return " --preset tiny" if rec.preset == "tiny" else ""
+
+
+def _after_regen(rec: JobRecord) -> str:
+    target = _flag_value(rec.argv, "--init-from")
+    init = f" --arg init_from={shlex.quote(target)}" if target else " --arg init_from=<target>"
+    return f"launch submit extract{_preset(rec)}{init} --arg data=job:{rec.job_id}/data.jsonl"
+
+
+# The DFlash pipeline's next step after a completed job of each kind (regen -> extract -> dflash ->
+# export); a report or a resume means nothing there.
+PIPELINE_NEXT: dict[str, Callable[[JobRecord], str]] = {
+    "regen": _after_regen,
+    "extract": lambda rec: f"launch submit dflash{_preset(rec)} --arg data=job:{rec.job_id}",
+    "dflash": lambda rec: f"launch export {rec.job_id}",
+}
+
+
 def next_line(rec: JobRecord, completed: bool | None) -> str:
     """What to type next: while it runs (None), after it completed (True), after it failed (False)."""
     j = rec.job_id
     if completed is None:
         return f"launch logs -f {j}   |   launch status {j}   |   launch cancel {j}"
     if completed:
-        return f"launch report {j}   |   launch status {j}   |   launch resume {j} --steps N"
+        return f"{PIPELINE_NEXT[rec.name](rec)}   |   launch status {j}" if rec.name in PIPELINE_NEXT else \
+            f"launch report {j}   |   launch status {j}   |   launch resume {j} --steps N"
     return f"launch logs {j} --tail 40" + (" --all" if rec.tasks > 1 else "") + f"   |   launch status {j}"
 
 

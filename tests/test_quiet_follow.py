@@ -246,3 +246,21 @@ def test_a_requeued_attempt_is_quiet_again_and_the_heartbeat_says_where_it_is(tm
                                                        "tok_s_all_ranks": 42.1}))
     assert summary_lines(rec)[:3] == ["  steps     60", "  loss      8.500 -> 1.380",
                                       "  tokens/s  42 (all ranks, padding included)"]
+
+
+def test_the_next_line_after_each_pipeline_step_names_the_pipeline_s_next_step():
+    """regen -> extract -> dflash -> export: after each, the next job with the arguments that name
+    this one (a report or `resume --steps` means nothing there); stage 1 keeps report/resume."""
+    from launch.jobs_cli import next_line
+    from launch.registry import JobRecord
+
+    def rec(name: str, preset: str | None, argv: list[str]) -> JobRecord:
+        return JobRecord(job_id="7", name=name, preset=preset, folder="/r/7", submitted_at=0.0, slurm_conf=None, argv=argv)
+
+    assert next_line(rec("regen", "tiny", ["--init-from", "/t/my model", "--data", "/t/chat.jsonl"]), True) == \
+        "launch submit extract --preset tiny --arg init_from='/t/my model' --arg data=job:7/data.jsonl   |   launch status 7"
+    assert next_line(rec("regen", "gpu", []), True).startswith(
+        "launch submit extract --arg init_from=<target> --arg data=job:7/data.jsonl")
+    assert next_line(rec("extract", "tiny", []), True) == "launch submit dflash --preset tiny --arg data=job:7   |   launch status 7"
+    assert next_line(rec("dflash", "tiny", []), True) == "launch export 7   |   launch status 7"
+    assert next_line(rec("stage1", "tiny", []), True) == "launch report 7   |   launch status 7   |   launch resume 7 --steps N"
