@@ -63,6 +63,9 @@ def make_checkpoint(path: Path, vision: bool = False, seed: int = 0) -> Path:
         image_processor_for_shape(shape.vision).save_pretrained(path)
     else:
         model = Qwen3_5ForCausalLM(text_config(shape))
+    # as every real checkpoint (Qwen3.5's, the stage-1 export): the trainer must not act on it
+    for config in (model.config, getattr(model.config, "text_config", model.config)):
+        config.use_cache = True
     model.save_pretrained(path)
     return path
 

@@ -163,6 +163,7 @@ def test_export_loads_with_from_pretrained_and_gives_the_trainer_logits(text_ckp
     assert "weights: the module's weights of a plain-torch checkpoint" in (export / "README.md").read_text()
 
     loaded = AutoModelForCausalLM.from_pretrained(export, local_files_only=True).eval()
+    assert loaded.config.use_cache  # the trainer ran without a cache; generation from the export wants one
     trainer = _trainer_model(job, 2, vision=False, init_from=text_ckpt)
     tok = build_tokenizer(TINY, text_ckpt, vision=False)
     diff = max((document_logits(loaded, tok, data, t, 0) - document_logits(trainer, tok, data, t, 0)).abs().max().item()

@@ -150,13 +150,14 @@ def select_attention(requested: str, device: torch.device) -> str:
 def describe(choice: str, device: torch.device) -> str:
     """The kernel line of the log header."""
     if choice == "sdpa":
-        return "sdpa, block-diagonal causal mask from position_ids"
+        return "sdpa, per-document causal mask from position_ids (no KV cache, so transformers builds it)"
     if device.type == "cuda":
         problem = check_torch_varlen(device)
         if problem is None:
-            return "varlen: torch.nn.attention.varlen.varlen_attn over cu_seqlens"
-        return f"varlen: sdpa per document (is_causal) over cu_seqlens; torch's varlen kernel not used: {problem}"
-    return "varlen: sdpa per document (is_causal) over cu_seqlens"
+            return "varlen: torch.nn.attention.varlen.varlen_attn over cu_seqlens, no KV cache"
+        return (f"varlen: sdpa per document (is_causal) over cu_seqlens, no KV cache; torch's varlen kernel not "
+                f"used: {problem}")
+    return "varlen: sdpa per document (is_causal) over cu_seqlens, no KV cache"
 
 
 def use_attention(model: torch.nn.Module, choice: str) -> None:
@@ -167,3 +168,7 @@ def use_attention(model: torch.nn.Module, choice: str) -> None:
         check_torch_varlen(device)  # decides, once, between torch's kernel and sdpa per document
     config = getattr(model.config, "text_config", model.config)
     config._attn_implementation = impl
+    # A training forward never caches: with a cache transformers derives no per-document mask from
+    # position_ids (every checkpoint's config says use_cache=true), and sdpa attends across documents.
+    for c in {id(c): c for c in (model.config, config)}.values():
+        c.use_cache = False

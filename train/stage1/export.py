@@ -146,6 +146,8 @@ def export_checkpoint(job_dir: Path, step: int | None = None, out: Path | None =
     config = AutoConfig.from_pretrained(files, local_files_only=True)
     cls = Qwen3_5ForConditionalGeneration if getattr(config, "vision_config", None) is not None else Qwen3_5ForCausalLM
     model = cls._from_config(config, dtype=torch.float32)
+    for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        c.use_cache = True  # the trainer ran without a cache; the export is for generation, which wants it
     what = load_weights(ckpt, model)
     info = json.loads((files / "stage1.json").read_text())
 

@@ -159,6 +159,10 @@ def build_model(
         config = multimodal_config(cfg, vision_ids) if vision else text_config(cfg)
         with torch.device(device):
             model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    # A training model never caches: a checkpoint's use_cache=true makes transformers skip the
+    # per-document mask it derives from position_ids (train.stage1.objective passes False as well).
+    for config in {id(c): c for c in (model.config, text_model_config(model))}.values():
+        config.use_cache = False
     extend_embeddings(model, vocab.padded_vocab)
     text_model_config(model).vocab_size = vocab.padded_vocab
     model.to(device=device, dtype=dtype)

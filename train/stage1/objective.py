@@ -25,7 +25,9 @@ def base_forward(model: torch.nn.Module, **model_kwargs: torch.Tensor) -> torch.
     if pixel_values is not None:
         images = model.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
         model_kwargs["mm_encoder_outputs"] = {"image": images}
-    hidden = model.model(**model_kwargs).last_hidden_state
+    # use_cache=False whatever the config says (every checkpoint says true): with a cache present
+    # transformers builds no per-document mask from position_ids, and sdpa attends across documents.
+    hidden = model.model(**model_kwargs, use_cache=False).last_hidden_state
     visual = getattr(model.model, "visual", None)
     if pixel_values is None and visual is not None and torch.is_grad_enabled():
         # A batch without images: every vision parameter still gets a (zero) gradient, so that DDP
