@@ -118,7 +118,7 @@ SCHEMAS: dict[str, Schema] = {
     "stage1": Schema(
         trainer="stage1",
         # steps_total / eta_s: progress, read by `launch status` and the follow heartbeat; a
-        # stalled step (> 3x the running median) also carries `stall`, its cause.
+        # stalled step (> 2x the running median and >= 0.5 s over it) also carries `stall`, its cause.
         fields=("step", "loss", "task_loss", "tok_s", "real_tok_s", "mfu", "mfu_useful", "data_ms", "compute_ms",
                 "peak_mem_mb", "compiles", "recompiles", "lr", "grad_norm", "packing_efficiency", "batch_index",
                 "batch_digest", "steps_total", "eta_s"),

@@ -114,7 +114,10 @@ def rank_spread(timing: StepTiming, device: torch.device) -> dict[str, Any]:
 
 # --- progress (ETA) and stalls
 
-STALL_FACTOR = 3.0  # a step longer than this times the running median is a stall
+STALL_FACTOR = 2.0  # a step longer than this times the running median is a stall
+# ... and longer than the median by at least this much: tiny CPU steps (tens of ms) double on a
+# busy host's scheduling noise alone, which no one can act on; a GPU step of ~1 s must exceed 2 s.
+MIN_STALL_EXCESS_S = 0.5
 _MEDIAN_WINDOW = 200  # steps the running median (and so the ETA) looks back over
 
 
@@ -151,20 +154,38 @@ def stall_counters(device: torch.device, cache_dirs: dict[str, Path] | None = No
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         out["alloc_retries"] = float(stats.get("num_alloc_retries", 0))
-        out["device_allocs"] = float(stats.get("num_device_alloc", 0))
+        out["device_allocs"] = float(stats.get("num_device_alloc", 0))  # cudaMalloc: the reserve grew
+        out["device_frees"] = float(stats.get("num_device_free", 0))  # cudaFree: the cache was emptied
+        out["reserved_peak"] = float(stats.get("reserved_bytes.all.peak", 0))
     return out
 
 
-def stall_cause(before: dict[str, float], after: dict[str, float], timing: StepTiming) -> str:
-    """The known causes of one slow step, `+`-joined: compile, allocator, data; else unknown."""
+ALLOCATOR_COUNTERS = ("alloc_retries", "device_allocs", "device_frees", "reserved_peak")
+
+
+def stall_cause(before: dict[str, float], after: dict[str, float], timing: StepTiming,
+                median_s: float | None = None, load: dict[str, float] | None = None,
+                median_load: dict[str, float] | None = None) -> str:
+    """The known causes of one slow step, `+`-joined; else `unknown`:
+
+    compile    dynamo compiled (graphs, recompiles, compile seconds) or a kernel cache got an entry
+    allocator  the caching allocator went to the driver: cudaMalloc/cudaFree, an alloc retry (which
+               frees the cache and synchronises), or the reserved peak grew
+    data       the step waited for its batch for more than half of its excess over the median (all
+               of the step, when no median is given, over half of it)
+    images     the step held more images or vision tokens (``load``) than the median step
+    """
     changed = {k for k in after if after[k] != before.get(k, after[k])}
     causes = []
     if changed & {"dynamo", "compile_s"} or any(k.startswith("cache_") for k in changed):
         causes.append("compile")
-    if changed & {"alloc_retries", "device_allocs"}:
+    if changed & set(ALLOCATOR_COUNTERS):
         causes.append("allocator")
-    if timing.step_ms > 0 and timing.data_ms / timing.step_ms > 0.5:
+    excess_ms = timing.step_ms - 1000.0 * median_s if median_s is not None else timing.step_ms
+    if timing.step_ms > 0 and timing.data_ms > 0.5 * excess_ms:
         causes.append("data")
+    if load and median_load and any(load.get(k, 0) > median_load.get(k, 0) for k in load):
+        causes.append("images")
     return "+".join(causes) or "unknown"
 
 
@@ -173,29 +194,37 @@ class ProgressWatch:
 
     The ETA is the running median step time (over the last steps of this process, its first step
     left out: that one compiles) times the steps left. A step is stalled when it takes more than
-    STALL_FACTOR times the median of the steps before it (judged from this process's 3rd step on:
-the 2nd is the first the median has).
+    STALL_FACTOR times the median of the steps before it AND more than MIN_STALL_EXCESS_S over it.
+    Steps are judged from the first that has a median (a process's 3rd step: its 1st compiles and
+    is left out, its 2nd is the median's first). ``load`` (``observe``'s, e.g. images and vision
+    tokens) has running medians of its own: a stalled step above them has cause `images`.
     """
 
     def __init__(self, steps_total: int, device: torch.device | str = "cpu",
-                 counters: Any = None) -> None:
+                 counters: Any = None, min_excess_s: float = MIN_STALL_EXCESS_S) -> None:
         self.steps_total = steps_total
         self.device = torch.device(device)
+        self.min_excess_s = min_excess_s
         self._counters = counters or (lambda: stall_counters(self.device))
         self._last = self._counters()
         self._seen = 0
         self._times: collections.deque[float] = collections.deque(maxlen=_MEDIAN_WINDOW)
+        self._loads: dict[str, collections.deque[float]] = {}
 
-    def observe(self, step: int, timing: StepTiming) -> dict[str, Any]:
+    def observe(self, step: int, timing: StepTiming, load: dict[str, float] | None = None) -> dict[str, Any]:
         now = self._counters()
         before, self._last = self._last, now
         step_s = timing.step_ms / 1000.0
         self._seen += 1
         out: dict[str, Any] = {"steps_total": self.steps_total}
-        if self._times and step_s > STALL_FACTOR * statistics.median(self._times):
-            out["stall"] = stall_cause(before, now, timing)
+        median = statistics.median(self._times) if self._times else None
+        if median is not None and step_s > STALL_FACTOR * median and step_s - median >= self.min_excess_s:
+            median_load = {k: statistics.median(v) for k, v in self._loads.items() if v}
+            out["stall"] = stall_cause(before, now, timing, median, load, median_load)
         if self._seen > 1:  # the first step of a process compiles: neither the ETA nor the median has it
             self._times.append(step_s)
+            for key, value in (load or {}).items():
+                self._loads.setdefault(key, collections.deque(maxlen=_MEDIAN_WINDOW)).append(float(value))
         per_step = statistics.median(self._times) if self._times else step_s
         out["eta_s"] = max(0, self.steps_total - step) * per_step
         return out

@@ -349,7 +349,7 @@ def train(cfg: Stage1Config) -> int:
             # real_tok_s and mfu_useful leave the padding out.
             timing = run.prof.end_step(batch["input_ids"].numel() * rt.dist.world_size)
             rt.step += 1
-            progress = run.progress.observe(rt.step, timing)
+            progress = run.progress.observe(rt.step, timing, step_load(batch))
             rt.check_finite(result.loss if rt.dist.world_size == 1 else None, result.grad_norm, result.skipped)
             run.first_loss = result.loss if run.first_loss is None else run.first_loss
             run.last_loss = result.loss
@@ -438,7 +438,13 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
 
 STEP_LINE_LEGEND = ("step line: step n/N, loss (per task: gi gen_img, gt gen_txt, un und, ri replay_img, "
                     "rt replay_text), tok/s, useful-token MFU, compute+data ms, peak GiB, eta; STALL(cause) on a "
-                    "step > 3x the running median")
+                    "step > 2x the running median (and >= 0.5 s over it): compile, allocator, data or images")
+
+
+def step_load(batch: dict[str, Any]) -> dict[str, float]:
+    """What of a batch can make its step slow beyond its fixed token count: its images."""
+    grid = batch.get("image_grid_thw")
+    return {"images": 0 if grid is None else len(grid), "vision_tokens": batch.get("vision_tokens", 0)}
 
 
 def step_vision_budget(cfg: Stage1Config, model: torch.nn.Module, spec: Any, rt: Runtime,
