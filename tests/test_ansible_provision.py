@@ -63,9 +63,26 @@ def check_inventory(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 # --- inventories ------------------------------------------------------------------------------
 
+# A well-formed checksum for the userspace installer of the stand-in driver version (tests only:
+# no installer is downloaded here).
+USERSPACE_SHA = {"550.54.15": "ab" * 32}
+
+
+def _with_userspace_sha(tmp_path: Path, name: str) -> Path:
+    """A shipped inventory as its README says to complete it: the GPU containers get the
+    installer's checksum for the host's driver (nvidia_userspace_sha256)."""
+    import yaml
+
+    data = yaml.safe_load((ANSIBLE_DIR / "inventory" / name).read_text())
+    for group in data["all"]["children"]["gpu_containers"]["children"].values():
+        for ct in group["hosts"].values():
+            ct.setdefault("nvidia_userspace_sha256", USERSPACE_SHA)
+    return write_inventory(tmp_path / name, data)
+
+
 @pytest.mark.parametrize("name", ["kpro6.yml", "local.yml"])
-def test_shipped_inventories_pass_the_check_and_the_syntax_check(name: str) -> None:
-    inventory = ANSIBLE_DIR / "inventory" / name
+def test_shipped_inventories_pass_the_check_and_the_syntax_check(tmp_path: Path, name: str) -> None:
+    inventory = _with_userspace_sha(tmp_path, name)
     result = check_inventory(inventory)
     assert result.returncode == 0, result.stderr
     syntax = subprocess.run(
@@ -76,10 +93,41 @@ def test_shipped_inventories_pass_the_check_and_the_syntax_check(name: str) -> N
     assert syntax.returncode == 0, syntax.stdout + syntax.stderr
 
 
-def _kpro6_with(tmp_path: Path, **container_vars: object) -> Path:
+def test_shipped_kpro6_without_the_userspace_checksum_is_refused_with_the_command_that_prints_it(tmp_path: Path) -> None:
+    """kpro6.yml as shipped has no nvidia_userspace_sha256: the play would change the host and the
+    CT, then stop in nvidia_userspace. The check refuses it first, in one line giving the command
+    that prints the checksum of the installer the role downloads (its first URL); with the host's
+    driver version in the inventory, that command names the exact URL."""
+    result = check_inventory(ANSIBLE_DIR / "inventory" / "kpro6.yml")
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert lines[0].startswith("inventory error: kpro6-ct200: nvidia_userspace_sha256 is not set"), lines
+    assert lines[0].endswith('v=$(ssh root@kpro6.lan cat /sys/module/nvidia/version) && echo "$v" && curl -fsSL '
+                             '"https://us.download.nvidia.com/tesla/$v/NVIDIA-Linux-x86_64-$v.run" | sha256sum'), lines
     import yaml
 
     data = yaml.safe_load((ANSIBLE_DIR / "inventory" / "kpro6.yml").read_text())
+    data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"][
+        "gpu_host_expected_driver_version"] = "570.172.08"
+    ct = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
+    ct["nvidia_userspace_sha256"] = USERSPACE_SHA  # another version's: still refused
+    result = check_inventory(write_inventory(tmp_path / "pinned.yml", data))
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith(
+        "with what this prints: curl -fsSL https://us.download.nvidia.com/tesla/570.172.08/"
+        "NVIDIA-Linux-x86_64-570.172.08.run | sha256sum"), result.stderr
+    ct["nvidia_userspace_sha256"] = {"570.172.08": "cd" * 32}
+    assert check_inventory(write_inventory(tmp_path / "pinned.yml", data)).returncode == 0
+    ct["nvidia_userspace_install"] = False  # an image that brings its own userspace: nothing to download
+    ct.pop("nvidia_userspace_sha256")
+    assert check_inventory(write_inventory(tmp_path / "pinned.yml", data)).returncode == 0
+
+
+def _kpro6_with(tmp_path: Path, **container_vars: object) -> Path:
+    import yaml
+
+    data = yaml.safe_load(_with_userspace_sha(tmp_path, "kpro6.yml").read_text())
     ct = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
     for key, value in container_vars.items():
         if value is None:
@@ -184,7 +232,8 @@ class PveHost:
             "lxc_container_pending_dir": str(tmp_path / "pending"),
         })
         ct = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
-        ct.update({"ct_scratch_host_path": str(self.scratch), **container_vars})
+        ct.update({"ct_scratch_host_path": str(self.scratch), "nvidia_userspace_sha256": USERSPACE_SHA,
+                   **container_vars})
         self.data = data
         self.inventory = write_inventory(tmp_path / "kpro6.yml", data)
         # `pct exec` "inside" the state-only CT finds this stand-in squeue: it prints the ids in
@@ -414,6 +463,28 @@ def test_nvswitch_host_needs_fabric_manager_and_keeps_the_switches(tmp_path: Pat
     _ok(pve.run())
     conf = pve.conf.read_text()
     assert "/dev/nvidia-nvswitch" not in conf and all(f"/dev/nvidia{i}," in conf for i in range(8))
+
+
+@needs_root
+def test_a_host_driver_without_the_userspace_checksum_is_refused_before_any_host_change(tmp_path: Path) -> None:
+    """The inventory has a checksum, but for another driver than the one the host has loaded (only
+    the host knows it): gpu_host stops before it changes anything (no scratch made, no pct call
+    that changes something), naming the CT, the version and the command that prints the checksum."""
+    pve = PveHost(tmp_path, nvidia_userspace_sha256={"550.54.14": "ab" * 32})
+    version = tmp_path / "nvidia-version"
+    version.write_text("550.54.15\n")
+    pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"][
+        "gpu_host_driver_version_file"] = str(version)
+    write_inventory(pve.inventory, pve.data)
+    proc, _ = pve.run()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert ("kpro6-ct200: nvidia_userspace_sha256 has no checksum for kpro6's driver 550.54.15; add \"550.54.15\": "
+            "\"<sha256>\" with what this prints: curl -fsSL https://us.download.nvidia.com/tesla/550.54.15/"
+            "NVIDIA-Linux-x86_64-550.54.15.run | sha256sum") in out, proc.stdout[-3000:]
+    assert pve.commands() == [] and not pve.scratch.exists()
+    pve.container(nvidia_userspace_sha256=USERSPACE_SHA)
+    _ok(pve.run())
 
 
 @needs_root

@@ -158,7 +158,8 @@ def load_hostvars(inventory_path: str) -> tuple[dict[str, list[str]], dict[str, 
                                  "file (ansible-vault create ansible/inventory/group_vars/gpu_containers/vault.yml)")
         rendered = {}
         for key, value in raw.items():
-            if key in ("groups", "hostvars", "vars", "environment") or key.startswith("ansible_"):
+            if key in ("groups", "hostvars", "vars", "environment") or (
+                    key.startswith("ansible_") and key not in ("ansible_host", "ansible_user")):
                 continue
             try:
                 rendered[key] = templar.template(value)
@@ -295,6 +296,10 @@ def check_container_host(host: str, hv: dict) -> None:
     scratch = hv.get("gpu_host_scratch_path", "")
     if scratch:
         _abs_path(host, "gpu_host_scratch_path", scratch)
+    driver = hv.get("gpu_host_expected_driver_version", "")
+    if driver and not re.fullmatch(r"[0-9]+(\.[0-9]+)+", str(driver)):
+        raise InventoryError(f"{host}: gpu_host_expected_driver_version={driver!r} is not a driver version "
+                             "(cat /sys/module/nvidia/version on the host, e.g. 570.172.08)")
     for name in ("lxc_container_unprivileged_root_uid", "lxc_container_unprivileged_root_gid"):
         if name in hv:  # 0 would hand an unprivileged CT's scratch to host root: not its root
             _int(host, name, hv[name], 1, 2**32 - 2)
@@ -374,6 +379,56 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     fstype = hv.get("node_caches_fstype_hint") or phv.get("gpu_host_scratch_fstype")
     if fstype in NETWORK_FSTYPES:
         raise InventoryError(f"{host}: node_caches_root is on {fstype}, a network file system; use node-local NVMe")
+    _userspace_checksum(host, hv, phv)
+
+
+# The userspace installer's defaults (the URLs the role downloads from), read from the role itself.
+_USERSPACE_DEFAULTS = Path(__file__).resolve().parents[1] / "roles" / "nvidia_userspace" / "defaults" / "main.yml"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _truthy(value: object) -> bool:
+    return str(value).strip().lower() in ("true", "yes", "1", "on")
+
+
+def _userspace_checksum(host: str, hv: dict, phv: dict) -> None:
+    """A GPU container installs the NVIDIA userspace of the host's exact driver version from
+    NVIDIA's .run, which the role runs only against a SHA256 from the inventory: without one the
+    play would stop halfway, after the host and the CT were changed. Refuse it here, naming the
+    command that prints the checksum (the URL is the role's first, for the host's version)."""
+    if not _truthy(hv.get("nvidia_userspace_install", True)):
+        return
+    if not (_truthy(phv.get("gpu_host_require_gpu", True)) or hv.get("ct_gpus")):
+        return  # a CPU host: the role is skipped
+    import yaml
+
+    urls = hv.get("nvidia_userspace_urls") or yaml.safe_load(_USERSPACE_DEFAULTS.read_text())["nvidia_userspace_urls"]
+    sums = hv.get("nvidia_userspace_sha256", {})
+    if not isinstance(sums, dict):
+        raise InventoryError(f"{host}: nvidia_userspace_sha256={sums!r} must be a mapping "
+                             '{"<driver version>": "<sha256 of NVIDIA-Linux-x86_64-<version>.run>"}')
+    for version, digest in sums.items():
+        if not re.fullmatch(r"[0-9]+(\.[0-9]+)+", str(version)) or not _SHA256.match(str(digest).strip().lower()):
+            raise InventoryError(f"{host}: nvidia_userspace_sha256: {version!r}: {digest!r} is not "
+                                 '"<driver version>": "<64 hex digits>"')
+    expected = str(phv.get("gpu_host_expected_driver_version", "") or "")
+    parent = hv.get("container_host")
+    if expected:
+        if expected in map(str, sums):
+            return
+        url = str(urls[0]).replace("{version}", expected)
+        raise InventoryError(f"{host}: nvidia_userspace_sha256 has no checksum for the host's driver {expected} "
+                             f"(the CT installs its userspace); set nvidia_userspace_sha256: {{\"{expected}\": \"<sha256>\"}} "
+                             f"with what this prints: curl -fsSL {url} | sha256sum")
+    if sums:
+        return  # gpu_host checks the loaded driver's version has one, before it changes anything
+    target = phv.get("ansible_host") or parent
+    user = phv.get("ansible_user")
+    url = str(urls[0]).replace("{version}", "$v")
+    raise InventoryError(f"{host}: nvidia_userspace_sha256 is not set and the CT installs the userspace of "
+                         f"{parent}'s NVIDIA driver; set nvidia_userspace_sha256: {{\"<version>\": \"<sha256>\"}} with "
+                         f"what this prints: v=$(ssh {user + '@' if user else ''}{target} cat /sys/module/nvidia/version) "
+                         f"&& echo \"$v\" && curl -fsSL \"{url}\" | sha256sum")
 
 
 def check(inventory_path: str, limit: str | None = None) -> None:

@@ -24,6 +24,9 @@ def _load(name: str) -> dict:
 
 
 KPRO6 = _load("kpro6.yml")
+# As ansible/README.md's real-host steps complete it: the installer's checksum for the host's driver.
+for _ct in KPRO6["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"].values():
+    _ct["nvidia_userspace_sha256"] = {"550.54.15": "ab" * 32}
 LOCAL = _load("local.yml")
 
 
@@ -141,6 +144,17 @@ CASES = [
     _case("template-missing", kpro6({"ct_template": None}), rf"{CT}: ct_template is missing"),
     _case("container-host-unknown", kpro6({"container_host": "kpro7"}),
           rf"{CT}: container_host='kpro7' is not a host in group container_hosts"),
+    # ---- the NVIDIA userspace installer's checksum (the play would stop halfway without it)
+    _case("userspace-sha256-missing", kpro6({"nvidia_userspace_sha256": None}),
+          rf"{CT}: nvidia_userspace_sha256 is not set .* curl -fsSL \"https://us\.download\.nvidia\.com/tesla/\$v/"
+          r"NVIDIA-Linux-x86_64-\$v\.run\" \| sha256sum$"),
+    _case("userspace-sha256-not-hex", kpro6({"nvidia_userspace_sha256": {"550.54.15": "abc"}}),
+          rf"{CT}: nvidia_userspace_sha256: '550\.54\.15': 'abc' is not"),
+    _case("userspace-sha256-other-driver", kpro6(host={"gpu_host_expected_driver_version": "570.172.08"}),
+          rf"{CT}: nvidia_userspace_sha256 has no checksum for the host's driver 570\.172\.08 .* curl -fsSL "
+          r"https://us\.download\.nvidia\.com/tesla/570\.172\.08/NVIDIA-Linux-x86_64-570\.172\.08\.run \| sha256sum$"),
+    _case("driver-version-not-one", kpro6(host={"gpu_host_expected_driver_version": "latest"}),
+          r"kpro6: gpu_host_expected_driver_version='latest' is not a driver version"),
     # ---- secrets in plain text
     _case("munge-key-in-plain-text", kpro6({"slurm_munge_key_b64": "c2VjcmV0LWtleQ=="}),
           rf"{CT}: slurm_munge_key_b64 is a secret in plain text \(inventory\.yml line \d+\); put it in an ansible-vault file"),
