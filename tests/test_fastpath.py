@@ -126,8 +126,8 @@ def test_allow_slow_path_is_loud_and_uses_the_reference(site, capsys):
 
 
 def test_hopper_with_bad_triton_and_broken_tilelang_is_refused(site):
-    site({**WORKING_FLA, "causal_conv1d/__init__.py": "def causal_conv1d_fn(*a, **k):\n    pass\n",
-          "tilelang/__init__.py": BROKEN})
+    site({**WORKING_FLA, **FLA_BACKENDS, **WORKING_QLA,
+          "causal_conv1d/__init__.py": "def causal_conv1d_fn(*a, **k):\n    pass\n", "tilelang/__init__.py": BROKEN})
     with pytest.raises(FastPathError) as err:
         select_kernels("cuda", capability=(9, 0), triton_version="3.6.0")
     msg = str(err.value)
@@ -139,7 +139,7 @@ def test_hopper_with_bad_triton_and_broken_tilelang_is_refused(site):
 
 
 def test_hopper_with_bad_triton_and_working_tilelang_is_accepted(site):
-    site({**WORKING_FLA, "tilelang/__init__.py": ""})
+    site({**WORKING_FLA, **FLA_BACKENDS, **WORKING_QLA, "tilelang/__init__.py": ""})
     choice = select_kernels("cuda", capability=(9, 0), triton_version="3.6.0")
     assert not choice.slow_path and choice.gdr.startswith("fla.")
 
@@ -257,6 +257,7 @@ def test_a_bf16_only_backend_is_checked_too(site):
 # package is found and whose env switch is not "0" (fla/backends.py BackendRegistry.get_active);
 # FlashQLA (package flash_qla, FLA_FLASH_QLA) is the one registered for gated_delta_rule on NVIDIA.
 # Not modelled: per-call verification (FlashQLA takes K = V = 128 heads only, the Qwen3.5 shapes').
+WORKING_QLA = {"flash_qla/__init__.py": ""}
 FLA_BACKENDS = {
     "fla/backends.py": """
         import importlib.util, os
@@ -279,7 +280,7 @@ FLA_BACKENDS = {
 
 def test_the_header_names_the_gdn_backend(site, monkeypatch):
     site({**WORKING_FLA, **FLA_BACKENDS, "tilelang/__init__.py": ""})
-    choice = select_kernels("cuda", capability=(9, 0), triton_version="3.6.0")
+    choice = select_kernels("cuda", capability=(9, 0), triton_version="3.6.0", allow_slow_path=True)
     assert "[backend: triton (tilelang gated backward); flash-qla not installed" in choice.header()
     site({"flash_qla/__init__.py": ""})
     assert "gated-delta-rule=fla.ops.gated_delta_rule.chunk_gated_delta_rule [backend: flash_qla (FlashQLA" in \
@@ -321,3 +322,78 @@ def test_tilelang_cache_goes_beside_the_node_local_triton_cache():
     assert configure_tilelang_cache(env) == "/scratch/cache/alice/tilelang" == env["TILELANG_CACHE_DIR"]
     assert configure_tilelang_cache({"TRITON_CACHE_DIR": "/a/triton", "TILELANG_CACHE_DIR": "/b/tl"}) == "/b/tl"
     assert configure_tilelang_cache({}) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# No silent slow path: the job's whole kernel set at the selection layer, with device "cuda" as
+# data. The probes are the real ones: cut_cross_entropy, liger_kernel and flash_qla are really
+# not installed on this machine, so `import cut_cross_entropy` really fails; fla is the stand-in
+# package above where a test needs the GDN pieces present.
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_cuda_start_without_a_fused_loss_is_refused_in_one_line():
+    """The DFlash drafter's set (its loss only) and stage-1's loss: `auto` on CUDA finds no fused
+    kernel -> one line naming the package, the real import error and the install at the lock's pin."""
+    with pytest.raises(FastPathError) as err:
+        select_kernels("cuda", loss="auto", gdn=False)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "loss: cut-cross-entropy does not import" in msg
+    assert "No module named 'cut_cross_entropy'" in msg
+    assert "install: pip install 'cut-cross-entropy==25.1.1'" in msg and "--allow-slow-path" in msg
+
+
+def test_allow_slow_path_names_the_loss_fallback_and_its_cost(capsys):
+    choice = select_kernels("cuda", allow_slow_path=True, loss="auto", gdn=False)
+    assert choice.loss_impl == "logits" and choice.slow_path
+    header = choice.header()
+    assert "loss=logits" in header and "SLOW PATH (--allow-slow-path), 1 fallback(s)" in header
+    assert "loss: full logits over the vocab" in header and "~5% slower" in header and "1.7x the peak memory" in header
+    assert "TRAINING ON THE SLOW PATH" in capsys.readouterr().err
+
+
+def test_explicit_choices_are_not_fallbacks():
+    """`--loss-impl logits` and `--attention sdpa` are what the job asked for: no refusal."""
+    choice = select_kernels("cuda", loss="logits", attention="sdpa", gdn=False)
+    assert not choice.slow_path and choice.loss_impl == "logits" and choice.attention_impl == "sdpa"
+    cpu = select_kernels("cpu", loss="auto", attention="auto")
+    assert cpu.loss_impl == "logits" and cpu.attention_impl == "sdpa" and not cpu.slow_path
+
+
+def test_stage1_set_on_hopper_names_every_missing_piece_in_one_line(site, monkeypatch):
+    """fla present, flash-qla, the fused loss and torch's varlen attention not: one line naming
+    each, each with its install command. torch without torch.nn.attention.varlen (older than 2.10)
+    is made by hiding that module from the import system, so its probe fails for real."""
+    site({**WORKING_FLA, **FLA_BACKENDS, "tilelang/__init__.py": ""})
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)
+    with pytest.raises(FastPathError) as err:
+        select_kernels("cuda", capability=(9, 0), triton_version="3.7.1", loss="auto", attention="auto")
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "gated-delta-rule backend: flash-qla does not import (ModuleNotFoundError: No module named 'flash_qla')" in msg
+    assert "pip install 'flash-qla==0.1.3' 'tilelang==0.1.15' 'z3-solver==4.15.4.0'" in msg
+    assert "loss: cut-cross-entropy does not import" in msg
+    assert "attention: torch.nn.attention.varlen.varlen_attn" in msg and "pip install 'torch>=2.10'" in msg
+    choice = select_kernels("cuda", allow_slow_path=True, capability=(9, 0), triton_version="3.7.1", loss="auto",
+                            attention="auto")
+    assert [f.piece for f in choice.fallbacks] == ["gated-delta-rule backend", "loss", "attention"]
+    assert "49.7% MFU against 52.2% with FlashQLA" in choice.header()
+    assert choice.gdr.startswith("fla.")  # the fallback is fla's Triton, not the reference kernel
+    # FlashQLA off on purpose, off Hopper/Blackwell, or installed: no backend fallback
+    assert not select_kernels("cuda", capability=(8, 0), triton_version="3.7.1").slow_path
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")
+    assert not select_kernels("cuda", capability=(9, 0), triton_version="3.7.1").slow_path
+
+
+def test_the_install_pins_are_the_gpu_locks_pins():
+    from train.common.fastpath import LOCK_PINS
+
+    for lock in ("requirements-gpu.lock", "requirements-gpu-cp312.lock"):
+        pins = {}
+        for line in (REPO / "images" / "trainer" / lock).read_text().splitlines():
+            name, sep, rest = line.partition("==")
+            if sep and not line.startswith("#"):
+                pins[name.strip().lower()] = rest.split()[0]
+        assert {d: pins.get(d) for d in LOCK_PINS} == LOCK_PINS, lock

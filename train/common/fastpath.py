@@ -20,8 +20,17 @@ Policy (:func:`select_kernels`):
 * The header names fla's gated-delta-rule backend (:func:`gdn_backend`): FlashQLA when the
   ``flash-qla`` package is installed (the gpu extra has it; ~5% faster steps on an H200), else
   fla's Triton kernels.
+* The job's other kernels, when it names them: the loss (``loss``: a fused cross-entropy kernel on
+  CUDA, :func:`train.common.losses.select_loss_impl`) and the full attention (``attention``: torch's
+  varlen kernel, :mod:`train.common.varlen_attention`).
+* Every choice that falls back from what the GPU locks provide (fla's GDN, the FlashQLA backend on
+  the GPUs it serves, a varlen conv, a fused loss, varlen attention) is a :class:`Fallback`, and a
+  CUDA start with any is refused in one line naming the missing package and its install command
+  at the lock's pin (:data:`LOCK_PINS`). An explicit choice (``--loss-impl logits``, ``--attention
+  sdpa``, ``FLA_FLASH_QLA=0``) is not a fallback: the header names it.
 * ``allow_slow_path=True`` (``--allow-slow-path``) turns every refusal into a loud banner on stderr
-  and uses the reference kernels for the pieces that are missing or known-bad. It is the only way past.
+  and header lines naming each fallback and its measured cost, and uses the reference kernels for
+  the pieces that are missing or known-bad. It is the only way past.
 
 Full attention needs no kernel choice: with ``position_ids`` that restart per document and no 2D
 attention mask, transformers builds a block-diagonal causal mask for sdpa/eager; flash-attention-2
@@ -71,6 +80,57 @@ def probe_import(module: str, attr: str | None = None) -> Probe:
     return Probe(target, True, obj=obj)
 
 
+# The kernel packages of the GPU locks (images/trainer/requirements-gpu.lock and -cp312.lock) at
+# their pins: what a refusal tells the user to install. tests/test_fastpath.py holds these to
+# both locks, so a lock bump that forgets this table fails there.
+LOCK_PINS = {
+    "flash-linear-attention": "0.6.0",
+    "fla-core": "0.6.0",
+    "flash-qla": "0.1.3",
+    "tilelang": "0.1.15",
+    "z3-solver": "4.15.4.0",
+    "cut-cross-entropy": "25.1.1",
+}
+
+# What each fallback cost where it was measured (bench/RESULTS.md, one H200, the 2B shape).
+FALLBACK_COST = {
+    "gdn": "reference torch GDN/conv: 1,583 tok/s against 23,525 on the fast path (bench/RESULTS.md, naive vs fast)",
+    "gdn-backend": "fla's Triton GDN: 49.7% MFU against 52.2% with FlashQLA side by side (~5% slower steps)",
+    "loss": "full logits: ~5% slower steps and ~1.7x the peak memory (114.1 GiB against 68.9, bench/RESULTS.md run F)",
+    "attention": "sdpa per document: a kernel launch per document and head group; not measured alone",
+}
+
+# GPUs whose training (fwd + bwd) fla hands to FlashQLA when flash-qla imports: SM90 and
+# SM100/SM103 (fla's FlashQLABackend; SM120 has a forward kernel only).
+FLASH_QLA_CAPABILITIES = frozenset({(9, 0), (10, 0), (10, 3)})
+
+
+def pip_install(*dists: str) -> str:
+    """`pip install 'name==pin' ...` at the GPU locks' pins."""
+    return "pip install " + " ".join(f"'{d}=={LOCK_PINS[d]}'" for d in dists)
+
+
+def _one_line(text: str | None) -> str:
+    return " ".join((text or "").split())
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """One kernel choice that falls back from what the GPU locks provide."""
+
+    piece: str  # gated delta rule | gated-delta-rule backend | causal conv | loss | attention
+    instead: str  # what runs instead
+    missing: str  # the package that is missing or broken, with the probe's error
+    install: str  # the command that installs it
+    cost: str  # what the fallback was measured to cost
+
+    def refusal(self) -> str:
+        return _one_line(f"{self.piece}: {self.missing}; install: {self.install}")
+
+    def header(self) -> str:
+        return _one_line(f"{self.piece}: {self.instead} ({self.missing}); measured cost: {self.cost}")
+
+
 @dataclass(frozen=True)
 class KernelChoice:
     device: str
@@ -81,14 +141,21 @@ class KernelChoice:
     problems: tuple[str, ...] = ()
     gdr_fn: Callable[..., torch.Tensor] = field(default=reference_kernels.chunk_gated_delta_rule_varlen, repr=False)
     conv_fn: Callable[..., torch.Tensor] = field(default=reference_kernels.causal_conv1d_varlen, repr=False)
+    fallbacks: tuple[Fallback, ...] = ()
+    loss_impl: str | None = None  # the loss kernel (None: the job has no loss here)
+    attention_impl: str | None = None  # varlen | sdpa (None: not the job's choice here)
+    gdn: bool = True  # whether the GDN/conv kernels are part of this job's set
 
     def header(self) -> str:
         """The lines the trainer prints in its log header."""
-        lines = [
-            f"kernels[{self.device}]: gated-delta-rule={self.gdr} | causal-conv={self.conv} | attention={self.attention}",
-        ]
+        pieces = [f"gated-delta-rule={self.gdr}", f"causal-conv={self.conv}"] if self.gdn else []
+        pieces.append(f"attention={self.attention}")
+        if self.loss_impl is not None:
+            pieces.append(f"loss={self.loss_impl}")
+        lines = [f"kernels[{self.device}]: " + " | ".join(pieces)]
         if self.slow_path:
-            lines.append("kernels: SLOW PATH (" + SLOW_PATH_FLAG + "): " + "; ".join(self.problems))
+            lines.append(f"kernels: SLOW PATH ({SLOW_PATH_FLAG}), {len(self.fallbacks) or len(self.problems)} fallback(s):")
+            lines += [f"kernels:   {f.header()}" for f in self.fallbacks] or [f"kernels:   {p}" for p in self.problems]
         return "\n".join(lines)
 
 
@@ -232,12 +299,72 @@ def hopper_problem(capability: tuple[int, int] | None, triton_version: str | Non
     )
 
 
-def _slow_path_banner(problems: list[str]) -> None:
+def _slow_path_banner(fallbacks: list[Fallback]) -> None:
     bar = "!" * 100
-    lines = [bar, f"!! {SLOW_PATH_FLAG}: TRAINING ON THE SLOW PATH (reference torch kernels on GPU).", "!! Reasons:"]
-    lines += [f"!!   - {p}" for p in problems]
-    lines += ["!! Expect several times lower throughput. Remove the flag to make this an error.", bar]
+    lines = [bar, f"!! {SLOW_PATH_FLAG}: TRAINING ON THE SLOW PATH (kernels the GPU locks provide are missing).",
+             "!! Fallbacks:"]
+    lines += [f"!!   - {f.header()}" for f in fallbacks]
+    lines += ["!! Remove the flag to make this an error.", bar]
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def refuse_or_announce(fallbacks: list[Fallback], allow_slow_path: bool) -> None:
+    """No fallback: nothing. Otherwise FastPathError in one line naming each missing package and
+    its install command, or, with ``allow_slow_path``, the banner on stderr."""
+    if not fallbacks:
+        return
+    if not allow_slow_path:
+        raise FastPathError(_one_line(
+            "refusing to train on the slow path on a GPU: " + " | ".join(f.refusal() for f in fallbacks)
+            + f" (or pass {SLOW_PATH_FLAG} to train on it anyway)"))
+    _slow_path_banner(fallbacks)
+
+
+def loss_fallback(device: torch.device, requested: str) -> tuple[str, Fallback | None]:
+    """The loss kernel for ``requested`` on ``device`` (:func:`train.common.losses.select_loss_impl`,
+    whose probes really import the kernels), and the fallback when ``auto`` on CUDA found none."""
+    from train.common import losses
+
+    impl = losses.select_loss_impl(device, requested)
+    if device.type != "cuda" or requested != "auto" or impl != "logits":
+        return impl, None
+    return impl, Fallback(
+        "loss", "full logits over the vocab (no fused cross-entropy kernel)",
+        f"cut-cross-entropy does not import ({losses.fused_kernel_problems()})",
+        pip_install("cut-cross-entropy"), FALLBACK_COST["loss"])
+
+
+def attention_fallback(device: torch.device, requested: str) -> tuple[str, Fallback | None]:
+    """The full-attention choice (varlen | sdpa) and the fallback when varlen on CUDA would run sdpa
+    per document: torch's varlen kernel does not import, or (on a real GPU) fails its first use."""
+    from train.common import varlen_attention
+
+    choice = varlen_attention.select_attention(requested, device)
+    if device.type != "cuda" or choice != "varlen":
+        return choice, None
+    probe = probe_import("torch.nn.attention.varlen", "varlen_attn")
+    problem = probe.error
+    if probe.ok and torch.cuda.is_available():
+        problem = varlen_attention.check_torch_varlen(device)
+    if problem is None:
+        return choice, None
+    return choice, Fallback(
+        "attention", "sdpa per document over cu_seqlens (torch's varlen kernel not used)",
+        f"torch.nn.attention.varlen.varlen_attn: {problem}",
+        "pip install 'torch>=2.10' (a CUDA build; its varlen kernel)", FALLBACK_COST["attention"])
+
+
+def gdn_backend_fallback(capability: tuple[int, int] | None, backend: str) -> Fallback | None:
+    """FlashQLA on the GPUs it trains on, unless fla's dispatch to it is switched off on purpose."""
+    if capability not in FLASH_QLA_CAPABILITIES or backend.startswith("flash_qla"):
+        return None
+    if os.environ.get("FLA_FLASH_QLA", "1") == "0" or os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
+        return None  # asked for: the header's backend names it
+    probe = probe_import("flash_qla")
+    missing = (f"flash-qla does not import ({probe.error})" if not probe.ok
+               else f"flash-qla imports but fla does not dispatch to it ({backend})")
+    return Fallback("gated-delta-rule backend", "fla's Triton kernels instead of FlashQLA", missing,
+                    pip_install("flash-qla", "tilelang", "z3-solver"), FALLBACK_COST["gdn-backend"])
 
 
 def select_kernels(
@@ -247,35 +374,75 @@ def select_kernels(
     capability: tuple[int, int] | None = None,
     triton_version: str | None = None,
     conv: str = "auto",
+    loss: str | None = None,
+    attention: str | None = None,
+    gdn: bool = True,
 ) -> KernelChoice:
-    """Decide which implementation each token mixer uses on ``device`` (see module docstring).
+    """Decide which implementation each kernel of the job uses on ``device`` (see module docstring),
+    and refuse (or, with ``allow_slow_path``, announce) every fallback from the GPU locks' fast path.
 
     ``conv``: ``auto`` (causal-conv1d when it imports, else fla's Triton conv), ``causal-conv1d``
     or ``fla`` (that one only; missing -> refused like any missing kernel).
+    ``loss``: the job's ``--loss-impl`` (None: the job computes no loss here, e.g. extraction).
+    ``attention``: the job's ``--attention`` for the full-attention layers (None: not a choice here).
+    ``gdn``: False where the job runs no GDN layers on this rank (the DFlash drafter).
 
     ``capability``/``triton_version`` default to the real GPU's and the installed Triton's; tests
-    pass them to exercise the CUDA policy on a CPU machine.
+    pass them, with ``device="cuda"``, to exercise the CUDA policy on a CPU machine: every import
+    probe is real.
     """
     if conv not in CONV_CHOICES:
         raise ValueError(f"unknown conv implementation {conv!r} ({', '.join(CONV_CHOICES)})")
     dev = torch.device(device)
+    fallbacks: list[Fallback] = []
+    loss_impl, loss_fb = loss_fallback(dev, loss) if loss is not None else (None, None)
+    attention_impl, attention_fb = attention_fallback(dev, attention) if attention is not None else (None, None)
     if dev.type != "cuda":
         return KernelChoice(
             device=dev.type,
             gdr="reference.chunk_gated_delta_rule_varlen (fp32, torch)",
             conv="reference.causal_conv1d_varlen (torch)",
             attention="sdpa, block-diagonal causal mask from position_ids",
-            slow_path=False,
+            slow_path=False, loss_impl=loss_impl, attention_impl=attention_impl, gdn=gdn,
         )
 
-    problems: list[str] = []
+    gdr_fn: Callable[..., torch.Tensor] = reference_kernels.chunk_gated_delta_rule_varlen
+    conv_fn: Callable[..., torch.Tensor] = reference_kernels.causal_conv1d_varlen
+    gdr_name = conv_name = "not used on this rank"
+    if gdn:
+        gdr_fn, gdr_name, conv_fn, conv_name = _select_gdn(dev, capability, triton_version, conv, fallbacks)
+    fallbacks += [f for f in (loss_fb, attention_fb) if f is not None]
+    refuse_or_announce(fallbacks, allow_slow_path)
+    return KernelChoice(
+        device="cuda",
+        gdr=gdr_name,
+        conv=conv_name,
+        attention=("sdpa, block-diagonal causal mask from position_ids (flash_attention_2: cu_seq_lens)"
+                   if attention_impl is None else attention_impl),
+        slow_path=bool(fallbacks),
+        problems=tuple(f.refusal() for f in fallbacks),
+        gdr_fn=gdr_fn,
+        conv_fn=conv_fn,
+        fallbacks=tuple(fallbacks),
+        loss_impl=loss_impl,
+        attention_impl=attention_impl,
+        gdn=gdn,
+    )
+
+
+def _select_gdn(dev: torch.device, capability: tuple[int, int] | None, triton_version: str | None, conv: str,
+                fallbacks: list[Fallback]) -> tuple[Callable, str, Callable, str]:
+    """The GDN recurrence's and the short conv's kernels on CUDA; appends their fallbacks."""
+    fla_install = pip_install("flash-linear-attention", "fla-core")
     configure_tilelang_cache()
     fla_pkg = probe_import("fla")
     gdr = probe_import("fla.ops.gated_delta_rule", "chunk_gated_delta_rule") if fla_pkg.ok else fla_pkg
     if gdr.ok:
         gdr_fn, gdr_name = _fla_gdr_adapter(gdr.obj), "fla.ops.gated_delta_rule.chunk_gated_delta_rule"
     else:
-        problems.append(f"gated delta rule: flash-linear-attention is not usable: {gdr.target}: {gdr.error}")
+        fallbacks.append(Fallback(
+            "gated delta rule", "the reference torch kernel",
+            f"flash-linear-attention is not usable: {gdr.target}: {gdr.error}", fla_install, FALLBACK_COST["gdn"]))
         gdr_fn, gdr_name = reference_kernels.chunk_gated_delta_rule_varlen, "reference (SLOW)"
 
     cc = probe_import("causal_conv1d", "causal_conv1d_fn")
@@ -289,10 +456,11 @@ def select_kernels(
     elif fla_conv.ok:
         conv_fn, conv_name = _fla_conv_adapter(fla_conv.obj), "fla.modules.causal_conv1d.causal_conv1d (triton, cu_seqlens)"
     else:
-        problems.append(
+        fallbacks.append(Fallback(
+            "causal conv", "the reference torch conv",
             "varlen causal conv: neither causal-conv1d nor fla's Triton causal_conv1d is usable: "
-            f"{cc.target}: {cc.error}; {fla_conv.target}: {fla_conv.error}"
-        )
+            f"{cc.target}: {cc.error}; {fla_conv.target}: {fla_conv.error}",
+            f"{fla_install} (its Triton causal_conv1d takes cu_seqlens)", FALLBACK_COST["gdn"]))
         conv_fn, conv_name = reference_kernels.causal_conv1d_varlen, "reference (SLOW)"
 
     if gdr.ok:
@@ -302,29 +470,17 @@ def select_kernels(
             triton_version = _triton_version()
         bad = hopper_problem(capability, triton_version)
         if bad:
-            problems.append(bad)
+            fallbacks.append(Fallback("gated delta rule", "the reference torch kernel", bad,
+                                      f"{pip_install('tilelang', 'z3-solver')}, or pip install 'triton>=3.7.1'",
+                                      FALLBACK_COST["gdn"]))
             gdr_fn, gdr_name = reference_kernels.chunk_gated_delta_rule_varlen, "reference (SLOW, Hopper/Triton known-bad)"
         else:
-            gdr_name += f" [backend: {gdn_backend(capability)}]"
-
-    if problems and not allow_slow_path:
-        raise FastPathError(
-            "refusing to train on the slow path on a GPU: "
-            + " | ".join(problems)
-            + f". Install the gpu extra (pip install '.[gpu]'), or pass {SLOW_PATH_FLAG} to train slowly anyway."
-        )
-    if problems:
-        _slow_path_banner(problems)
-    return KernelChoice(
-        device="cuda",
-        gdr=gdr_name,
-        conv=conv_name,
-        attention="sdpa, block-diagonal causal mask from position_ids (flash_attention_2: cu_seq_lens)",
-        slow_path=bool(problems),
-        problems=tuple(problems),
-        gdr_fn=gdr_fn,
-        conv_fn=conv_fn,
-    )
+            backend = gdn_backend(capability)
+            gdr_name += f" [backend: {backend}]"
+            backend_fb = gdn_backend_fallback(capability, backend)
+            if backend_fb is not None:
+                fallbacks.append(backend_fb)
+    return gdr_fn, gdr_name, conv_fn, conv_name
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -467,7 +623,8 @@ def warm_kernels(model: torch.nn.Module, choice: KernelChoice, stream_len: int, 
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
     layer = next((m for m in model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)), None)
-    if choice.device == "cpu" or choice.slow_path or layer is None:
+    reference = (reference_kernels.chunk_gated_delta_rule_varlen, reference_kernels.causal_conv1d_varlen)
+    if choice.device == "cpu" or choice.gdr_fn in reference or choice.conv_fn in reference or layer is None:
         return 0
     dev = layer.in_proj_qkv.weight.device
     hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim

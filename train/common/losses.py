@@ -42,8 +42,17 @@ def _probe(impl: str) -> str | None:
     return None
 
 
+def fused_kernel_problems() -> str:
+    """Why no fused kernel of CUDA_PREFERENCE imports, each probe's real error ('' when one does)."""
+    errors = [(impl, _probe(impl)) for impl in CUDA_PREFERENCE]
+    if any(err is None for _, err in errors):
+        return ""
+    return "; ".join(f"{impl}: {err}" for impl, err in errors)
+
+
 def select_loss_impl(device: torch.device, requested: str = "auto") -> str:
-    """`auto`: a fused kernel on CUDA when one imports, plain logits otherwise (and on CPU)."""
+    """`auto`: a fused kernel on CUDA when one imports, plain logits otherwise (and on CPU). On CUDA
+    an `auto` that finds none is a fallback the trainers refuse (train.common.fastpath.loss_fallback)."""
     if requested not in ("auto", *IMPLS):
         raise LossImplError(f"unknown loss implementation {requested!r} (auto, {', '.join(IMPLS)})")
     if requested == "auto":

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from toolkit.metrics import SCHEMAS
+from train.common import fastpath
 from train.common.bucketing import BucketedSampler
 from train.common.checkpoint import CheckpointManager
 from train.common.config import ConfigError, opt, parse_config
@@ -282,6 +283,10 @@ def train(cfg: DFlashConfig) -> int:
     with Runtime.start(ENTRYPOINT, SCHEMAS["dflash"], cfg.out, force_group=online, log_rank=None,
                        tensorboard=False, max_bad_steps=cfg.max_bad_steps) as rt:
         wire = rt.device if rt.dist.backend == "nccl" else torch.device("cpu")  # where sent tensors live
+        # The drafter's kernels before any data or model is loaded: a fallback from the GPU locks'
+        # fast path (no fused loss kernel) is refused here in one line unless --allow-slow-path.
+        # Target ranks check theirs (GDN, conv) in build_target.
+        kernels = drafter_kernels(cfg, rt.device) if not online or rt.is_logger else None
         src = load_source(cfg, rt)
         check_lengths(cfg, src.lengths, rt.print)
         sampler = BucketedSampler(src.lengths, cfg.token_budget, seed=cfg.seed)
@@ -290,7 +295,8 @@ def train(cfg: DFlashConfig) -> int:
         if online and not rt.is_logger:
             run_target_rank(cfg, rt, src, sampler, start, n_targets, wire)
             return 0
-        run = setup_drafter(cfg, rt, src, sampler, latest, start, n_targets, wire)
+        assert kernels is not None
+        run = setup_drafter(cfg, rt, src, sampler, latest, start, n_targets, wire, kernels)
         while rt.step < cfg.steps:
             t0 = time.perf_counter()
             s, epoch, ids = next(run.stream)
@@ -407,8 +413,13 @@ def run_target_rank(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucket
     rt.barrier()
 
 
+def drafter_kernels(cfg: DFlashConfig, device: torch.device) -> fastpath.KernelChoice:
+    """The drafter rank's kernel set: its loss (no GDN layers run there)."""
+    return fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path, loss=cfg.loss_impl, gdn=False)
+
+
 def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: BucketedSampler, latest: Path | None,
-                  start: int, n_targets: int, wire: torch.device) -> DrafterRun:
+                  start: int, n_targets: int, wire: torch.device, kernels: fastpath.KernelChoice) -> DrafterRun:
     device = rt.device
     assert src.target_shape is not None
     mask = resolve_mask_token(cfg.mask_token, src.target_shape.vocab_size, src.tokenizer)
@@ -429,13 +440,14 @@ def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucketed
                    "drafter_params": sum(p.numel() for p in drafter.parameters()), "target_layers": src.layers,
                    "block_size": dcfg.block_size, "anchors": cfg.anchors, "buckets": sampler.edges,
                    "bucket_efficiency": f"{sampler.stats(0).efficiency:.3f}", "start_step": start,
-                   "steps": cfg.steps, "device": device.type, "amp": "bf16" if amp_on else "off"})
-    from train.common.losses import select_loss_impl
+                   "steps": cfg.steps, "device": device.type, "amp": "bf16" if amp_on else "off",
+                   "loss_impl": kernels.loss_impl})
+    rt.print("# " + kernels.header().replace("\n", "\n# "))
     from train.dflash.model import default_attn_impl
 
     attn = default_attn_impl(device) if cfg.attn_impl == "auto" else cfg.attn_impl
     return DrafterRun(head, drafter, dcfg, stepper, batch_stream(sampler, start), amp_on, n_targets, wire, src.data,
-                      attn, select_loss_impl(device, cfg.loss_impl))
+                      attn, kernels.loss_impl or "logits")
 
 
 def next_batch(cfg: DFlashConfig, run: DrafterRun, step: int, ids: Any, device: torch.device

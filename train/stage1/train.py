@@ -40,7 +40,7 @@ from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.hf_local import HFLocalError, check_init_from, has_vision_tower
 from train.common.levers import Levers, apply_levers
-from train.common.losses import LossImplError, select_loss_impl
+from train.common.losses import LossImplError
 from train.common.metrics import compile_counts, peak_memory_mb, require_sink
 from train.common.packing import IGNORE_INDEX, model_kwargs, resolve_layout
 from train.common.profiler import ProgressWatch, StepProfiler, StepTiming, rank_spread
@@ -381,7 +381,10 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     if cfg.deepspeed_config:  # read at setup (not at submit: the file may exist only where the job runs)
         deepspeed_config(cfg, rt.device)
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
-    kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path, conv=cfg.conv_impl)
+    # Every kernel of the job (GDN, conv, loss, attention): a fallback from the GPU locks' fast
+    # path is refused here, in one line, unless --allow-slow-path.
+    kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path, conv=cfg.conv_impl,
+                                      loss=cfg.loss_impl, attention=cfg.attention)
     dtype = torch.bfloat16 if rt.device.type == "cuda" else torch.float32
     # The tokenizer first: a checkpoint whose tokenizer does not fit fails before the model is built.
     tok = build_tokenizer(get_shape(cfg.shape), cfg.init_from, bool(cfg.vision), codebooks)
@@ -399,7 +402,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         lever_lines.append(f"warm-up: GDN + conv kernels for {warmed} document layouts of a "
                            f"{cfg.batch_rows * cfg.row_len}-token stream, {time.perf_counter() - t_warm:.1f} s")
     packing = resolve_layout(cfg.packing, rt.device.type)
-    loss_impl = select_loss_impl(rt.device, cfg.loss_impl)
+    loss_impl = kernels.loss_impl or "logits"
     stepper = make_stepper(CausalLMObjective(model, loss_impl), model, cfg, rt.device, rt.dist, ds)
     data_state: dict[str, Any] = {"next_batch": 0}
     source = data_source(cfg, data_dir, tok)
