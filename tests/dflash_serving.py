@@ -21,6 +21,15 @@ by fc and hidden_norm; the block is [sampled token, mask x (K-1)] at positions n
 layer's queries are the block's, its keys and values the projected context's (positions 0..n-1)
 followed by the block's own, non-causal; the final norm, then the target's lm_head, give the K-1
 draft tokens. What this does not model: KV caches, tensor parallelism, verification.
+
+Each engine's reading of the attention layout (full or sliding window, causal or not inside the
+block, which target layers feed fc) is written out below from its parsing code, on the config as
+transformers parses it (both engines read the AutoConfig object, not the raw JSON):
+  - vLLM (qwen3_dflash.py `_resolve_layer_attention`, `_dflash_layer_causal`;
+    v1/worker/gpu/spec_decode/eagle/eagle3_utils.py `get_eagle3_aux_layers_from_config`);
+  - SGLang (speculative/dflash_utils.py `parse_dflash_draft_config`,
+    `get_dflash_attention_sliding_window_size`; its per-layer causality as SpecForge's
+    `resolve_dflash_is_causal` restates it for training).
 """
 
 from __future__ import annotations
@@ -31,6 +40,105 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+
+SLIDING = "sliding_attention"
+
+
+def hf_config(export_dir: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(export_dir), local_files_only=True)
+
+
+def vllm_layer_causal(config, i: int) -> bool:
+    """vLLM: top-level is_causal, else dflash_config.causal, else causal exactly on sliding layers."""
+    if getattr(config, "is_causal", None) is not None:
+        return bool(config.is_causal)
+    override = (getattr(config, "dflash_config", None) or {}).get("causal")
+    if override is not None:
+        return bool(override)
+    types = getattr(config, "layer_types", None)
+    return bool(types) and types[i] == SLIDING
+
+
+def vllm_layer_attention(config, i: int, v2_runner: bool) -> tuple[int | None, bool]:
+    """vLLM: (sliding window or None, causal) of draft layer i. Mixed sliding/full layers need the
+    V2 model runner (NotImplementedError otherwise); use_swa makes every layer sliding only when
+    layer_types has none; the window is dflash_config.swa_window_size, else the top-level one."""
+    dflash = getattr(config, "dflash_config", None) or {}
+    types = getattr(config, "layer_types", None)
+    use_swa = dflash.get("use_swa", False)
+    any_sliding = False
+    if types is not None:
+        n_sliding = sum(t == SLIDING for t in types)
+        any_sliding = n_sliding > 0
+        if 0 < n_sliding < len(types) and not v2_runner:
+            raise NotImplementedError("DFlash drafters with mixed sliding/full attention require the V2 model "
+                                      "runner; relaunch with VLLM_USE_V2_MODEL_RUNNER=1.")
+    sliding = use_swa if types is None or (use_swa and not any_sliding) else types[i] == SLIDING
+    window = None
+    if sliding:
+        window = dflash.get("swa_window_size", getattr(config, "sliding_window", None))
+        if window is None:
+            raise ValueError("DFlash sliding attention requires a window size")
+    return window, vllm_layer_causal(config, i)
+
+
+def vllm_capture_layers(config) -> list[int]:
+    """vLLM: the target's aux hidden-state ids (hidden_states[id], the output of layer id - 1):
+    eagle_aux_hidden_state_layer_ids, else dflash_config.target_layer_ids + 1."""
+    ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None)
+    if not ids:
+        ids = [i + 1 for i in ((getattr(config, "dflash_config", None) or {}).get("target_layer_ids") or [])]
+    return [int(i) for i in ids]
+
+
+def sglang_window_left(config) -> int | None:
+    """SGLang: None without sliding layers; else the top-level sliding_window minus one (HF windows
+    count the query itself), an error if it is missing."""
+    types = getattr(config, "layer_types", None)
+    if types is None or SLIDING not in types:
+        return None
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        raise ValueError("DFLASH sliding_attention layers require config.sliding_window.")
+    return int(window) - 1
+
+
+def sglang_layer_causal(config, i: int) -> bool:
+    """SGLang: an explicit is_causal for every layer; unset, sliding layers causal, full ones not."""
+    if getattr(config, "is_causal", None) is not None:
+        return bool(config.is_causal)
+    types = getattr(config, "layer_types", None)
+    return bool(types) and types[i] == SLIDING
+
+
+def sglang_target_layer_ids(config, target_num_layers: int) -> list[int]:
+    """SGLang: dflash_config.target_layer_ids (0-based, each in range); its hook captures layer i's
+    output, hidden_states[i + 1]."""
+    ids = (getattr(config, "dflash_config", None) or {}).get("target_layer_ids")
+    if ids is None:
+        ids = getattr(config, "target_layer_ids", None)
+    ids = [int(i) for i in ids]
+    if not ids or any(not 0 <= i < target_num_layers for i in ids):
+        raise ValueError(f"target_layer_ids {ids} out of range for {target_num_layers} target layers")
+    return ids
+
+
+def layer_layouts(export_dir: Path, engine: str, target_num_layers: int) -> tuple[list[tuple[int | None, bool]],
+                                                                                  list[int]]:
+    """Per layer (window_left or None, causal), and the hidden_states indices fc reads, as `engine` has them."""
+    config = hf_config(export_dir)
+    n = int(config.num_hidden_layers)
+    if engine == "vllm":
+        layers = [vllm_layer_attention(config, i, v2_runner=True) for i in range(n)]
+        return [(w - 1 if w is not None else None, c) for w, c in layers], vllm_capture_layers(config)
+    if engine == "sglang":
+        left = sglang_window_left(config)
+        types = config.layer_types or []
+        return ([(left if types and types[i] == SLIDING else None, sglang_layer_causal(config, i)) for i in range(n)],
+                [i + 1 for i in sglang_target_layer_ids(config, target_num_layers)])
+    raise ValueError(f"unknown engine {engine!r}")
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,7 +162,8 @@ class ServingDrafter:
              "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
              "mlp.down_proj.weight")
 
-    def __init__(self, export_dir: Path, target_embed: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+    def __init__(self, export_dir: Path, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
+                 engine: str = "sglang") -> None:
         c = json.loads((Path(export_dir) / "config.json").read_text())
         dflash = c.get("dflash_config") or {}
         self.h, self.n_layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
@@ -66,6 +175,7 @@ class ServingDrafter:
         self.theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
         self.layer_ids = [int(i) for i in dflash["target_layer_ids"]]
         self.num_target_layers = int(c.get("num_target_layers", self.n_layers))
+        self.layouts, self.capture = layer_layouts(Path(export_dir), engine, self.num_target_layers)
         self.block_size = int(dflash.get("block_size", c.get("block_size", 16)))
         self.mask_id = dflash.get("mask_token_id")
         if self.mask_id is None or not 0 <= int(self.mask_id) < target_embed.shape[0]:
@@ -84,7 +194,7 @@ class ServingDrafter:
 
     def context(self, target_hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """[n, len(layers) * h]: the captured layers of one sequence (batch 1) as the engines take them."""
-        return torch.cat([target_hidden_states[i + 1][0] for i in self.layer_ids], dim=-1).float()
+        return torch.cat([target_hidden_states[i][0] for i in self.capture], dim=-1).float()
 
     def block_states(self, ctx_feats: torch.Tensor, anchor_token: int) -> torch.Tensor:
         """The drafter's final states [K, h] of the block after the n context tokens."""
@@ -93,7 +203,14 @@ class ServingDrafter:
         ctx = rms(ctx_feats @ w["fc.weight"].T, w["hidden_norm.weight"], self.eps)  # [n, h]
         x = self.embed[torch.tensor([anchor_token] + [self.mask_id] * (k - 1))]  # [K, h]
         pos_ctx, pos_blk = torch.arange(n), torch.arange(n, n + k)
+        pos_keys = torch.cat([pos_ctx, pos_blk])
         for i in range(self.n_layers):
+            window_left, causal = self.layouts[i]
+            allowed = torch.ones(k, n + k, dtype=torch.bool)  # [query, key] by position
+            if causal:
+                allowed &= pos_keys[None] <= pos_blk[:, None]
+            if window_left is not None:
+                allowed &= pos_keys[None] >= pos_blk[:, None] - window_left
             p = f"layers.{i}."
             y = rms(x, w[p + "input_layernorm.weight"], self.eps)
 
@@ -108,7 +225,7 @@ class ServingDrafter:
             rep = self.heads // self.kv_heads
             keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
             att = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
-                                                 is_causal=False)  # every block slot sees all keys
+                                                 attn_mask=allowed)
             x = x + att.transpose(0, 1).reshape(k, -1) @ w[p + "self_attn.o_proj.weight"].T
             y = rms(x, w[p + "post_attention_layernorm.weight"], self.eps)
             x = x + (F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) @ \

@@ -361,7 +361,8 @@ def test_export_reloads_with_equal_outputs_and_the_serving_loaders_fields(shards
 
     hf = AutoConfig.from_pretrained(str(out), local_files_only=True)
     assert hf.model_type == "qwen3" and hf.architectures == ["DFlashDraftModel"]
-    assert hf.dflash_config == {"target_layer_ids": [1, 2], "block_size": 8, "mask_token_id": cfg.vocab_size - 1}
+    assert hf.dflash_config == {"target_layer_ids": [1, 2], "block_size": 8, "mask_token_id": cfg.vocab_size - 1,
+                                "causal": False}
     assert hf.num_target_layers == 4 and hf.eagle_aux_hidden_state_layer_ids == [2, 3]
     assert (hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim) == (2, 4, 2, 64)
     assert hf.hidden_size == 256 and hf.rope_parameters["rope_theta"] == 1e7 and hf.is_causal is False

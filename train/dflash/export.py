@@ -8,8 +8,15 @@ python/sglang/srt/speculative/dflash_utils.py `parse_dflash_draft_config`) and v
     drafter's shape (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
     head_dim, intermediate_size, rms_norm_eps, rope_parameters, max_position_embeddings,
     vocab_size), `num_target_layers`, and `dflash_config` {target_layer_ids, block_size,
-    mask_token_id}; `eagle_aux_hidden_state_layer_ids` (= target_layer_ids + 1, vLLM's capture
-    points) for vLLM versions that read only that field;
+    mask_token_id, causal: false}; `eagle_aux_hidden_state_layer_ids` (= target_layer_ids + 1, vLLM's
+    capture points: without it vLLM adds the 1 itself) for vLLM versions that read only that field;
+    `is_causal: false`, which both engines apply to every layer (unset, they make sliding-window
+    layers causal inside the block, which is not how this drafter is trained);
+  - sliding-window layers: `layer_types` (per layer "sliding_attention"/"full_attention"), the
+    top-level `sliding_window` W with `use_sliding_window: true` (transformers' Qwen3Config drops
+    `sliding_window` without it; SGLang reads it as window_left = W - 1), and
+    `dflash_config.{use_swa, swa_window_size}` (vLLM reads swa_window_size first). vLLM serves a
+    drafter that mixes sliding and full layers only with VLLM_USE_V2_MODEL_RUNNER=1 (README.md says so);
   - model.safetensors: layers.{i}.{input_layernorm, post_attention_layernorm}.weight,
     layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
     layers.{i}.mlp.{gate,up,down}_proj.weight, fc.weight, hidden_norm.weight, norm.weight. No
@@ -29,7 +36,7 @@ import torch
 
 from toolkit.fsutil import atomic_write_bytes, atomic_write_text, fsync_path
 from train.common.checkpoint import CheckpointError, CheckpointManager, step_dir_name, verify
-from train.dflash.model import Drafter, DrafterConfig
+from train.dflash.model import FULL, SLIDING, Drafter, DrafterConfig
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -37,6 +44,7 @@ WEIGHTS = "model.safetensors"
 
 def hf_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """The drafter's config.json (see the module docstring for who reads which field)."""
+    sliding = SLIDING in (cfg.layer_types or [])
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -55,15 +63,18 @@ def hf_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "is_causal": False,  # blocks attend bidirectionally (vLLM reads this per layer)
-        "layer_types": ["full_attention"] * cfg.num_layers,
+        "is_causal": False,  # blocks attend bidirectionally, every layer (both engines read this first)
+        "layer_types": list(cfg.layer_types or []),
+        "sliding_window": cfg.sliding_window if sliding else None,
+        "use_sliding_window": sliding,
         "use_cache": False,
         "dtype": dtype,
         "torch_dtype": dtype,
         "num_target_layers": cfg.num_target_layers,
         "block_size": cfg.block_size,
         "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
-                          "mask_token_id": cfg.mask_token_id},
+                          "mask_token_id": cfg.mask_token_id, "causal": False,
+                          **({"use_swa": True, "swa_window_size": cfg.sliding_window} if sliding else {})},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         # not read by the engines: which target this drafter was trained for (README.md says it too)
         "dflash_target": {"path": cfg.target, "config_sha256": cfg.target_config_sha256},
@@ -83,14 +94,33 @@ def readme(cfg: DrafterConfig) -> str:
         "embedding)",
         f"- vocab size: {cfg.vocab_size} (the target's)",
         f"- drafter: {cfg.num_layers} layers, {cfg.num_heads} x {cfg.head_dim} query heads, {cfg.num_kv_heads} "
-        f"key-value heads, MLP {cfg.intermediate_size}", "",
+        f"key-value heads, MLP {cfg.intermediate_size}",
+        *sliding_notes(cfg), "",
         "config.json follows the published DFlash drafters (`DFlashDraftModel`, `dflash_config`); "
         "model.safetensors holds `layers.*`, `fc`, `hidden_norm` and `norm`.", ""])
+
+
+def mixes_attention(cfg: DrafterConfig) -> bool:
+    """Sliding-window and full-attention layers in one drafter (vLLM: V2 model runner only)."""
+    return {SLIDING, FULL} <= set(cfg.layer_types or [])
+
+
+def sliding_notes(cfg: DrafterConfig) -> list[str]:
+    if SLIDING not in (cfg.layer_types or []):
+        return []
+    notes = [f"- attention: {', '.join(cfg.layer_types or [])}; sliding window {cfg.sliding_window} tokens "
+             "(config.json `sliding_window`; SGLang's window_left is one less); bidirectional inside the "
+             "block in every layer (`is_causal: false`)"]
+    if mixes_attention(cfg):
+        notes.append("- vLLM: a drafter mixing sliding-window and full-attention layers needs the V2 model "
+                     "runner: start vLLM with `VLLM_USE_V2_MODEL_RUNNER=1`")
+    return notes
 
 
 def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
     dflash = data.get("dflash_config") or {}
     rope = data.get("rope_parameters") or {}
+    window = dflash.get("swa_window_size", data.get("sliding_window"))
     return DrafterConfig(
         hidden_size=int(data["hidden_size"]), target_layer_ids=[int(i) for i in dflash["target_layer_ids"]],
         num_target_layers=int(data.get("num_target_layers") or dflash.get("num_target_layers")),
@@ -100,6 +130,7 @@ def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
         block_size=int(dflash.get("block_size", data.get("block_size", 16))),
         mask_token_id=int(dflash["mask_token_id"]), rope_theta=float(rope.get("rope_theta", data.get("rope_theta"))),
         rms_eps=float(data["rms_norm_eps"]), max_position_embeddings=int(data["max_position_embeddings"]),
+        layer_types=data.get("layer_types"), sliding_window=int(window) if window else None,
         target=str((data.get("dflash_target") or {}).get("path") or ""),
         target_config_sha256=str((data.get("dflash_target") or {}).get("config_sha256") or ""))
 

@@ -85,10 +85,23 @@ class DrafterConfig:
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
     max_position_embeddings: int = 32768
+    # Per layer "full_attention" or "sliding_attention" (None: all full). A sliding layer's query at
+    # position p sees keys at positions >= p - (sliding_window - 1): the HF convention (the window
+    # counts the query itself), SGLang's window_left = sliding_window - 1, SpecForge's mask.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.mask_token_id < 0:
             self.mask_token_id = self.vocab_size + self.mask_token_id
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {FULL, SLIDING}:
+            raise ValueError(f"layer_types must list {FULL!r} or {SLIDING!r} for each of the {self.num_layers} "
+                             f"layers, got {self.layer_types}")
+        if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_window >= 1):
+            raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
@@ -102,24 +115,43 @@ class DrafterConfig:
     def n_target_layers(self) -> int:
         return len(self.target_layer_ids)
 
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window, None for a full-attention layer."""
+        assert self.layer_types is not None
+        return self.sliding_window if self.layer_types[i] == SLIDING else None
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
 
 # Drafter shapes by name. The width (the embedding and lm_head are the target's), the MLP width,
 # RoPE and norm settings and the captured layers always come from the target.
 #   qwen3.5: the published Qwen3.5/3.6 DFlash drafters' layout (SpecForge configs/qwen3.*-dflash*.json):
 #            5 layers, 32 query heads x 128, 8 key-value heads.
+#   qwen3.6-27b: the published Qwen3.6-27B drafter (z-lab's, SpecForge configs/qwen3.6-27b-dflash.json):
+#            the qwen3.5 heads, MLP 17,408, four sliding-window layers (2,048 tokens) then one full one.
 #   target:  5 layers with the target's own full-attention head layout (this project's first preset).
 #   tiny:    2 layers with a 512-wide MLP, for CPU tests.
-DRAFTER_PRESETS: dict[str, dict[str, int]] = {
+DRAFTER_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3.5": {"num_layers": 5, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128},
+    "qwen3.6-27b": {"num_layers": 5, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                    "intermediate_size": 17408, "layer_types": [SLIDING] * 4 + [FULL], "sliding_window": 2048},
     "target": {"num_layers": 5},
     "tiny": {"num_layers": 2, "intermediate_size": 512},
 }
 SMALL_TARGET = 1024  # `auto` picks `tiny` for targets narrower than this (the test-sized ones)
 
 
+# The Qwen3.6-27B target's shape (hidden 5,120, 64 layers): `auto` gives it its published drafter.
+QWEN36_27B = (5120, 64)
+
+
 def default_drafter(target: TargetShape) -> str:
-    """`--drafter auto`: the published layout (`qwen3.5`) for real targets, `tiny` for test-sized ones."""
-    return "tiny" if target.hidden_size < SMALL_TARGET else "qwen3.5"
+    """`--drafter auto`: the published layout for real targets (`qwen3.6-27b` for a target shaped like
+    Qwen3.6-27B, else `qwen3.5`), `tiny` for test-sized ones."""
+    if target.hidden_size < SMALL_TARGET:
+        return "tiny"
+    return "qwen3.6-27b" if (target.hidden_size, target.num_hidden_layers) == QWEN36_27B else "qwen3.5"
 
 
 # The DFlash paper's slot-weight decay per block size (gamma 7 at K=16, 5 at 10, 4 at 8).
@@ -135,7 +167,7 @@ def drafter_config(spec: str, target: TargetShape, target_layer_ids: list[int], 
                    ) -> DrafterConfig:
     """A preset name, or a JSON file of DrafterConfig fields (target-derived fields are filled in)."""
     if spec in DRAFTER_PRESETS:
-        fields: dict[str, Any] = dict(DRAFTER_PRESETS[spec])
+        fields: dict[str, Any] = {k: list(v) if isinstance(v, list) else v for k, v in DRAFTER_PRESETS[spec].items()}
     else:
         path = Path(spec)
         if not path.is_file():
@@ -189,7 +221,7 @@ class DrafterAttention(nn.Module):
     """Qwen3 attention (GQA, per-head q/k RMSNorm, RoPE); keys and values cover the target
     context (projected once per layer, shared by every block) and the block's own slots."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, layer_idx: int = 0) -> None:
         super().__init__()
         h, self.heads, self.kv_heads, self.d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(h, self.heads * self.d, bias=False)
@@ -198,6 +230,7 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.d, h, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_eps)
+        self.window = cfg.layer_window(layer_idx)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_ctx: tuple[torch.Tensor, torch.Tensor], attend: BlockAttention) -> torch.Tensor:
@@ -212,7 +245,7 @@ class DrafterAttention(nn.Module):
         k_ctx = apply_rope(heads(self.k_proj, self.k_norm, ctx, self.kv_heads), *rope_ctx)
         k_blk = apply_rope(heads(self.k_proj, self.k_norm, x, self.kv_heads), *rope_q)
         v_ctx, v_blk = heads(self.v_proj, None, ctx, self.kv_heads), heads(self.v_proj, None, x, self.kv_heads)
-        out = attend(q, k_ctx, v_ctx, k_blk, v_blk)  # [B, heads, N, d]
+        out = attend(q, k_ctx, v_ctx, k_blk, v_blk, window=self.window)  # [B, heads, N, d]
         assert k_ctx.shape[2] == t
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.d))
 
@@ -231,10 +264,10 @@ class DrafterMLP(nn.Module):
 class DrafterLayer(nn.Module):
     """Pre-norm Qwen3 decoder layer; module names match the published DFlash checkpoints."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = DrafterAttention(cfg)
+        self.self_attn = DrafterAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = DrafterMLP(cfg)
 
@@ -252,6 +285,11 @@ class BlockAttention:
     over all blocks would be quadratic: 512 anchors x 16 slots are 8192 queries per row). The two
     score parts share one softmax. Queries run in chunks of anchors so that no call holds more
     than `max_scores` scores.
+
+    A sliding-window layer (`window` W) narrows both parts by position: slot j of anchor a sits at
+    a + j and sees context t >= a + j - (W - 1) and the slots j' >= j - (W - 1) of its block (a left
+    bound only, as SpecForge's mask and SGLang's window_left; engines disagree on a right bound
+    for non-causal windows, which never bites while W >= K).
     """
 
     def __init__(self, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int,
@@ -261,10 +299,9 @@ class BlockAttention:
         if impl not in ATTN_IMPLS:
             raise ValueError(f"unknown drafter attention {impl!r} ({', '.join(ATTN_IMPLS)})")
         self.impl = impl
-        self._block_mask = None
-        pos = torch.arange(ctx_len, device=anchors.device)
-        # [B, A, T]: context t is visible to anchor a's block iff t < a (and t is a real token)
-        self.see_ctx = (pos[None, None] < anchors[:, :, None]) & (pos[None, None] < lengths[:, None, None])
+        self._block_masks: dict[int | None, Any] = {}  # one per window, shared by the layers that have it
+        # [B, A]: context t is visible to anchor a's block iff t < a (and t is a real token)
+        self.ctx_end = torch.minimum(anchors, lengths.to(anchors.device)[:, None])
 
     def chunks(self, bsz: int, heads: int) -> list[tuple[int, int]]:
         n_anchor = self.anchors.shape[1]
@@ -272,46 +309,73 @@ class BlockAttention:
         step = max(1, min(n_anchor, self.max_scores // max(1, per_anchor)))
         return [(i, min(n_anchor, i + step)) for i in range(0, n_anchor, step)]
 
-    def block_mask(self, device: torch.device):
+    def see_context(self, lo: int, hi: int, window: int | None) -> torch.Tensor:
+        """[B, (hi - lo) * K, T] bool: which context positions each query slot of anchors lo..hi sees."""
+        bsz, k = self.anchors.shape[0], self.k
+        pos = torch.arange(self.t, device=self.anchors.device)
+        see = pos < self.ctx_end[:, lo:hi, None, None]  # [B, a, 1, T]
+        if window is not None:
+            first = self.anchors[:, lo:hi, None, None] + torch.arange(k, device=pos.device)[:, None] - (window - 1)
+            see = see & (pos >= first)  # [B, a, K, T]
+        return see.expand(-1, -1, k, -1).reshape(bsz, (hi - lo) * k, self.t)
+
+    def see_block(self, window: int | None) -> torch.Tensor | None:
+        """[K, K] bool: slot j sees slot j' of its block (None: all of them)."""
+        if window is None or window >= self.k:
+            return None
+        j = torch.arange(self.k, device=self.anchors.device)
+        return j[None, :] >= j[:, None] - (window - 1)
+
+    def block_mask(self, device: torch.device, window: int | None = None):
         """flex_attention's block mask over keys [context T | all blocks' slots A*K]: query slot q of
-        block q // K sees context t < min(anchor, length) and the slots of its own block. Built once
-        per forward and shared by every layer; tiles (128 x 128) that no query of theirs sees are
-        skipped, so the work follows the real key counts (the context prefix of each anchor)."""
-        if self._block_mask is None:
+        block q // K sees context t < min(anchor, length) and the slots of its own block (narrowed by
+        the window, if any). Built once per forward and window and shared by every layer with that
+        window; tiles (128 x 128) that no query of theirs sees are skipped, so the work follows the
+        real key counts (the context prefix of each anchor, or its last W positions)."""
+        if window not in self._block_masks:
             from torch.nn.attention.flex_attention import create_block_mask
 
             k, t, n_anchor = self.k, self.t, self.anchors.shape[1]
-            ctx_end = torch.minimum(self.anchors, self.lengths[:, None]).to(device)  # [B, A]
+            ctx_end, anchors = self.ctx_end.to(device), self.anchors.to(device)
 
             def visible(b, _h, q_idx, kv_idx):
                 blk = torch.clamp(q_idx // k, max=n_anchor - 1)  # padding queries: as the last block
-                return torch.where(kv_idx < t, kv_idx < ctx_end[b, blk], (kv_idx - t) // k == blk)
+                ctx_ok = kv_idx < ctx_end[b, blk]
+                blk_ok = (kv_idx - t) // k == blk
+                if window is not None:
+                    j = q_idx % k
+                    ctx_ok = ctx_ok & (kv_idx >= anchors[b, blk] + j - (window - 1))
+                    blk_ok = blk_ok & ((kv_idx - t) % k >= j - (window - 1))
+                return torch.where(kv_idx < t, ctx_ok, blk_ok)
 
             n_kv = t + n_anchor * k
-            self._block_mask = create_block_mask(visible, self.anchors.shape[0], None, padded_queries(n_anchor * k),
-                                                 n_kv, device=str(device), _compile=device.type == "cuda")
-        return self._block_mask
+            self._block_masks[window] = create_block_mask(
+                visible, self.anchors.shape[0], None, padded_queries(n_anchor * k), n_kv, device=str(device),
+                _compile=device.type == "cuda")
+        return self._block_masks[window]
 
-    def __call__(self, q, k_ctx, v_ctx, k_blk, v_blk) -> torch.Tensor:
+    def __call__(self, q, k_ctx, v_ctx, k_blk, v_blk, window: int | None = None) -> torch.Tensor:
         """q, k_blk, v_blk [B, heads, A*K, d]; k_ctx, v_ctx [B, kv_heads, T, d] -> [B, heads, A*K, d]."""
         if self.impl == "flex":
-            return self._flex(q, k_ctx, v_ctx, k_blk, v_blk)
+            return self._flex(q, k_ctx, v_ctx, k_blk, v_blk, window)
         bsz, heads, _, d = q.shape
         groups = heads // k_ctx.shape[1]
         if groups > 1:  # GQA: each key/value head serves `groups` query heads
             k_ctx, v_ctx, k_blk, v_blk = (t.repeat_interleave(groups, dim=1) for t in (k_ctx, v_ctx, k_blk, v_blk))
         scale, k, t = d ** -0.5, self.k, self.t
+        in_block = self.see_block(window)
         outs = []
         for lo, hi in self.chunks(bsz, heads):
             a = hi - lo
             qc = q[:, :, lo * k: hi * k]
             s_ctx = (qc @ k_ctx.transpose(-1, -2)) * scale  # [B, H, a*K, T]
-            see = self.see_ctx[:, lo:hi].repeat_interleave(k, dim=1)[:, None]  # [B, 1, a*K, T]
-            s_ctx = s_ctx.masked_fill(~see, float("-inf"))
+            s_ctx = s_ctx.masked_fill(~self.see_context(lo, hi, window)[:, None], float("-inf"))
             qb = qc.view(bsz, heads, a, k, d)
             kb = k_blk[:, :, lo * k: hi * k].view(bsz, heads, a, k, d)
             vb = v_blk[:, :, lo * k: hi * k].view(bsz, heads, a, k, d)
             s_blk = (qb @ kb.transpose(-1, -2)) * scale  # [B, H, a, K, K]: bidirectional in the block
+            if in_block is not None:
+                s_blk = s_blk.masked_fill(~in_block, float("-inf"))
             probs = torch.softmax(torch.cat([s_ctx, s_blk.reshape(bsz, heads, a * k, k)], -1).float(), -1)
             probs = probs.to(q.dtype)
             out = probs[..., :t] @ v_ctx + (probs[..., t:].reshape(bsz, heads, a, k, k) @ vb).reshape(
@@ -319,7 +383,7 @@ class BlockAttention:
             outs.append(out)
         return torch.cat(outs, dim=2)
 
-    def _flex(self, q, k_ctx, v_ctx, k_blk, v_blk) -> torch.Tensor:
+    def _flex(self, q, k_ctx, v_ctx, k_blk, v_blk, window: int | None) -> torch.Tensor:
         """One block-sparse flex_attention call over [context | blocks] keys (compiled on CUDA)."""
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
@@ -330,7 +394,7 @@ class BlockAttention:
         # query lengths (4 anchors x 16 = 64), has no variant for these GQA shapes.
         qp = F.pad(q, (0, 0, 0, padded_queries(n_q) - n_q))
         fn = _compiled_flex() if q.device.type == "cuda" else _eager_flex()
-        out = fn(qp, k.to(q.dtype), v.to(q.dtype), block_mask=self.block_mask(q.device),
+        out = fn(qp, k.to(q.dtype), v.to(q.dtype), block_mask=self.block_mask(q.device, window),
                  scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1])
         return out[:, :, :n_q]
 
@@ -387,7 +451,7 @@ class Drafter(nn.Module):
         self.cfg = cfg
         self.fc = nn.Linear(cfg.n_target_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         for m in self.modules():
             if isinstance(m, nn.Linear):

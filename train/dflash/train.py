@@ -74,8 +74,11 @@ class DFlashConfig:
     n_layers: int = opt(5)
     tokenizer: str | None = opt(None, help="online: the target's tokenizer dir, for conversations (default: --init-from)")
     drafter: str = opt("auto", help="drafter preset (qwen3.5: the published 5 layers of 32x128 heads, 8 kv heads; "
-                                    "target: 5 layers with the target's head layout; tiny) or JSON file of "
-                                    "DrafterConfig fields; auto: qwen3.5, tiny for test-sized targets")
+                                    "qwen3.6-27b: the published Qwen3.6-27B drafter, those heads, MLP 17408, "
+                                    "4 sliding-window layers (2048) then a full one; target: 5 layers with the "
+                                    "target's head layout; tiny) or JSON file of DrafterConfig fields; auto: "
+                                    "qwen3.6-27b for a 5120-wide 64-layer target, else qwen3.5, tiny for "
+                                    "test-sized targets")
     mask_token: str = opt("auto", help="the block's mask token: an id or a token of the target's tokenizer; auto: "
                                        "248070 for a Qwen3.5 vocab (the published configs'), else the tokenizer's "
                                        "pad token, else the last row")

@@ -1,0 +1,189 @@
+"""The published Qwen3.6-27B drafter layout (sliding-window layers) as a preset, its export as vLLM
+and SGLang read it (tests/dflash_serving.py restates their parsing), a tiny sliding-window
+drafter drafting the same block in an engine-style loader as in the trainer, and the window in
+both attention paths (dense chunked and block-sparse flex) against each other and the mask's rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dflash_serving import (
+    ServingDrafter,
+    hf_config,
+    layer_layouts,
+    sglang_layer_causal,
+    sglang_target_layer_ids,
+    sglang_window_left,
+    vllm_capture_layers,
+    vllm_layer_attention,
+)
+
+from train.dflash import train as dflash_train
+from train.dflash.export import hf_config as export_config
+from train.dflash.export import readme, write_export
+from train.dflash.model import (
+    FULL,
+    SLIDING,
+    Drafter,
+    DrafterConfig,
+    TargetShape,
+    block_inputs,
+    default_drafter,
+    drafter_config,
+    sample_anchors,
+)
+from train.extract.extract import default_layers
+
+# Qwen3.6-27B's text config, as far as the drafter takes it (hidden 5120, 64 layers, MLP 17,408)
+QWEN36_27B = TargetShape(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                         head_dim=256, intermediate_size=17408, vocab_size=248320, rope_theta=1e7,
+                         max_position_embeddings=262144)
+
+
+def write_config(cfg: DrafterConfig, out) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(export_config(cfg), indent=2))
+    (out / "README.md").write_text(readme(cfg))
+
+
+def test_qwen36_27b_preset_is_the_published_layout_and_both_engines_read_its_export(tmp_path):
+    """`--drafter auto` on a Qwen3.6-27B-shaped target: 5 layers, 32 x 128 heads / 8 KV, MLP 17,408,
+    [sliding x4, full] with a 2,048 window, block 16, mask 248070, layers [1, 16, 31, 46, 61], untied.
+    Its config.json (weights are 1.7 B parameters: the config alone) parsed by transformers, then
+    read as vLLM does (window 2048 on layers 0-3, none on 4, non-causal, capture ids +1, the mixed
+    layout refused without the V2 runner, whose flag README.md names) and as SGLang does
+    (window_left 2047, target_layer_ids as given)."""
+    assert default_drafter(QWEN36_27B) == "qwen3.6-27b"
+    layers = default_layers(64, 5)
+    cfg = drafter_config(default_drafter(QWEN36_27B), QWEN36_27B, layers, 16)
+    cfg.mask_token_id = dflash_train.resolve_mask_token("auto", QWEN36_27B.vocab_size, None)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (
+        5, 5120, 32, 8, 128, 17408)
+    assert cfg.layer_types == [SLIDING] * 4 + [FULL] and cfg.sliding_window == 2048
+    assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (16, 248070, [1, 16, 31, 46, 61])
+    out = tmp_path / "export"
+    write_config(cfg, out)
+    hf = hf_config(out)
+    assert hf.tie_word_embeddings is False and hf.architectures == ["DFlashDraftModel"]
+    assert hf.sliding_window == 2048  # transformers keeps it only with use_sliding_window
+
+    assert [vllm_layer_attention(hf, i, v2_runner=True) for i in range(5)] == [(2048, False)] * 4 + [(None, False)]
+    with pytest.raises(NotImplementedError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+        vllm_layer_attention(hf, 0, v2_runner=False)
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in (out / "README.md").read_text()
+    assert vllm_capture_layers(hf) == [2, 17, 32, 47, 62]
+    del hf.eagle_aux_hidden_state_layer_ids  # older configs: vLLM adds the 1 itself
+    assert vllm_capture_layers(hf) == [2, 17, 32, 47, 62]
+
+    hf = hf_config(out)
+    assert sglang_window_left(hf) == 2047
+    assert [sglang_layer_causal(hf, i) for i in range(5)] == [False] * 5
+    assert sglang_target_layer_ids(hf, 64) == [1, 16, 31, 46, 61]
+    assert (hf.dflash_config["block_size"], hf.dflash_config["mask_token_id"], hf.num_target_layers) == (16, 248070, 64)
+    # what the explicit flags prevent: unset, both engines make the sliding layers causal in the block
+    del hf.is_causal
+    hf.dflash_config.pop("causal")
+    assert [sglang_layer_causal(hf, i) for i in range(5)] == [True] * 4 + [False]
+    assert [vllm_layer_attention(hf, i, True)[1] for i in range(5)] == [True] * 4 + [False]
+
+
+def test_full_attention_export_has_no_window_for_either_engine(tmp_path):
+    cfg = drafter_config("qwen3.5", QWEN36_27B, [1, 16, 31, 46, 61], 16)
+    write_config(cfg, tmp_path)
+    hf = hf_config(tmp_path)
+    assert [vllm_layer_attention(hf, i, v2_runner=False) for i in range(5)] == [(None, False)] * 5
+    assert sglang_window_left(hf) is None and "VLLM_USE_V2" not in (tmp_path / "README.md").read_text()
+
+
+SHAPE = TargetShape(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=128, vocab_size=300, rope_theta=1e7)
+
+
+def windowed(types: list[str], window: int, block: int) -> DrafterConfig:
+    cfg = drafter_config("tiny", SHAPE, [1, 2], block)
+    cfg.layer_types, cfg.sliding_window = types, window
+    return DrafterConfig(**{**cfg.__dict__})  # validated again
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_tiny_sliding_window_export_drafts_the_same_block_in_the_engine_loader_as_in_the_trainer(tmp_path, engine):
+    """[sliding (window 6), full] with K=4 after a 30-token context: the window bites (30 > 6). The
+    engine-style loader, reading the export as `engine` does, gives the trainer's block states and
+    drafts; a drafter with the window left out gives other states (the window is in the mask)."""
+    torch.manual_seed(0)
+    k, n = 4, 30
+    drafter = Drafter(windowed([SLIDING, FULL], 6, k)).eval()
+    out = write_export(drafter, tmp_path / "export", dtype=torch.float32)
+    embed, lm_head = torch.randn(300, 64), torch.randn(300, 64)
+    serving = ServingDrafter(out, embed, lm_head, engine=engine)
+    assert serving.layouts == [(5, False), (None, False)] and serving.capture == [2, 3]
+    ctx = torch.randn(n, 2 * 64)
+    anchor = 17
+    hidden = torch.cat([ctx, torch.zeros(1, 128)])[None]  # the anchor's own state: not there yet
+    block = embed[torch.tensor([anchor] + [drafter.cfg.mask_token_id] * (k - 1))][None, None]
+    with torch.no_grad():
+        mine = drafter(hidden, block, torch.tensor([[n]]), torch.tensor([n + 1]))[0, 0]
+        theirs = serving.block_states(ctx, anchor)
+        full = Drafter(windowed([FULL, FULL], 6, k)).eval()
+        full.load_state_dict(drafter.state_dict())
+        unwindowed = full(hidden, block, torch.tensor([[n]]), torch.tensor([n + 1]))[0, 0]
+    torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    assert (mine[1:] @ lm_head.T).argmax(-1).tolist() == serving.draft(ctx, anchor)
+    assert (unwindowed - mine).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("window", [None, 24, 5])
+def test_dense_and_flex_agree_in_fp32_with_and_without_sliding_windows(window):
+    """The same batch (2 rows of unequal length, a loss mask, 24 anchors, K=16) through the dense
+    chunked attention and block-sparse flex (eager on the CPU: the mask's rule, not the kernel), in
+    fp32: equal within fp32 rounding. Window 24 cuts the context; 5 (< K) also the block. Under
+    an all-sliding drafter, the state W positions before an anchor never reaches its block; the
+    one just before it does."""
+    torch.manual_seed(0)
+    types = [FULL, FULL] if window is None else [SLIDING, SLIDING]
+    cfg = windowed(types, window or 1, 16)
+    drafter = Drafter(cfg).eval()
+    n = 200
+    lengths = torch.tensor([n, 90])
+    loss_mask = torch.zeros(2, n, dtype=torch.bool)
+    loss_mask[0, 40:] = True
+    loss_mask[1, 30:90] = True
+    anchors = sample_anchors(lengths, 24, 16, torch.Generator().manual_seed(1), loss_mask)
+    ids = torch.randint(0, 299, (2, n))
+    hidden = torch.randn(2, n, 128)
+    blocks, _ = block_inputs(ids, anchors, 16, cfg.mask_token_id, loss_mask, lengths)
+    x = torch.nn.Embedding(300, 64)(blocks).detach()
+    with torch.no_grad():
+        dense = drafter(hidden, x, anchors, lengths, attn_impl="dense", max_scores=1 << 16)
+        flex = drafter(hidden, x, anchors, lengths, attn_impl="flex")
+        torch.testing.assert_close(flex, dense, atol=2e-5, rtol=1e-4)
+        if window is None:
+            return
+        a = int(anchors[0, 3])
+        far, near = hidden.clone(), hidden.clone()
+        far[0, a - window] += 5.0
+        near[0, a - 1] += 5.0
+        for impl in ("dense", "flex"):
+            torch.testing.assert_close(drafter(far, x, anchors, lengths, attn_impl=impl)[0, 3], dense[0, 3],
+                                       atol=0, rtol=0)
+            assert (drafter(near, x, anchors, lengths, attn_impl=impl)[0, 3] - dense[0, 3]).abs().max() > 1e-3
+
+
+def test_layer_types_are_checked():
+    with pytest.raises(ValueError, match="sliding_window"):
+        windowed([SLIDING, FULL], 0, 4)
+    with pytest.raises(ValueError, match="layer_types"):
+        windowed([SLIDING], 8, 4)
+
+
+def test_export_layout_round_trips_and_engine_layouts_agree(tmp_path):
+    from train.dflash.export import load_export
+
+    torch.manual_seed(0)
+    drafter = Drafter(windowed([SLIDING, FULL], 6, 4))
+    out = write_export(drafter, tmp_path / "e")
+    back = load_export(out)
+    assert back.cfg.layer_types == [SLIDING, FULL] and back.cfg.sliding_window == 6
+    assert layer_layouts(out, "vllm", 4) == layer_layouts(out, "sglang", 4)
