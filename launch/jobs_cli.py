@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from launch import registry, runconfig, values
 from launch.errors import LaunchError
@@ -94,11 +94,19 @@ def job_outcome(rec: JobRecord, slurm_state: str | None = None) -> dict | None:
     return {"state": state, "step": last_step(rec.run_folder / "metrics.jsonl"), "error": error}
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """submitit's result of a failed job is ("error", traceback text): plain data. Nothing that
+    names a class or function is built, so a result file put in the job folder runs no code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name}: not plain data")
+
+
 def _pickled_error(rec: JobRecord) -> str | None:
     result = Path(rec.folder) / f"{rec.job_id}_{rec.main_task}_result.pkl"
     try:
         with open(result, "rb") as f:
-            kind, payload = pickle.load(f)
+            kind, payload = _PlainUnpickler(f).load()
     except Exception:  # absent, torn or foreign: nothing to say
         return None
     if kind != "error":

@@ -134,6 +134,8 @@ def test_bad_input_is_refused_in_one_or_two_lines(case: Case, tmp_path, monkeypa
     argv = _prepare(case, tmp_path, monkeypatch)
     rc, out, err = _run(case, argv, capsys)
     assert "Traceback" not in out + err, out + err
+    # a crafted pickle's payload creates {tmp}/PWNED when unpickled (checkpoint_cases.crafted)
+    assert not (tmp_path / "PWNED").exists(), "a crafted file's code ran"
     if case.outcome == "counted":
         assert rc == 0, f"rc {rc}: {argv}\n{out}\n{err}"
         assert re.search(case.expect, out + err), out + err

@@ -248,3 +248,28 @@ def test_deepspeed_zero2_checkpoint_resume_on_cpu(tmp_path: Path, data: Path) ->
     assert [r["step"] for r in b] == [1, 2, 3]
     assert b[2]["batch_digest"] == a[2]["batch_digest"]
     assert b[2]["loss"] == pytest.approx(a[2]["loss"], rel=1e-5)
+
+
+def test_a_crafted_pickle_in_a_checkpoint_is_refused_in_one_line_and_runs_nothing(tmp_path: Path) -> None:
+    """What the run writes (tensors, numpy's RNG state) loads; a file whose pickle would run code
+    (create a marker) is refused naming the file, and the marker never appears. Through the real
+    trainer and `launch export`: corpus `checkpoint:crafted-*`."""
+    from tests.badinputs.checkpoint_cases import _RunsCode
+    from train.common.checkpoint import load_state, rng_state
+
+    good = tmp_path / "trainer_rank00000.pt"
+    torch.save({"step": 3, "rng": rng_state(), "w": torch.ones(2)}, good)
+    loaded = load_state(good)
+    assert loaded["step"] == 3 and (loaded["rng"]["numpy"][1] == rng_state()["numpy"][1]).all()
+
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "optim.pt"
+    torch.save({"optimizer": _RunsCode(marker)}, evil)
+    with pytest.raises(CheckpointError) as err:
+        load_state(evil)
+    assert not marker.exists()
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith(f"{evil} holds pickled objects that are not tensors or plain data (it names ")
+    assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") is None  # restored after the load
+    torch.load(evil, weights_only=False)  # the oracle: the same file, unpickled, does run code
+    assert marker.exists()

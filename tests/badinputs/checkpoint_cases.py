@@ -92,6 +92,48 @@ def wrong_sha(step: str) -> Callable[[Path], None]:
     return mutate
 
 
+class _RunsCode:
+    """Unpickled with pickle (or torch.load(weights_only=False)), it creates `marker`: the test
+    of a crafted checkpoint file is that the marker never appears."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204 (pickle's protocol)
+        return (Path.touch, (self.marker,))
+
+
+def crafted(step: str, file: str, wrap: Callable[[object], object] = lambda evil: evil) -> Callable[[Path], None]:
+    """`file` of checkpoint `step` replaced by a pickle that would run code, with a manifest that
+    verifies (whoever can write the run folder can rewrite the manifest too)."""
+    def mutate(ckpts: Path) -> None:
+        import torch
+
+        torch.save(wrap(_RunsCode(ckpts.parent.parent / "PWNED")), ckpts / step / file)
+        _rehash(ckpts / step, file)
+
+    return mutate
+
+
+def _rehash(path: Path, file: str) -> None:
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    data = (path / file).read_bytes()
+    manifest["files"][file] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+def bf16_module(step: str) -> Callable[[Path], None]:
+    """model.pt in bf16, as a bf16 run writes it: export then reads optim.pt for fp32 masters."""
+    def mutate(ckpts: Path) -> None:
+        import torch
+
+        f = ckpts / step / "model.pt"
+        torch.save({k: v.bfloat16() if v.is_floating_point() else v for k, v in torch.load(f).items()}, f)
+        _rehash(ckpts / step, "model.pt")
+
+    return mutate
+
+
 def as_deepspeed_layout(step: str) -> Callable[[Path], None]:
     """The checkpoint's files moved to where a DeepSpeed ZeRO-2 run keeps its state (deepspeed/, no
     model.pt / optim.pt), with a manifest that verifies: what a plain-torch resume finds after a
@@ -203,6 +245,20 @@ CASES = [
          setup=broken(flip(STEP1, "model.pt"), flip(STEP2, "model.pt"))),
     Case("checkpoint", "all-manifests-missing", RESUME, rf"{STEP2}/MANIFEST\.json is missing.*; {NO_CKPT_VERIFIES}",
          entry="stage1", setup=broken(delete(STEP1, "MANIFEST.json"), delete(STEP2, "MANIFEST.json"))),
+    # ---- files the run did not write: never unpickled (the marker file is tests/test_checkpoint.py's)
+    Case("checkpoint", "crafted-trainer-state", RESUME,
+         rf"{STEP2}/trainer_rank00000\.pt holds pickled objects that are not tensors or plain data \(it names "
+         r"getattr\): refused, nothing in it was run", entry="stage1",
+         setup=broken(crafted(STEP2, "trainer_rank00000.pt", lambda evil: {"step": 2, "rng": evil}))),
+    Case("checkpoint", "crafted-optimizer-state", RESUME,
+         rf"{STEP2}/optim\.pt holds pickled objects that are not tensors or plain data", entry="stage1",
+         setup=broken(crafted(STEP2, "optim.pt", lambda evil: {"optimizer": evil}))),
+    Case("checkpoint", "export-crafted-optimizer-state", EXPORT,
+         rf"{STEP2}/optim\.pt holds pickled objects that are not tensors or plain data", entry="launch",
+         setup=broken(bf16_module(STEP2), crafted(STEP2, "optim.pt", lambda evil: {"optimizer": evil}))),
+    Case("checkpoint", "export-crafted-model", EXPORT,
+         rf"{STEP2}/model\.pt holds pickled objects that are not tensors or plain data", entry="launch",
+         setup=broken(crafted(STEP2, "model.pt"))),
     Case("checkpoint", "deepspeed-checkpoint-resumed-plain", [*RESUME, "--deepspeed", "off"],
          rf"checkpoint \S*{STEP2} was written by DeepSpeed \(deepspeed/\), this run is plain torch: resume with "
          "--deepspeed on", entry="stage1", setup=broken(as_deepspeed_layout(STEP2))),

@@ -18,14 +18,18 @@ it nor prunes it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import pickle
 import random
+import re
 import shutil
+import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,57 @@ LATEST = "latest"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted; the message is one line naming the file."""
+
+
+def _safe_globals() -> list[Any]:
+    """The only classes a checkpoint of ours holds besides tensors and plain data: numpy's RNG
+    state (an ndarray of uint32), and DeepSpeed's ZeRO bookkeeping in its optimizer files (named
+    only when DeepSpeed is already loaded: only its checkpoints need them)."""
+    out: list[Any] = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+                      getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct]
+    if "deepspeed" in sys.modules:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+        out += [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+    return out
+
+
+def _refusal(path: Path | str, exc: pickle.UnpicklingError) -> CheckpointError:
+    """torch's weights-only refusal as one line: the file and what it tried to build."""
+    text = str(exc)
+    named = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"got <class '([\w.]+)'>", text)
+    other = re.search(r"Unsupported operand \d+|WeightsUnpickler error: ([^\n]{1,120})", text)
+    what = (f"it names {named.group(1)}" if named else other.group(0).removeprefix("WeightsUnpickler error: ")
+            if other else "not torch's format")
+    return CheckpointError(f"{path} holds pickled objects that are not tensors or plain data ({what}): refused, "
+                           "nothing in it was run; a checkpoint this toolkit writes never holds one (was the file "
+                           "put there by someone else?)")
+
+
+@contextlib.contextmanager
+def only_weights(path: Path | str) -> Iterator[None]:
+    """Every torch.load inside (DeepSpeed's too, which passes weights_only=False) unpickles tensors
+    and plain data only, plus `_safe_globals()`: a crafted file in a run folder never runs code as
+    the user. A refusal is one CheckpointError naming `path`."""
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # torch reads it at each call, over the argument
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            yield
+    except pickle.UnpicklingError as exc:
+        raise _refusal(path, exc) from None
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+
+
+def load_state(path: Path | str, map_location: Any = "cpu") -> Any:
+    """torch.load of a checkpoint file, weights-only (see `only_weights`)."""
+    with only_weights(path):
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def step_dir_name(step: int) -> str:

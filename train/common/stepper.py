@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from train.common.checkpoint import CheckpointError
+from train.common.checkpoint import CheckpointError, load_state, only_weights
 from train.common.distributed import DistInfo
 from train.common.master_weights import MasterWeightAdamW, needs_master_weights
 
@@ -170,10 +170,13 @@ class Stepper:
                                   f"--deepspeed {'on' if written_by_ds else 'off'}, or use a new --out or --restart")
         try:
             if self.engine is not None:
-                self.engine.load_checkpoint(str(path), tag="deepspeed")
+                with only_weights(path / "deepspeed"):
+                    self.engine.load_checkpoint(str(path), tag="deepspeed")
                 return
-            model = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-            state = torch.load(path / "optim.pt", map_location="cpu", weights_only=False)
+            model = load_state(path / "model.pt")
+            state = load_state(path / "optim.pt")
+        except CheckpointError:
+            raise
         except (RuntimeError, ValueError, KeyError) as exc:
             raise _shape_error(path, exc) from None
         self.load_state_dict({"model": model, **state}, path)

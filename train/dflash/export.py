@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from toolkit.fsutil import atomic_write_bytes, atomic_write_text, fsync_path
-from train.common.checkpoint import CheckpointError, CheckpointManager, step_dir_name, verify
+from train.common.checkpoint import CheckpointError, CheckpointManager, load_state, step_dir_name, verify
 from train.dflash.model import FULL, SLIDING, Drafter, DrafterConfig
 
 CONFIG = "config.json"
@@ -185,7 +185,7 @@ def export_checkpoint(job_dir: Path, step: int | None, out: Path | None) -> Path
             have = sorted(p.name for p in (job_dir / "checkpoints").glob("step_*"))
             raise CheckpointError(f"{ckpt}: no checkpoint at step {step} (there are: {', '.join(have) or 'none'})")
         verify(ckpt)
-    state = torch.load(ckpt / "drafter.pt", map_location="cpu", weights_only=False)
+    state = load_state(ckpt / "drafter.pt")
     drafter = Drafter(DrafterConfig(**state["drafter_config"]))
     drafter.load_state_dict(state["model"])
     return write_export(drafter, Path(out) if out else job_dir / "export" / ckpt.name)

@@ -29,7 +29,7 @@ import torch
 from toolkit.metrics import SCHEMAS
 from train.common import fastpath
 from train.common.bucketing import BucketedSampler
-from train.common.checkpoint import CheckpointManager
+from train.common.checkpoint import CheckpointManager, load_state
 from train.common.config import ConfigError, opt, parse_config
 from train.common.distributed import slurm_layout
 from train.common.entrypoint import run_entrypoint
@@ -434,7 +434,7 @@ def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucketed
     stepper = Stepper.create(drafter, drafter, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                              lr_lambda=lambda s: lr_at(cfg, s), device=device, dist=rt.dist, data_parallel=False)
     if latest is not None:
-        stepper.load_state_dict(torch.load(latest / "drafter.pt", map_location=device, weights_only=False), latest)
+        stepper.load_state_dict(load_state(latest / "drafter.pt", map_location=device), latest)
         rt.print(f"# resumed from {latest} at step {start}")
     rt.step = start
     amp_on = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")

@@ -29,7 +29,14 @@ import torch
 from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
 from toolkit.fsutil import atomic_write_text
-from train.common.checkpoint import CheckpointError, CheckpointManager, step_dir_name, verify
+from train.common.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    load_state,
+    only_weights,
+    step_dir_name,
+    verify,
+)
 
 MODEL_FILES = "model_files"
 EXPORT_DIR = "export"
@@ -91,15 +98,16 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> str:
         # imported here: deepspeed is slow to import and only DeepSpeed checkpoints need it
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="deepspeed")
+        with only_weights(ckpt / "deepspeed"):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="deepspeed")
         what = "fp32 master weights of a DeepSpeed ZeRO-2 checkpoint (gathered over its ranks)"
     elif (ckpt / "model.pt").is_file():
-        state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
+        state = load_state(ckpt / "model.pt")
         what = "the module's weights of a plain-torch checkpoint"
         low = {v.dtype for v in state.values() if v.is_floating_point()} - {torch.float32}
         optim = ckpt / "optim.pt"
         if low and optim.is_file():
-            masters = torch.load(optim, map_location="cpu", weights_only=False)["optimizer"].get("fp32_masters")
+            masters = load_state(optim)["optimizer"].get("fp32_masters")
             if masters is not None:
                 state = _strip(state, names)
                 # the masters are in the order of the trained parameters (train.common.master_weights)

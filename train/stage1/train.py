@@ -32,7 +32,7 @@ import torch
 
 from toolkit.metrics import SCHEMAS, step_records
 from train.common import fastpath, mfu
-from train.common.checkpoint import CheckpointError, rng_state, set_rng_state
+from train.common.checkpoint import CheckpointError, load_state, rng_state, set_rng_state
 from train.common.codebooks import CodebookConfig, parse_lengths, parse_sizes
 from train.common.config import ConfigError, json_object, opt, parse_config
 from train.common.distributed import DistInfo, slurm_layout
@@ -652,7 +652,7 @@ def _trainer_state(path: Path, dist_info: DistInfo) -> dict[str, Any]:
     trainer_file = path / f"trainer_rank{dist_info.rank:05d}.pt"
     if not trainer_file.is_file():
         raise CheckpointError(f"{trainer_file} is missing: checkpoint {path} was written by a different world size")
-    return torch.load(trainer_file, weights_only=False)
+    return load_state(trainer_file)
 
 
 def check_model_args(path: Path, saved: dict[str, Any], cfg: Stage1Config) -> None:
