@@ -187,3 +187,27 @@ def test_export_layout_round_trips_and_engine_layouts_agree(tmp_path):
     back = load_export(out)
     assert back.cfg.layer_types == [SLIDING, FULL] and back.cfg.sliding_window == 6
     assert layer_layouts(out, "vllm", 4) == layer_layouts(out, "sglang", 4)
+
+
+def test_dense_path_is_refused_up_front_with_the_budget_that_fits():
+    """The issue's case (qwen3.5 drafter on a 2B-shaped target, 512 anchors, 16k tokens in 8 rows,
+    bf16) needs more than an H200 has: one line naming the need and a budget that fits; that
+    budget's estimate fits, and a little more does not. 4 anchors fit."""
+    from train.dflash.model import DENSE_HEADROOM, dense_attention_bytes, dense_budget_refusal
+
+    target = TargetShape(hidden_size=2048, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=256, intermediate_size=6144, vocab_size=248320)
+    cfg = drafter_config("qwen3.5", target, [1, 6, 11, 16, 21], 16)
+    free = 130 << 30
+    assert dense_budget_refusal(cfg, 16384, 4, True, free, rows=8) is None
+    line = dense_budget_refusal(cfg, 16384, 512, True, free, rows=8)
+    assert line is not None and "\n" not in line and "--attn-impl flex" in line
+    fits = int(line.rsplit("--token-budget <= ", 1)[1].replace(",", ""))
+    assert 0 < fits < 16384
+    per_row = 16384 // 8
+    usable = free * DENSE_HEADROOM
+    assert dense_attention_bytes(cfg, fits, 512, True, fits // per_row) <= usable
+    assert dense_attention_bytes(cfg, int(fits * 1.05), 512, True, int(fits * 1.05) // per_row) > usable
+    # the estimate counts what it says: 5 layers' saved scores (6 B each under bf16) + one chunk
+    scores = 32 * 512 * 16 * (16384 + 8 * 16)
+    assert dense_attention_bytes(cfg, 16384, 512, True, 8) == 5 * 6 * scores + (1 << 27) * 12

@@ -427,6 +427,44 @@ def _compiled_flex():
     return _FLEX["cuda"]
 
 
+# Bytes per attention score the dense path keeps for backward, per layer: the fp32 softmax output
+# and its bf16 copy the value matmuls save (fp32 alone without autocast); one chunk's transients
+# (scores, masked scores, the concatenation, its fp32 copy) come on top.
+DENSE_SAVED_BYTES = {"bf16": 6, "fp32": 4}
+DENSE_CHUNK_BYTES = 12
+DENSE_HEADROOM = 0.8  # of the free memory, for the scores; the rest: weights, optimizer, MLP activations, logits
+
+
+def dense_attention_bytes(cfg: DrafterConfig, token_budget: int, n_anchors: int, amp: bool, rows: int | None = None,
+                          training: bool = True, max_scores: int = 1 << 27) -> int:
+    """The dense path's attention memory for a batch of `token_budget` padded tokens in `rows` rows
+    (None: as many as rows of K tokens): each query slot (anchors x K per row) scores T + K keys,
+    so a batch has at most heads x anchors x K x (budget + rows x K) scores per layer, kept for
+    backward by every layer (training) or by one (no grad)."""
+    rows = token_budget // cfg.block_size if rows is None else rows
+    scores = cfg.num_heads * n_anchors * cfg.block_size * (token_budget + rows * cfg.block_size)
+    per_layer = scores * DENSE_SAVED_BYTES["bf16" if amp else "fp32"]
+    return per_layer * (cfg.num_layers if training else 1) + max_scores * DENSE_CHUNK_BYTES
+
+
+def dense_budget_refusal(cfg: DrafterConfig, token_budget: int, n_anchors: int, amp: bool, free_bytes: int,
+                         rows: int | None = None) -> str | None:
+    """One line refusing the dense path when its attention memory exceeds `free_bytes`, naming what
+    it needs and the largest token budget that fits (at the same tokens per row); None when it fits."""
+    need = dense_attention_bytes(cfg, token_budget, n_anchors, amp, rows)
+    usable = int(free_bytes * DENSE_HEADROOM)
+    if need <= usable:
+        return None
+    fixed = dense_attention_bytes(cfg, 0, n_anchors, amp, 0)
+    per_token = (need - fixed) / token_budget  # rows scale with the budget
+    fits = int(max(0, usable - fixed) / per_token)
+    return (f"dense drafter attention at --anchors {n_anchors} and --token-budget {token_budget:,} needs "
+            f"~{need / 2**30:,.0f} GiB for its scores ({cfg.num_layers} layers x {cfg.num_heads} heads x "
+            f"{n_anchors} anchors x {cfg.block_size} slots per row); {free_bytes / 2**30:,.0f} GiB are free "
+            f"({DENSE_HEADROOM:.0%} of it for them): "
+            f"use --attn-impl flex, or --token-budget <= {fits:,}")
+
+
 def default_attn_impl(device: torch.device) -> str:
     """`auto`: block-sparse flex_attention on CUDA; the dense chunked reference on the CPU."""
     return "flex" if device.type == "cuda" else "dense"

@@ -446,9 +446,15 @@ def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucketed
                    "steps": cfg.steps, "device": device.type, "amp": "bf16" if amp_on else "off",
                    "loss_impl": kernels.loss_impl})
     rt.print("# " + kernels.header().replace("\n", "\n# "))
-    from train.dflash.model import default_attn_impl
+    from train.dflash.model import default_attn_impl, dense_budget_refusal
 
     attn = default_attn_impl(device) if cfg.attn_impl == "auto" else cfg.attn_impl
+    if attn == "dense" and device.type == "cuda":  # refused here, not by an out-of-memory at step 1
+        free, _total = torch.cuda.mem_get_info(device)
+        rows = max((len(b) for b in sampler.batches(0)), default=1)
+        refusal = dense_budget_refusal(dcfg, cfg.token_budget, cfg.anchors, amp_on, free, rows)
+        if refusal:
+            raise ConfigError(refusal)
     return DrafterRun(head, drafter, dcfg, stepper, batch_stream(sampler, start), amp_on, n_targets, wire, src.data,
                       attn, kernels.loss_impl or "logits")
 
