@@ -64,7 +64,9 @@ ENTRYPOINT = "train.dflash"
 class DFlashConfig:
     mode: str = opt("offline", choices=("offline", "online"))
     data: str | None = opt(None, help="offline: extraction dir; online: jsonl (default: synthetic in <out>/data.jsonl)")
-    topology: str = opt("2-1", help="online: k target ranks - 1 drafter rank")
+    topology: str = opt("2-1", help="online: k target ranks - 1 drafter rank; auto: probe the target forward and "
+                                    "the drafter step here, print the k-1 split of the node it picks and exit")
+    plan_gpus: int | None = opt(None, help="--topology auto: the GPUs to split (default: the job's tasks)")
     preset: str = opt("tiny", help="online: model shape of a random-init target (with --init-from the "
                                    "checkpoint's config.json is the shape)")
     init_from: str | None = opt(None, help="online: local checkpoint of the target, used as it is")
@@ -128,7 +130,7 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
         raise ConfigError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
-    if cfg.mode == "online":
+    if cfg.mode == "online" and cfg.topology != "auto":
         try:
             parse_topology(cfg.topology)
         except ValueError as exc:
@@ -282,6 +284,8 @@ class DrafterRun:
 def train(cfg: DFlashConfig) -> int:
     """setup -> steps -> finish on the shared runtime; online target ranks only produce batches."""
     online = cfg.mode == "online"
+    if online and cfg.topology == "auto":
+        return plan_only(cfg)
     n_targets = check_layout(cfg, slurm_layout()[1])  # before a process group is formed for a wrong layout
     with Runtime.start(ENTRYPOINT, SCHEMAS["dflash"], cfg.out, force_group=online, log_rank=None,
                        tensorboard=False, max_bad_steps=cfg.max_bad_steps) as rt:
@@ -333,8 +337,25 @@ def train(cfg: DFlashConfig) -> int:
     return 0
 
 
+def plan_only(cfg: DFlashConfig) -> int:
+    """--topology auto: the job's first rank probes on its GPU and prints the plan (train.dflash.plan);
+    the other ranks have nothing to do."""
+    from train.dflash.plan import plan_topology
+
+    rank, world, local_rank, _addr, _port = slurm_layout()
+    if rank != 0:
+        return 0
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    plan_topology(cfg, cfg.plan_gpus or world, device, Path(cfg.out))
+    return 0
+
+
 def check_tasks(cfg: DFlashConfig, tasks: int) -> None:
     """`launch submit` calls this with the job's task count before anything is queued."""
+    if cfg.mode == "online" and cfg.topology == "auto":
+        if (cfg.plan_gpus or tasks) < 2:
+            raise ConfigError(f"--topology auto splits the node's GPUs k-1: the job needs >= 2 tasks, it has {tasks}")
+        return
     check_layout(cfg, tasks)
 
 
