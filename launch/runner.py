@@ -69,6 +69,16 @@ def entry_task_check(module: str):  # -> Callable[[object, int], None] | None
 
 
 def _entry_function(module: str, name: str):  # -> Callable | None
+    """`name` from the entrypoint's `args` module when it has one (a package entrypoint's flags and
+    checks without torch: `train.stage1.args`), else from next to its `main`."""
+    try:
+        light = importlib.import_module(f"{module}.args")
+    except ModuleNotFoundError as exc:
+        if exc.name not in (f"{module}.args", module):
+            raise
+    else:
+        if hasattr(light, name):
+            return getattr(light, name)
     entry = entry_module(module, run_main_module=False)
     main = getattr(entry, "main", None)
     home = sys.modules.get(getattr(main, "__module__", "") or "", entry)

@@ -147,6 +147,19 @@ def _blank(state: str, reason: str = "") -> dict[str, str]:
     return {"state": state, "elapsed": "", "nodes": "", "reason": reason, "exit_code": ""}
 
 
+def controller_down(env_extra: dict[str, str] | None = None) -> str | None:
+    """`scontrol ping`'s line when every slurmctld it names is DOWN (it answers at once where squeue
+    retries for many seconds); None when one is up, or when ping itself cannot tell."""
+    try:
+        ping = run_slurm(["scontrol", "ping"], env_extra, timeout=10)
+    except LaunchError:
+        return None
+    said = [ln.strip() for ln in ping.stdout.splitlines() if " is " in ln]
+    if ping.returncode != 0 and said and all(ln.endswith(" is DOWN") for ln in said):
+        return said[0]
+    return None
+
+
 def job_states(job_ids: list[str], env_extra: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
     """States of many jobs with one squeue and one sacct call: squeue while the controller
     knows a job, sacct afterwards. Jobs neither knows read UNKNOWN."""
@@ -154,7 +167,12 @@ def job_states(job_ids: list[str], env_extra: dict[str, str] | None = None) -> d
         return {}
     ids = ",".join(job_ids)
     out: dict[str, dict[str, str]] = {}
-    q = run_slurm(["squeue", "-h", "-j", ids, "-o", "%i|%T|%M|%N|%r"], env_extra)
+    down = controller_down(env_extra)
+    if down:
+        # squeue would retry for MessageTimeout and more (18 s by default) to say the same
+        q = subprocess.CompletedProcess(["squeue"], 1, "", f"squeue: error: Unable to contact slurm controller ({down})")
+    else:
+        q = run_slurm(["squeue", "-h", "-j", ids, "-o", "%i|%T|%M|%N|%r"], env_extra)
     if q.returncode != 0 and "fatal:" in q.stderr:
         # The client could not start at all (an unreadable slurm.conf): no job's state is known,
         # and UNKNOWN rows would hide why. ("Invalid job id" is an error:, not a fatal:.)

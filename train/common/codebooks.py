@@ -29,9 +29,15 @@ tokenizer gets as special tokens at exactly these ids (train.stage1.tokenizer).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a tensor is made: `launch submit` parses a config (shapes, codebook
+# sizes) without it.
 
 TASKS = ("gen_img", "gen_txt", "und", "replay_img", "replay_text")
 CODEBOOK_NAMES = ("ss", "shape", "tex")
@@ -127,6 +133,8 @@ class CodebookVocab:
         self.padded_vocab = -(-self.used_vocab // m) * m
 
     def codes_to_tokens(self, codebook: str, codes: torch.Tensor | list[int]) -> torch.Tensor:
+        import torch
+
         codes = torch.as_tensor(codes, dtype=torch.long)
         size = self._size(codebook)
         if codes.numel() and (codes.min() < 0 or codes.max() >= size):
@@ -134,6 +142,8 @@ class CodebookVocab:
         return codes + self.offsets[codebook]
 
     def tokens_to_codes(self, codebook: str, tokens: torch.Tensor | list[int]) -> torch.Tensor:
+        import torch
+
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         lo, hi = self.offsets[codebook], self.offsets[codebook] + self._size(codebook)
         if tokens.numel() and (tokens.min() < lo or tokens.max() >= hi):
@@ -179,7 +189,6 @@ class CodebookVocab:
         return self.sizes[codebook]
 
 
-@torch.no_grad()
 def extend_embeddings(model: torch.nn.Module, new_vocab: int) -> int:
     """Grow ``model``'s input embeddings (and an untied lm_head) to ``new_vocab`` rows.
 
@@ -187,6 +196,13 @@ def extend_embeddings(model: torch.nn.Module, new_vocab: int) -> int:
     so the first logits over it are neither huge nor random, and training does not begin with a
     loss spike from the extended part. Returns the old vocab size.
     """
+    import torch
+
+    with torch.no_grad():
+        return _extend_embeddings(model, new_vocab)
+
+
+def _extend_embeddings(model: torch.nn.Module, new_vocab: int) -> int:
     old_emb = model.get_input_embeddings()
     old_vocab = old_emb.weight.shape[0]
     if new_vocab < old_vocab:

@@ -105,3 +105,18 @@ def json_object(text: str) -> dict[str, float]:
         return {str(k): float(v) for k, v in value.items()}
     except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"must be a JSON object of name -> number, got {text!r}") from None
+
+
+# The optional sinks: the flag that asks for one, its package, and how to get it.
+SINKS = {"tensorboard": ("--tensorboard", "pip install 'gpu-train-toolkit[metrics]'"),
+         "wandb": ("--wandb-project", "pip install wandb (offline runs: WANDB_MODE=offline)")}
+
+
+def require_sink(module: str) -> None:
+    """A sink that was asked for and cannot run is a one-line error before the run starts, never
+    a run that silently writes nothing there."""
+    try:
+        __import__(module)
+    except ImportError:
+        flag, how = SINKS[module]
+        raise ConfigError(f"{flag} needs the {module} package, which is not installed here ({how})") from None

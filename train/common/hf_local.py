@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+# transformers is imported where a loader runs: a config check without --init-from (launch
+# submit's parse of the arguments) needs none of it.
 
 # Either is enough for a fast tokenizer; vocab.json + merges.txt is the older BPE pair.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -74,6 +75,7 @@ def load_config(path: str | os.PathLike[str]) -> Any:
                                "(`launch export`)")
         raise HFLocalError(f"checkpoint {p}: no config.json there (give a local transformers checkpoint directory)")
     try:
+        from transformers import AutoConfig
         return AutoConfig.from_pretrained(p, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise HFLocalError(f"checkpoint {p}: config.json does not load ({_one_line(exc)})") from None
@@ -85,6 +87,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     if not has_tokenizer(p):
         raise HFLocalError(f"checkpoint {p}: no tokenizer there (expected {' or '.join(TOKENIZER_FILES)})")
     try:
+        from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(p, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
         raise HFLocalError(f"checkpoint {p}: its tokenizer does not load ({_one_line(exc)})") from None
@@ -97,6 +100,7 @@ def load_image_processor(path: str | os.PathLike[str]) -> Any:
         raise HFLocalError(
             f"checkpoint {p}: no image processor there (expected {' or '.join(IMAGE_PROCESSOR_FILES)})")
     try:
+        from transformers import AutoImageProcessor
         return AutoImageProcessor.from_pretrained(p, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
         raise HFLocalError(f"checkpoint {p}: its image processor does not load ({_one_line(exc)})") from None

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import torch
 
 from toolkit.metrics import Schema, step_line
-from train.common.config import ConfigError
+from train.common.config import SINKS, ConfigError, require_sink  # noqa: F401 - re-exported
 from train.common.mfu import convention as mfu_convention
 
 
@@ -43,19 +43,6 @@ def compile_counts() -> tuple[int, int]:
     return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["recompiles"].values()))
 
 
-# The optional sinks: the flag that asks for one, its package, and how to get it.
-SINKS = {"tensorboard": ("--tensorboard", "pip install 'gpu-train-toolkit[metrics]'"),
-         "wandb": ("--wandb-project", "pip install wandb (offline runs: WANDB_MODE=offline)")}
-
-
-def require_sink(module: str) -> None:
-    """A sink that was asked for and cannot run is a one-line error before the run starts, never
-    a run that silently writes nothing there."""
-    try:
-        __import__(module)
-    except ImportError:
-        flag, how = SINKS[module]
-        raise ConfigError(f"{flag} needs the {module} package, which is not installed here ({how})") from None
 
 
 def _quiet_full_disk_in_threads() -> None:

@@ -21,15 +21,9 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from train.dflash.args import parse_topology  # noqa: F401 - re-exported
+
 FIELDS = ("input_ids", "lengths", "hidden", "anchors", "final_blocks", "loss_mask")
-
-
-def parse_topology(text: str) -> int:
-    """'k-1' -> k (number of target ranks)."""
-    parts = text.split("-")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts) or parts[1] != "1" or int(parts[0]) < 1:
-        raise ValueError(f"--topology must be 'k-1' (k target ranks, 1 drafter rank), got {text!r}")
-    return int(parts[0])
 
 
 class BoundedSender:

@@ -30,14 +30,14 @@ from toolkit.metrics import SCHEMAS
 from train.common import fastpath
 from train.common.bucketing import BucketedSampler
 from train.common.checkpoint import CheckpointManager, load_state
-from train.common.config import ConfigError, opt, parse_config
+from train.common.config import ConfigError
 from train.common.distributed import slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
-from train.common.hf_local import check_init_from
 from train.common.losses import LossImplError
 from train.common.runtime import Runtime
 from train.common.stepper import Stepper
+from train.dflash.args import DFlashConfig, check_layout, check_tasks, parse_args  # noqa: F401 - the flags live there (no torch)
 from train.dflash.data import ShardDataset, batch_stream, pad_samples
 from train.dflash.model import (
     Drafter,
@@ -52,90 +52,12 @@ from train.dflash.model import (
     gather_block_positions,
     sample_anchors,
 )
-from train.dflash.online import BoundedSender, parse_topology, recv_batch
+from train.dflash.online import BoundedSender, recv_batch
 from train.extract.data import DatasetError, TokenData, generate_synthetic
 from train.extract.shards import ShardError
 from train.extract.target import TargetError
 
 ENTRYPOINT = "train.dflash"
-
-
-@dataclass
-class DFlashConfig:
-    mode: str = opt("offline", choices=("offline", "online"))
-    data: str | None = opt(None, help="offline: extraction dir; online: jsonl (default: synthetic in <out>/data.jsonl)")
-    topology: str = opt("2-1", help="online: k target ranks - 1 drafter rank; auto: probe the target forward and "
-                                    "the drafter step here, print the k-1 split of the node it picks and exit")
-    plan_gpus: int | None = opt(None, help="--topology auto: the GPUs to split (default: the job's tasks)")
-    preset: str = opt("tiny", help="online: model shape of a random-init target (with --init-from the "
-                                   "checkpoint's config.json is the shape)")
-    init_from: str | None = opt(None, help="online: local checkpoint of the target, used as it is")
-    target_dtype: str = opt("auto", choices=("auto", "bfloat16", "float16", "float32"),
-                            help="online: the target's compute dtype (auto: the checkpoint's own)")
-    layers: str | None = opt(None, help="online: captured target layers (default: n_layers spread over 1..L-3)")
-    n_layers: int = opt(5)
-    tokenizer: str | None = opt(None, help="online: the target's tokenizer dir, for conversations (default: --init-from)")
-    drafter: str = opt("auto", help="drafter preset (qwen3.5: the published 5 layers of 32x128 heads, 8 kv heads; "
-                                    "qwen3.6-27b: the published Qwen3.6-27B drafter, those heads, MLP 17408, "
-                                    "4 sliding-window layers (2048) then a full one; target: 5 layers with the "
-                                    "target's head layout; tiny) or JSON file of DrafterConfig fields; auto: "
-                                    "qwen3.6-27b for a 5120-wide 64-layer target, else qwen3.5, tiny for "
-                                    "test-sized targets")
-    mask_token: str = opt("auto", help="the block's mask token: an id or a token of the target's tokenizer; auto: "
-                                       "248070 for a Qwen3.5 vocab (the published configs'), else the tokenizer's "
-                                       "pad token, else the last row")
-    block_size: int = opt(16)
-    anchors: int = opt(512, help="anchors per sequence (SpecForge's default), clamped to its response positions")
-    max_bad_fraction: float = opt(0.01, help="offline: shards failing verification are skipped up to this share")
-    steps: int = opt(40)
-    token_budget: int = opt(2048, help="padded tokens per batch")
-    max_len: int = opt(8192, help="online: samples are cut to this many tokens")
-    lr: float = opt(3e-3)
-    warmup: int = opt(4)
-    weight_decay: float = opt(0.0)
-    grad_clip: float = opt(1.0)
-    gamma: float | None = opt(None, parse=float, help="slot loss weights exp(-(j-1)/gamma); 0 = uniform; default: "
-                                                     "from --block-size (7 at 16, 5 at 10, 4 at 8, else 7K/16)")
-    kl_weight: float = opt(0.0, help="weight of KL(verifier || drafter) on the anchor blocks")
-    queue_depth: int = opt(4, help="online: messages in flight per target rank")
-    seed: int = opt(0)
-    synthetic_samples: int = opt(160)
-    out: str = opt(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/dflash-local",
-                   help="run directory (default: $LAUNCH_JOB_DIR, else ./runs/dflash-local)")
-    ckpt_every: int = opt(50)
-    log_every: int = opt(1)
-    restart: bool = opt(False, help="start from step 0: existing checkpoints are moved aside, never deleted")
-    max_bad_steps: int = opt(0, help="non-finite steps to skip (update dropped) before the run stops")
-    allow_slow_path: bool = opt(False)
-    # Matmuls of the drafter step in bf16 under autocast, fp32 weights and optimizer. auto: on
-    # CUDA (an fp32 drafter was the bottleneck of the 1-1 topology on H200s), off on CPU.
-    amp: str = opt("auto", choices=("auto", "bf16", "off"))
-    # auto: block-sparse flex_attention (compiled) on CUDA, the dense chunked reference on CPU
-    attn_impl: str = opt("auto", choices=("auto", "dense", "flex"))
-    # the anchor-block CE: auto = stage-1's fused kernel on CUDA (no logits tensor), logits on CPU
-    loss_impl: str = opt("auto", choices=("auto", "logits", "cce", "liger"))
-
-
-def parse_args(argv: list[str] | None) -> DFlashConfig:
-    cfg = parse_config(DFlashConfig, argv, "python -m train.dflash", "DFlash drafter training")
-    check_init_from(cfg.init_from)
-    if cfg.mode == "offline" and not cfg.data:
-        raise ConfigError("--mode offline needs --data <extraction dir> (from `launch submit extract`)")
-    for name in ("steps", "anchors", "token_budget", "ckpt_every", "log_every", "queue_depth"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.block_size < 2:
-        raise ConfigError(f"--block-size must be >= 2 (the anchor and at least one token to predict), got {cfg.block_size}")
-    if not 0.0 <= cfg.max_bad_fraction <= 1.0:
-        raise ConfigError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
-    if cfg.mode == "online" and cfg.topology != "auto":
-        try:
-            parse_topology(cfg.topology)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    return cfg
 
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:
@@ -348,34 +270,6 @@ def plan_only(cfg: DFlashConfig) -> int:
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     plan_topology(cfg, cfg.plan_gpus or world, device, Path(cfg.out))
     return 0
-
-
-def check_tasks(cfg: DFlashConfig, tasks: int) -> None:
-    """`launch submit` calls this with the job's task count before anything is queued."""
-    if cfg.mode == "online" and cfg.topology == "auto":
-        if (cfg.plan_gpus or tasks) < 2:
-            raise ConfigError(f"--topology auto splits the node's GPUs k-1: the job needs >= 2 tasks, it has {tasks}")
-        return
-    check_layout(cfg, tasks)
-
-
-# The topology fixes the job's task count (k targets + 1 drafter, or 1 offline): the launcher's
-# advice for a request too big for the cluster is then a smaller preset, never fewer GPUs.
-check_tasks.fixes_task_count = True  # type: ignore[attr-defined]
-
-
-def check_layout(cfg: DFlashConfig, world: int) -> int:
-    """The number of target ranks (0 offline); the job's task count (`world`) must fit the topology."""
-    if cfg.mode != "online":
-        if world > 1:
-            raise ConfigError(f"--mode offline trains one drafter on one rank; this job has {world} "
-                              "tasks (use the `offline` preset, or --gpus-per-node 1)")
-        return 0
-    n_targets = parse_topology(cfg.topology)
-    if world != n_targets + 1:
-        raise ConfigError(f"--topology {cfg.topology} needs {n_targets + 1} ranks, this job has "
-                          f"{world}; set the job's GPUs/tasks to {n_targets + 1}")
-    return n_targets
 
 
 def load_source(cfg: DFlashConfig, rt: Runtime) -> Source:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shlex
 import subprocess
 import time
@@ -32,11 +31,11 @@ import torch
 
 from toolkit.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
 from toolkit.metrics import SCHEMAS
-from train.common.config import ConfigError, opt, parse_config
+from train.common.config import ConfigError
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
-from train.common.hf_local import check_init_from
 from train.common.runtime import Runtime
+from train.extract.args import DTYPE_NAMES, ExtractConfig, parse_args  # noqa: F401 - the flags live there (no torch)
 from train.extract.data import DatasetError, TokenData, generate_synthetic, load_records, load_tokenizer
 from train.extract.shards import (
     HEAD,
@@ -59,50 +58,7 @@ from train.extract.shards import (
 from train.extract.target import Target, TargetError, head_weights, load_target
 
 ENTRYPOINT = "train.extract"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass
-class ExtractConfig:
-    preset: str = opt("tiny", help="model shape of a random-init target (train/common/shapes.py); with "
-                                   "--init-from the checkpoint's own config.json is the shape")
-    init_from: str | None = opt(None, help="local transformers checkpoint dir of the target, used as it is")
-    target_dtype: str = opt("auto", choices=("auto", *DTYPES),
-                            help="the target's compute dtype (auto: the checkpoint's own; random init: bf16 "
-                                 "on GPU, fp32 on CPU)")
-    data: str | None = opt(None, help='jsonl, one {"id", "input_ids": [...]} or {"id", "conversations": [...]} '
-                                      "per line (default: <out>/data.jsonl, synthetic, made when absent)")
-    tokenizer: str | None = opt(None, help="local dir of the target's tokenizer + chat template, for "
-                                           "conversations (default: --init-from)")
-    synthetic_samples: int = opt(160)
-    out: str = opt(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/extract-local",
-                   help="shard directory (default: $LAUNCH_JOB_DIR, else ./runs/extract-local)")
-    layers: str | None = opt(None, help="comma-separated decoder layer indices (0-based) to capture")
-    n_layers: int = opt(5, help="without --layers: how many, spread over 1..L-3")
-    token_budget: int = opt(8192, help="padded tokens per batch/shard (65536 on an H200)")
-    max_len: int = opt(8192)
-    dtype: str = opt("bfloat16", choices=tuple(DTYPES),
-                     help="storage dtype of the hidden states (bf16 halves fp32's ~24 KiB/token of the reference run)")
-    seed: int = opt(0)
-    sync_cmd: str | None = opt(None, help="shell template with {src} and {name}, run per finished shard")
-    sync_check_cmd: str | None = opt(None, help="shell template with {name} printing the copy's sha256 first; "
-                                                "local file deleted on match")
-    stop_after: int | None = opt(None, parse=int, help="stop after writing this many shards")
-    allow_slow_path: bool = opt(False)
-
-
-def parse_args(argv: list[str] | None) -> ExtractConfig:
-    cfg = parse_config(ExtractConfig, argv, "python -m train.extract", "hidden-state extraction to shards")
-    check_init_from(cfg.init_from)
-    for name, low in (("token_budget", 2), ("max_len", 2), ("n_layers", 1)):
-        if getattr(cfg, name) < low:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(cfg, name)}")
-    if cfg.max_len > cfg.token_budget:
-        raise ConfigError(f"--max-len {cfg.max_len} exceeds --token-budget {cfg.token_budget}: a long sample "
-                          "would not fit a batch; raise the budget or lower --max-len")
-    if cfg.sync_check_cmd and not cfg.sync_cmd:
-        raise ConfigError("--sync-check-cmd needs --sync-cmd")
-    return cfg
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def default_layers(num_layers: int, n: int) -> list[int]:

@@ -23,57 +23,25 @@ Sampling is seeded per part (seed, part), so a resumed part regenerates the same
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from toolkit.fsutil import atomic_write_text
-from train.common.config import ConfigError, opt, parse_config
+from train.common.config import ConfigError
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.hf_local import _one_line as one_line  # transformers errors in one line
-from train.common.hf_local import check_init_from
 from train.extract.data import DatasetError, load_tokenizer, numbered_lines
+from train.regen.args import RegenConfig, parse_args  # noqa: F401 - the flags live there (no torch)
 
 ENTRYPOINT = "train.regen"
 META = "meta.json"
 
 
-@dataclass
-class RegenConfig:
-    init_from: str = opt("", help="the target's local checkpoint dir (weights, tokenizer, chat template)")
-    data: str = opt("", help='jsonl of {"id", "conversations": [...]}')
-    tokenizer: str | None = opt(None, help="the target's tokenizer dir (default: --init-from)")
-    out: str = opt(default_factory=lambda: os.environ.get("LAUNCH_JOB_DIR") or "./runs/regen-local",
-                   help="output dir (default: $LAUNCH_JOB_DIR, else ./runs/regen-local)")
-    batch_size: int = opt(16, help="conversations per generate call (= per part file)")
-    max_new_tokens: int = opt(1024)
-    temperature: float = opt(0.7, help="0 = greedy")
-    top_p: float = opt(0.8)
-    top_k: int = opt(20)
-    seed: int = opt(0)
-    stop_after: int | None = opt(None, parse=int, help="write at most this many parts, then stop")
-    allow_slow_path: bool = opt(False)
-
-
 SETTINGS = ("init_from", "data", "batch_size", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
-
-
-def parse_args(argv: list[str] | None) -> RegenConfig:
-    cfg = parse_config(RegenConfig, argv, "python -m train.regen", "regenerate assistant turns with the target")
-    if not cfg.init_from or not cfg.data:
-        raise ConfigError("needs --init-from <the target's checkpoint dir> and --data <conversations jsonl>")
-    check_init_from(cfg.init_from)
-    if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or cfg.top_k < 0:
-        raise ConfigError("--batch-size and --max-new-tokens must be >= 1, --top-k >= 0")
-    if not (cfg.temperature >= 0 and math.isfinite(cfg.temperature)) or not 0 < cfg.top_p <= 1:
-        raise ConfigError("--temperature must be >= 0 and --top-p in (0, 1]")
-    return cfg
 
 
 def main(argv: list[str] | None = None, guard: bool = True) -> int:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import zipfile
 import zlib
@@ -54,29 +53,22 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from train.common.codebooks import CODEBOOK_NAMES, CodebookConfig
 from train.common.packing import Document, ImageInput, build_row, collate, layout_packer, rows_per_batch
 from train.common.vision_budget import BudgetGate, VisionBudget
+from train.stage1.tasks import (  # noqa: F401 - re-exported: the trainer and the tests name them here
+    IMAGE_TASKS,
+    REFERENCE_COUNTS,
+    REQUIRED_KEYS,
+    TASKS,
+    DataError,
+    check_data_dir,
+    check_weights,
+    image_tasks_weighted,
+)
 from train.stage1.tokenizer import Stage1Tokenizer
 from train.stage1.vision import BadImage
 
-TASKS: tuple[str, ...] = ("gen_img", "gen_txt", "und", "replay_img", "replay_text")
-REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
-    "gen_img": ("id", "image", "tokens3d"),
-    "gen_txt": ("id", "text", "tokens3d"),
-    "und": ("id", "tokens3d", "text"),
-    "replay_img": ("id", "image", "text"),
-    "replay_text": ("id", "text"),
-}
-# Sample counts of the reference run (1.35M samples), used as default mixture weights.
-REFERENCE_COUNTS: dict[str, int] = {
-    "gen_img": 294_000, "gen_txt": 293_000, "und": 293_000, "replay_img": 320_000, "replay_text": 150_000,
-}
-IMAGE_TASKS = ("gen_img", "replay_img")
 # An .npz member above this (uncompressed) is refused before it is read: a 5,824-code asset is
 # ~23 KB as int32, so this is generous for any asset and small against a loader's memory.
 MAX_NPZ_MEMBER_BYTES = 64 * 1024 * 1024
-
-
-class DataError(RuntimeError):
-    """Data that cannot be trained on; message is one line saying what and where."""
 
 
 class MalformedRecord(ValueError):
@@ -109,19 +101,6 @@ def _check_record(task: str, rec: Any) -> None:
     for key in ("image", "tokens3d"):
         if key in rec and (os.path.isabs(rec[key]) or ".." in Path(rec[key]).parts):
             raise MalformedRecord(f"{key!r} must be a path inside the data directory")
-
-
-def check_data_dir(root: str | os.PathLike[str]) -> Path:
-    """DataError unless `root` is a directory holding at least one task manifest."""
-    root = Path(root)
-    if not root.exists():
-        raise DataError(f"data directory {root} does not exist")
-    if not root.is_dir():
-        raise DataError(f"data directory {root} is not a directory")
-    if not any((root / f"{task}.jsonl").is_file() for task in TASKS):
-        raise DataError(f"no stage-1 manifests in {root} (expected one or more of "
-                        f"{', '.join(t + '.jsonl' for t in TASKS)})")
-    return root
 
 
 def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -> Manifest:
@@ -249,24 +228,6 @@ def normalized_weights(weights: dict[str, float] | None, man: Manifest, images: 
             raise DataError(f"task {task} has weight {w} but {man.root / (task + '.jsonl')} has no valid records")
     total = sum(weights.values())
     return {t: weights[t] / total for t in TASKS if weights.get(t, 0) > 0}
-
-
-def image_tasks_weighted(weights: dict[str, float] | None) -> list[str]:
-    """The image tasks with positive weight in ``weights`` (None: the default mixture, all of them)."""
-    weights = REFERENCE_COUNTS if weights is None else weights
-    return [t for t in IMAGE_TASKS if weights.get(t, 0) > 0]
-
-
-def check_weights(weights: dict[str, float]) -> None:
-    """DataError (one line) unless the mixture weights name known tasks, are finite, >= 0, sum > 0."""
-    unknown = sorted(set(weights) - set(TASKS))
-    if unknown:
-        raise DataError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(TASKS)}")
-    bad = [f"{t} {w}" for t, w in weights.items() if w < 0 or not math.isfinite(w)]
-    if bad:
-        raise DataError(f"mixture weights must be finite and >= 0, got {', '.join(bad)}")
-    if sum(weights.values()) <= 0:
-        raise DataError("mixture weights sum to 0; give at least one task a positive weight")
 
 
 class MixtureSampler:
