@@ -65,11 +65,14 @@ def run_doctor_cli(args: list[str], env: dict[str, str], prefix: list[str] | Non
                           env=env, capture_output=True, text=True, timeout=180, cwd=RUN_CWD)
 
 
-def write_job(tmp_path: Path, gpus: int = 1, lock: dict[str, str] | None = None) -> Path:
-    spec = {"name": "doctorjob", "entrypoint": "train.stage1",
-            "resources": {"nodes": 1, "gpus_per_node": gpus, "cpus_per_task": 1, "time": "00:05:00"}}
+def write_job(tmp_path: Path, gpus: int = 1, lock: dict[str, str] | None = None,
+              args: dict[str, str] | None = None) -> Path:
+    spec: dict = {"name": "doctorjob", "entrypoint": "train.stage1",
+                  "resources": {"nodes": 1, "gpus_per_node": gpus, "cpus_per_task": 1, "time": "00:05:00"}}
     if lock is not None:
         spec["lock"] = lock
+    if args is not None:
+        spec["args"] = args
     path = tmp_path / "jobs" / "doctorjob.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))  # JSON is YAML
@@ -170,6 +173,39 @@ def test_broken_causal_conv1d_shows_its_error(tmp_path):
     res = by_check(run_checks(str(write_job(tmp_path, gpus=1)), env))
     assert res["kernels.causal_conv"].status is Status.WARN
     assert "undefined symbol: _ZN3c104cuda9SetDevice" in res["kernels.causal_conv"].found
+
+
+def test_the_jobs_kernel_set_is_checked_through_the_trainers_own_selection(tmp_path):
+    """`--job stage1` on a GPU node: one row per kernel of stage-1's set (GDN, its backend, conv,
+    loss, attention), as train.common.fastpath selects them at start. fla is the stand-in (with
+    the module layout the trainer probes); cut_cross_entropy is really not installed here, so
+    the loss row FAILs with the real import error and the install at the lock's pin. A preset
+    that asks for the logits loss on purpose passes; the in-job preflight leaves these rows to
+    the trainer (which knows --allow-slow-path)."""
+    fla = write_package(tmp_path / "fla-layout", {
+        "fla/__init__.py": "",
+        "fla/ops/__init__.py": "",
+        "fla/ops/gated_delta_rule/__init__.py": "def chunk_gated_delta_rule(*a, **k): ...\n",
+        "fla/modules/__init__.py": "",
+        "fla/modules/causal_conv1d/__init__.py": "def causal_conv1d(*a, **k): ...\n",
+    })
+    env = clean_env(tmp_path, PYTHONPATH=f"{fla}{os.pathsep}{REPO}")
+    res = by_check(run_checks(str(write_job(tmp_path, gpus=1)), env, run_gdn=False))
+    rows = {k: v for k, v in res.items() if k.startswith("kernels.job.")}
+    assert sorted(rows) == ["kernels.job." + n for n in ("attention", "backend", "conv", "gdn", "loss")]
+    assert rows["kernels.job.gdn"].status is Status.PASS
+    assert "fla.ops.gated_delta_rule.chunk_gated_delta_rule" in rows["kernels.job.gdn"].found
+    assert "cu_seqlens" in rows["kernels.job.conv"].found
+    assert rows["kernels.job.attention"].status is Status.PASS
+    loss = rows["kernels.job.loss"]
+    assert loss.status is Status.FAIL and "No module named 'cut_cross_entropy'" in loss.found
+    assert "full logits" in loss.found and "1.7x the peak memory" in loss.found
+    assert loss.fix.startswith("pip install 'cut-cross-entropy==25.1.1'")
+    on_purpose = by_check(run_checks(str(write_job(tmp_path, gpus=1, args={"loss_impl": "logits"})), env,
+                                     run_gdn=False))
+    assert on_purpose["kernels.job.loss"].status is Status.PASS and "logits" in on_purpose["kernels.job.loss"].found
+    preflight = run_checks(str(write_job(tmp_path, gpus=1)), env, run_gdn=False, preflight=True)
+    assert not [r for r in preflight if r.check.startswith("kernels.job")]
 
 
 def test_old_transformers_fails_packing_check(tmp_path):

@@ -40,6 +40,7 @@ def run_checks(
     expect_allocation: bool = False,
     run_gdn: bool = True,
     needs_gpus: bool | None = None,
+    preflight: bool = False,
 ) -> list[CheckResult]:
     """Run every check against `env` (default: this process's environment).
 
@@ -51,7 +52,7 @@ def run_checks(
         job = load_job(job, preset, trust_allocation=trust_allocation)
     ctx = DoctorContext(
         env=env, job=job, lock_path=lock_path,
-        expect_allocation=expect_allocation, run_gdn=run_gdn, needs_gpus_override=needs_gpus,
+        expect_allocation=expect_allocation, run_gdn=run_gdn, needs_gpus_override=needs_gpus, preflight=preflight,
     )
     results: list[CheckResult] = []
     for group, check in _check_groups():
@@ -100,7 +101,7 @@ def fast_subset(
             spec_problem = CheckResult("versions.lock", Status.WARN, f"lock not checked: {exc}",
                                        "make the job spec visible on the node (LAUNCH_JOBS_PATH)")
     results = run_checks(requirements, env, expect_allocation=expect_allocation, run_gdn=False,
-                         needs_gpus=needs_gpus)
+                         needs_gpus=needs_gpus, preflight=True)
     if spec_problem is not None:
         results = [spec_problem if r.check == "versions.lock" else r for r in results]
     # Every task runs the checks (GPUs and caches are per node); one table per job is enough

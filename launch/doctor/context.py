@@ -19,6 +19,7 @@ class DoctorContext:
     expect_allocation: bool = False  # running inside the job: no SLURM_JOB_ID is a FAIL
     run_gdn: bool = True  # the tiny GDN fwd+bwd on the GPU (costly on a cold Triton cache)
     needs_gpus_override: bool | None = None
+    preflight: bool = False  # the in-job preflight of `launch submit` (fast_subset)
     notes: dict[str, str] = field(default_factory=dict)
 
     @functools.cached_property

@@ -1,6 +1,7 @@
 """Imports the training kernels in a fresh interpreter and reports what really happened.
 
-Run by kernels.py as `python -c <this file's source> --out FILE [--tilelang] [--gdn]`, in a
+Run by kernels.py as `python -c <this file's source> --out FILE [--tilelang] [--gdn] [--trainer
+ENTRYPOINT]`, in a
 child process so that a broken extension (an import that segfaults, a half-imported package)
 cannot take the doctor down, and so the import state is exactly what a fresh trainer sees.
 Standard library only at top level: torch is imported only when a kernel needs it.
@@ -103,12 +104,27 @@ def gdn_check() -> dict:
     return {"ok": True, "errors": errors, "error": None}
 
 
+def trainer_rows(entrypoint: str, device: str, choices: dict) -> dict:
+    """The trainer's own kernel selection (train.common.fastpath.kernel_rows: the same imports and
+    probes it makes at start), one row per kernel of the job's set."""
+    try:
+        from train.common import fastpath
+
+        return {"rows": fastpath.kernel_rows(entrypoint, device, choices=choices), "error": None}
+    except (Exception, SystemExit) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return {"rows": None, "error": f"{type(exc).__name__}: {msg}"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tilelang", action="store_true")
     parser.add_argument("--gdn", action="store_true")
     parser.add_argument("--torch", action="store_true", help="report torch's CUDA facts")
+    parser.add_argument("--trainer", help="the job's entrypoint: its kernel set through the trainer's own selection")
+    parser.add_argument("--device", default="cuda", help="with --trainer: the device type whose policy applies")
+    parser.add_argument("--choices", default="{}", help="with --trainer: the job's kernel arguments, JSON")
     args = parser.parse_args()
 
     report: dict = {"imports": {}}
@@ -136,6 +152,9 @@ def main() -> None:
             report["torch"] = torch_facts()
         except Exception as exc:
             report["torch"] = {"error": f"{type(exc).__name__}: {exc}"}
+        save()
+    if args.trainer:
+        report["trainer"] = trainer_rows(args.trainer, args.device, json.loads(args.choices))
         save()
     gdn_ready = imports.get("fla.gated_delta_rule", {}).get("ok") and report.get("torch", {}).get("cuda_available")
     if args.gdn and gdn_ready:

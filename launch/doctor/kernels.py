@@ -53,6 +53,17 @@ def triton_in_bad_range() -> str | None:
     return None
 
 
+def trainer_set(ctx: DoctorContext) -> tuple[str, str, dict] | None:
+    """(entrypoint, device type, kernel arguments) of the job whose kernel set the probe checks
+    through the trainer's own selection; None without a job, and in the in-job preflight (the
+    trainer makes the same check itself moments later, and knows about --allow-slow-path)."""
+    job = ctx.job
+    if job is None or job.resolved is None or ctx.preflight:
+        return None
+    choices = {k: v for k, v in job.resolved.args.items() if isinstance(v, str)}
+    return job.resolved.spec.entrypoint, "cuda" if ctx.needs_gpus else "cpu", choices
+
+
 def run_probe(ctx: DoctorContext, *, gdn: bool, tilelang: bool) -> dict:
     """Run kernel_probe.py in a child interpreter with the job's environment."""
     timeout = float(ctx.env.get("LAUNCH_DOCTOR_PROBE_TIMEOUT", "900" if gdn else "180"))
@@ -60,6 +71,9 @@ def run_probe(ctx: DoctorContext, *, gdn: bool, tilelang: bool) -> dict:
         out = Path(tmp) / "probe.json"
         cmd = [sys.executable, "-c", PROBE_SOURCE.read_text(), "--out", str(out)]
         cmd += ["--gdn"] * gdn + ["--tilelang"] * tilelang + ["--torch"] * ctx.has_cuda_gpus
+        trainer = trainer_set(ctx)
+        if trainer is not None:
+            cmd += ["--trainer", trainer[0], "--device", trainer[1], "--choices", json.dumps(trainer[2])]
         try:
             proc = subprocess.run(cmd, env=dict(ctx.env), capture_output=True, text=True, timeout=timeout)
             crash = None
@@ -125,6 +139,43 @@ def check_kernels(ctx: DoctorContext) -> list[CheckResult]:
     results.append(_gdn_result(ctx, probe, fla_result.status is Status.PASS))
     results.append(_hopper_result(ctx, probe, hopper_triton))
     results.extend(_transformers_results(cc_ok=bool(cc and cc["ok"])))
+    results.extend(_trainer_results(ctx, probe))
+    return results
+
+
+# plan_kernels' piece names -> row names
+TRAINER_ROWS = {"gated delta rule": "gdn", "gated-delta-rule backend": "backend", "causal conv": "conv",
+                "loss": "loss", "attention": "attention"}
+
+
+def _trainer_results(ctx: DoctorContext, probe: dict) -> list[CheckResult]:
+    """One row per kernel of the job's set, as the trainer selects it at start (the same imports
+    and probes; train.common.fastpath.kernel_rows): a fallback it would refuse is a FAIL here
+    where the job needs GPUs, with the install command at the GPU lock's pin."""
+    trainer = trainer_set(ctx)
+    if trainer is None:
+        return []
+    entrypoint, device, _ = trainer
+    report = probe.get("trainer")
+    if report is None:
+        return [CheckResult("kernels.job", Status.FAIL if ctx.needs_gpus else Status.WARN,
+                            probe["crash"] or "not checked", "see the kernel probe's error")]
+    if report["error"]:
+        return [CheckResult("kernels.job", Status.FAIL if ctx.needs_gpus else Status.WARN,
+                            f"{entrypoint}'s kernel selection failed: {report['error']}",
+                            "install the project with its train extra in the job's environment")]
+    if report["rows"] is None:
+        return [CheckResult("kernels.job", Status.SKIP, f"{entrypoint} is not a bundled trainer: its kernels are its own")]
+    results = []
+    for row in report["rows"]:
+        name = f"kernels.job.{TRAINER_ROWS.get(row['piece'], row['piece'])}"
+        if row["ok"]:
+            results.append(CheckResult(name, Status.PASS, f"[{device}] {row['chosen']}"))
+            continue
+        results.append(CheckResult(
+            name, Status.FAIL if ctx.needs_gpus else Status.WARN,
+            f"{row['missing']}; the trainer refuses to start (it would run {row['chosen']}: {row['cost']})",
+            f"{row['install']} (or train with --allow-slow-path)"))
     return results
 
 

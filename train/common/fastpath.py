@@ -145,6 +145,7 @@ class KernelChoice:
     loss_impl: str | None = None  # the loss kernel (None: the job has no loss here)
     attention_impl: str | None = None  # varlen | sdpa (None: not the job's choice here)
     gdn: bool = True  # whether the GDN/conv kernels are part of this job's set
+    gdn_backend: str | None = None  # fla's gated-delta-rule backend (None: fla not used)
 
     def header(self) -> str:
         """The lines the trainer prints in its log header."""
@@ -378,8 +379,26 @@ def select_kernels(
     attention: str | None = None,
     gdn: bool = True,
 ) -> KernelChoice:
-    """Decide which implementation each kernel of the job uses on ``device`` (see module docstring),
-    and refuse (or, with ``allow_slow_path``, announce) every fallback from the GPU locks' fast path.
+    """Decide which implementation each kernel of the job uses on ``device`` (:func:`plan_kernels`),
+    and refuse (or, with ``allow_slow_path``, announce) every fallback from the GPU locks' fast path."""
+    choice = plan_kernels(device, capability=capability, triton_version=triton_version, conv=conv, loss=loss,
+                          attention=attention, gdn=gdn)
+    refuse_or_announce(list(choice.fallbacks), allow_slow_path)
+    return choice
+
+
+def plan_kernels(
+    device: str | torch.device,
+    *,
+    capability: tuple[int, int] | None = None,
+    triton_version: str | None = None,
+    conv: str = "auto",
+    loss: str | None = None,
+    attention: str | None = None,
+    gdn: bool = True,
+) -> KernelChoice:
+    """Which implementation each kernel of the job uses on ``device`` (see module docstring), with
+    every fallback from the GPU locks' fast path listed in ``fallbacks``; refuses nothing.
 
     ``conv``: ``auto`` (causal-conv1d when it imports, else fla's Triton conv), ``causal-conv1d``
     or ``fla`` (that one only; missing -> refused like any missing kernel).
@@ -409,10 +428,10 @@ def select_kernels(
     gdr_fn: Callable[..., torch.Tensor] = reference_kernels.chunk_gated_delta_rule_varlen
     conv_fn: Callable[..., torch.Tensor] = reference_kernels.causal_conv1d_varlen
     gdr_name = conv_name = "not used on this rank"
+    backend = None
     if gdn:
-        gdr_fn, gdr_name, conv_fn, conv_name = _select_gdn(dev, capability, triton_version, conv, fallbacks)
+        gdr_fn, gdr_name, conv_fn, conv_name, backend = _select_gdn(dev, capability, triton_version, conv, fallbacks)
     fallbacks += [f for f in (loss_fb, attention_fb) if f is not None]
-    refuse_or_announce(fallbacks, allow_slow_path)
     return KernelChoice(
         device="cuda",
         gdr=gdr_name,
@@ -427,11 +446,12 @@ def select_kernels(
         loss_impl=loss_impl,
         attention_impl=attention_impl,
         gdn=gdn,
+        gdn_backend=backend,
     )
 
 
 def _select_gdn(dev: torch.device, capability: tuple[int, int] | None, triton_version: str | None, conv: str,
-                fallbacks: list[Fallback]) -> tuple[Callable, str, Callable, str]:
+                fallbacks: list[Fallback]) -> tuple[Callable, str, Callable, str, str | None]:
     """The GDN recurrence's and the short conv's kernels on CUDA; appends their fallbacks."""
     fla_install = pip_install("flash-linear-attention", "fla-core")
     configure_tilelang_cache()
@@ -463,8 +483,9 @@ def _select_gdn(dev: torch.device, capability: tuple[int, int] | None, triton_ve
             f"{fla_install} (its Triton causal_conv1d takes cu_seqlens)", FALLBACK_COST["gdn"]))
         conv_fn, conv_name = reference_kernels.causal_conv1d_varlen, "reference (SLOW)"
 
+    backend = None
     if gdr.ok:
-        if capability is None:
+        if capability is None and torch.cuda.is_available():  # else unknown: no per-architecture policy
             capability = torch.cuda.get_device_capability(dev)
         if triton_version is None:
             triton_version = _triton_version()
@@ -480,7 +501,56 @@ def _select_gdn(dev: torch.device, capability: tuple[int, int] | None, triton_ve
             backend_fb = gdn_backend_fallback(capability, backend)
             if backend_fb is not None:
                 fallbacks.append(backend_fb)
-    return gdr_fn, gdr_name, conv_fn, conv_name
+    return gdr_fn, gdr_name, conv_fn, conv_name, backend
+
+
+# The kernel set of each bundled trainer, as plan_kernels' arguments (`launch doctor --job`
+# checks the set of the job's entrypoint). DFlash: the drafter's loss, and the online target
+# ranks' GDN and conv (an offline run needs only the loss; the doctor checks the union).
+JOB_KERNELS: dict[str, dict[str, str]] = {
+    "train.stage1": {"loss": "auto", "attention": "auto"},
+    "train.dflash": {"loss": "auto"},
+    "train.extract": {},
+    "train.regen": {},
+}
+
+
+# The trainers' arguments that pick a kernel (a job preset may set them), as plan_kernels' names.
+KERNEL_ARGS = {"loss_impl": "loss", "attention": "attention", "conv_impl": "conv"}
+
+
+def kernel_rows(entrypoint: str, device: str = "cuda", capability: tuple[int, int] | None = None,
+                choices: dict[str, str] | None = None) -> list[dict[str, str | bool]] | None:
+    """One row per kernel of ``entrypoint``'s set on ``device``, through :func:`plan_kernels` (the
+    trainer's own probes): piece, ok, chosen, and for a fallback what is missing, its install
+    command and its measured cost. ``choices``: the job's kernel arguments (KERNEL_ARGS' keys, as
+    its spec or preset sets them). None for an entrypoint that is not a bundled trainer."""
+    if entrypoint not in JOB_KERNELS:
+        return None
+    kwargs = dict(JOB_KERNELS[entrypoint])
+    for arg, value in (choices or {}).items():
+        name = KERNEL_ARGS.get(arg)
+        if name and (name in kwargs or name == "conv") and isinstance(value, str):
+            kwargs[name] = value
+    choice = plan_kernels(device, capability=capability, **kwargs)
+    chosen = {"gated delta rule": choice.gdr, "gated-delta-rule backend": choice.gdn_backend or "-",
+              "causal conv": choice.conv}
+    pieces = list(chosen) if choice.gdn else []
+    if choice.loss_impl is not None:
+        pieces.append("loss")
+        chosen["loss"] = choice.loss_impl
+    if choice.attention_impl is not None:
+        pieces.append("attention")
+        chosen["attention"] = choice.attention_impl
+    rows = []
+    for piece in pieces:
+        fbs = [f for f in choice.fallbacks if f.piece == piece]
+        row: dict[str, str | bool] = {"piece": piece, "ok": not fbs, "chosen": _one_line(chosen[piece])}
+        if fbs:
+            row.update(chosen=_one_line(fbs[0].instead), missing=" | ".join(_one_line(f.missing) for f in fbs),
+                       install=fbs[0].install, cost=fbs[0].cost)
+        rows.append(row)
+    return rows
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
