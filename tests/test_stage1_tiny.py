@@ -78,3 +78,18 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000020"
     outcome = json.loads((out / "outcome.json").read_text())
     assert (outcome["state"], outcome["step"], outcome["error"]) == ("completed", 20, None)
+
+    # The export loads the documented way and generates from text (issue 38.1): the byte-level
+    # stand-in ships as a real tokenizer. Oracle: the run's own encoding, UTF-8 byte b -> id 8 + b.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = Path(summary["export"])
+    assert "`AutoTokenizer.from_pretrained(DIR)`" in (export / "README.md").read_text()
+    tok = AutoTokenizer.from_pretrained(export, local_files_only=True)
+    text = "Hello, wörld"
+    ids = tok(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == [8 + b for b in text.encode()]
+    model = AutoModelForCausalLM.from_pretrained(export, local_files_only=True).eval()
+    gen = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert gen.shape == (1, ids.shape[1] + 4) and int(gen.max()) < len(tok)  # every generated id decodes
+    assert tok.decode(gen[0]).startswith(text)

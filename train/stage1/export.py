@@ -54,7 +54,9 @@ def write_model_files(job_dir: Path, model: torch.nn.Module, tok: Any, info: dic
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.config.save_pretrained(tmp)
-    hf = getattr(tok, "hf", None)
+    # The checkpoint's own tokenizer (extended), or the byte stand-in as a real tokenizer: every
+    # export loads with AutoTokenizer and encodes text as the run did.
+    hf = getattr(tok, "hf", None) or (tok.to_hf() if hasattr(tok, "to_hf") else None)
     if hf is not None:
         hf.save_pretrained(tmp)
     if tok.encoder is not None:
@@ -166,7 +168,8 @@ def export_checkpoint(job_dir: Path, step: int | None = None, out: Path | None =
     for f in files.iterdir():
         if f.is_file() and f.name not in ("config.json", "stage1.json") and not (tmp / f.name).exists():
             shutil.copy2(f, tmp / f.name)
-    atomic_write_text(tmp / "README.md", _readme(info, ckpt, step_no, what, cls.__name__, config))
+    has_tokenizer = (tmp / "tokenizer.json").is_file()
+    atomic_write_text(tmp / "README.md", _readme(info, ckpt, step_no, what, cls.__name__, config, has_tokenizer))
     # One mode for every file, as the exporting user's umask gives a new file: transformers writes
     # the weights 0600 through a temp file, and the tokenizer/processor files copied from the run
     # keep the job's private 0600 (jobs run under umask 077).
@@ -198,7 +201,8 @@ def check_destination(out: Path) -> None:
                           f"{', ...' if len(names) > 3 else ''}): nothing written; give a new or empty directory")
 
 
-def _readme(info: dict[str, Any], ckpt: Path, step: int, what: str, cls: str, config: Any) -> str:
+def _readme(info: dict[str, Any], ckpt: Path, step: int, what: str, cls: str, config: Any,
+            has_tokenizer: bool = True) -> str:
     text = config.get_text_config()
     lines = [
         README_TITLE,
@@ -214,11 +218,15 @@ def _readme(info: dict[str, Any], ckpt: Path, step: int, what: str, cls: str, co
         f"- tokenizer: {info.get('tokenizer')}",
         f"- vision tower trained: {'yes' if info.get('vision') else 'no'}",
         "",
-        f"Load it with `{cls}.from_pretrained(DIR)` and "
-        "`AutoTokenizer.from_pretrained(DIR)`; the 3D tokens are special tokens named `<|ss_N|>`, "
-        "`<|shape_N|>`, `<|tex_N|>` between `<|3d_start|>` and `<|3d_end|>`.",
     ]
-    if not info.get("has_tokenizer"):
-        lines += ["", "This run used the byte-level stand-in tokenizer (random init, no checkpoint tokenizer): "
-                  "no tokenizer files are included."]
+    if has_tokenizer:
+        lines += [f"Load it with `{cls}.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`; the 3D tokens "
+                  "are special tokens named `<|ss_N|>`, `<|shape_N|>`, `<|tex_N|>` between `<|3d_start|>` and "
+                  "`<|3d_end|>`."]
+    else:  # an export of a run whose model_files predate the byte tokenizer's save: say so, promise nothing
+        lines += [f"Load it with `{cls}.from_pretrained(DIR)`. No tokenizer files are included (the run's "
+                  "model_files have none): its token ids are the byte-level stand-in's (UTF-8 byte b is id 8 + b)."]
+    if not info.get("has_tokenizer") and has_tokenizer:
+        lines += ["", "This run used the byte-level stand-in tokenizer (random init, no checkpoint tokenizer), "
+                  "saved here as a `tokenizers` byte-level BPE: UTF-8 byte b is id 8 + b, `<bos>` 1, `<eos>` 2."]
     return "\n".join(lines) + "\n"

@@ -125,6 +125,37 @@ class ByteTokenizer(Stage1Tokenizer):
         codes = (q[..., 0] * IMAGE_LEVELS + q[..., 1]) * IMAGE_LEVELS + q[..., 2]
         return [self.IMAGE_BASE + int(c) for c in codes.reshape(-1)]
 
+    def to_hf(self) -> Any:
+        """This tokenizer as a real `tokenizers` one (a PreTrainedTokenizerFast, so the export's
+        `AutoTokenizer.from_pretrained(DIR)` encodes text exactly as the run did): a byte-level BPE
+        without merges (one token per UTF-8 byte, at BYTE_BASE + byte), the specials, image
+        stand-ins and 3D tokens as special tokens at their ids, every other row of the embedding a
+        reserved token, so that any id the model generates decodes."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers.pre_tokenizers import ByteLevel
+        from transformers import PreTrainedTokenizerFast
+
+        names = {i: t for i, t in enumerate(self.SPECIALS)}
+        names.update({self.IMAGE_BASE + c: f"<|image_standin_{c}|>" for c in range(IMAGE_LEVELS**3)})
+        names.update(dict(self.vocab.token_names()))
+        byte_chars = ByteLevel.alphabet()  # the 256 printable stand-ins of GPT-2's byte-level BPE
+        to_char = _bytes_to_unicode()
+        assert set(to_char.values()) == set(byte_chars)
+        vocab = {to_char[b]: self.BYTE_BASE + b for b in range(256)}
+        specials = []
+        for i in range(self.vocab.padded_vocab):
+            if self.BYTE_BASE <= i < self.IMAGE_BASE:
+                continue
+            name = names.get(i, RESERVED.format(i))
+            vocab[name] = i
+            specials.append(AddedToken(name, special=True, normalized=False))
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tk.decoder = decoders.ByteLevel()
+        tk.add_special_tokens(specials)
+        return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                       clean_up_tokenization_spaces=False)
+
     def decode(self, ids: list[int]) -> str:
         names = {i: t for i, t in self.vocab.token_names()}
         out = []
@@ -138,6 +169,19 @@ class ByteTokenizer(Stage1Tokenizer):
             else:
                 out.append(f"<{i}>")
         return "".join(out)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which tokenizers' ByteLevel pre-tokenizer applies."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
 
 
 class CheckpointTokenizer(Stage1Tokenizer):
