@@ -68,6 +68,12 @@ def entry_task_check(module: str):  # -> Callable[[object, int], None] | None
     return _entry_function(module, "check_tasks")
 
 
+def entry_inputs(module: str):  # -> Callable[[object], list[tuple[str, str, Callable | None]]] | None
+    """The entrypoint's optional `input_paths(parsed_args)`: what the job reads at its start (flag,
+    path, a check of it), which `launch submit` checks before queueing."""
+    return _entry_function(module, "input_paths")
+
+
 def _entry_function(module: str, name: str):  # -> Callable | None
     """`name` from the entrypoint's `args` module when it has one (a package entrypoint's flags and
     checks without torch: `train.stage1.args`), else from next to its `main`."""

@@ -24,7 +24,7 @@ from launch.executor import SlurmOptions, make_executor, sbatch_failure, sbatch_
 from launch.fsutil import launch_home, private_files
 from launch.jobs_cli import follow, next_line
 from launch.jobspec import JobSpec, ResolvedJob, find_spec, known_jobs
-from launch.runner import EntrypointRun, entry_parser, entry_task_check
+from launch.runner import EntrypointRun, entry_inputs, entry_parser, entry_task_check
 from launch.slurmenv import describe_slurm, is_embedded, require_cluster, slurm_env
 
 
@@ -172,7 +172,7 @@ def job_folder(args: argparse.Namespace, spec: JobSpec) -> Path:
     return runs / spec.name
 
 
-def check_entrypoint_args(spec: JobSpec, argv: list[str], tasks: int | None = None) -> None:
+def check_entrypoint_args(spec: JobSpec, argv: list[str], tasks: int | None = None) -> object | None:
     """Parse the job's command line with the entrypoint's own `parse_args(argv)`, here and now:
     no model is built, nothing is queued. An entrypoint without one, or one that cannot be
     imported here (a login node without the `train` extra's torch), is checked in the job."""
@@ -184,13 +184,13 @@ def check_entrypoint_args(spec: JobSpec, argv: list[str], tasks: int | None = No
                               f"({exc}); nothing submitted") from None
         print(f"launch submit: note: arguments not checked here ({spec.entrypoint} does not import: {exc}); "
               "the job checks them", file=sys.stderr)
-        return
+        return None
     except ImportError as exc:
         print(f"launch submit: note: arguments not checked here ({spec.entrypoint} does not import: {exc}); "
               "the job checks them", file=sys.stderr)
-        return
+        return None
     if parse is None:
-        return
+        return None
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -206,9 +206,35 @@ def check_entrypoint_args(spec: JobSpec, argv: list[str], tasks: int | None = No
     except (ValueError, TypeError, OSError) as exc:  # a config check (ConfigError is a ValueError)
         said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     else:
-        return
+        return parsed
     raise LaunchError(f"{spec.name} does not accept these arguments: {said} "
                       f"(see `python -m {spec.entrypoint} --help`); nothing submitted")
+
+
+def check_input_paths(spec: JobSpec, parsed: object | None, embedded: bool) -> None:
+    """The files a job reads at its start (the entrypoint's optional `input_paths(parsed)`: flag,
+    path, check), before anything is queued: a path that exists here is checked (a data dir's
+    manifests); one that does not is refused on the embedded cluster (its nodes are this machine)
+    and named in a warning elsewhere (it may exist only on the nodes)."""
+    try:
+        paths = entry_inputs(spec.entrypoint) if parsed is not None else None
+    except ImportError:
+        paths = None
+    for flag, path, check in paths(parsed) if paths is not None else []:
+        if os.path.exists(path):
+            try:
+                if check is not None:
+                    check(path)
+            except (ValueError, RuntimeError, OSError) as exc:
+                said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise LaunchError(f"{spec.name}: {flag} {path}: {said.removeprefix(f'{flag} {path}: ')}; "
+                                  "nothing submitted") from None
+        elif embedded:
+            raise LaunchError(f"{spec.name}: {flag} {path} does not exist, and the embedded cluster's jobs run on "
+                              "this machine; nothing submitted")
+        else:
+            print(f"launch submit: warning: {flag} {path} does not exist on this machine; the job reads it on its "
+                  "node(s) and stops at its start if it is not there", file=sys.stderr)
 
 
 def too_big_advice(spec: JobSpec, job: ResolvedJob, cluster: feasibility.Cluster, env_extra: dict[str, str]) -> str:
@@ -264,7 +290,7 @@ def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: 
                run_dir: Path | None = None, resumes: str | None = None) -> int:
     """Check, queue, record and report one job (`launch submit`, and `launch resume` with the
     run folder it continues)."""
-    check_entrypoint_args(spec, argv, job.resources.total_tasks)
+    parsed = check_entrypoint_args(spec, argv, job.resources.total_tasks)
     folder = job_folder(args, spec)
     scratch = args.scratch or spec.scratch
     options = SlurmOptions(name=args.name, account=args.account, qos=args.qos, constraint=args.constraint,
@@ -272,8 +298,10 @@ def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: 
     executor = make_executor(job, folder, scratch, options)
     what = f"{spec.name} (preset {job.preset})" if job.preset else spec.name
     if args.dry_run:
+        check_input_paths(spec, parsed, is_embedded(slurm_env()))
         return dry_run(executor, spec, job, argv, what)
     env_extra = require_cluster()
+    check_input_paths(spec, parsed, is_embedded(env_extra))
     cluster = feasibility.query_cluster(env_extra)
     problem = feasibility.check(job.resources, cluster, what, too_big_advice(spec, job, cluster, env_extra))
     if problem:

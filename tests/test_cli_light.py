@@ -94,3 +94,24 @@ def test_status_with_slurmctld_down_asks_scontrol_ping_not_squeue(tmp_path):
         assert out.returncode != 0 and "Slurm not reachable (Unable to contact slurm controller (Slurmctld(primary) at " \
             in out.stderr and "is DOWN))" in out.stderr, out.stderr
     assert not (tmp_path / "squeue-ran").exists()
+
+
+def test_a_data_dir_absent_here_is_refused_for_the_embedded_cluster_and_named_for_another(tmp_path, capsys):
+    """The embedded cluster's nodes are this machine: a path absent here can never be read by the
+    job, so it is refused before queueing; on another cluster it may exist on the nodes only, and
+    the submit goes on with a warning naming it (the corpus holds the present-but-wrong cases)."""
+    import pytest
+
+    from launch.errors import LaunchError
+    from launch.jobspec import find_spec
+    from launch.submit import check_entrypoint_args, check_input_paths
+
+    for job, argv, flag in (("stage1", ["--data-dir", str(tmp_path / "nowhere")], "--data-dir"),
+                            ("dflash", ["--data", str(tmp_path / "nowhere")], "--data")):
+        spec = find_spec(job)
+        parsed = check_entrypoint_args(spec, argv)
+        with pytest.raises(LaunchError, match=rf"{job}: {flag} \S+/nowhere does not exist, and the embedded "
+                                              r"cluster's jobs run on this machine; nothing submitted"):
+            check_input_paths(spec, parsed, embedded=True)
+        check_input_paths(spec, parsed, embedded=False)
+        assert f"warning: {flag} {tmp_path}/nowhere does not exist on this machine" in capsys.readouterr().err

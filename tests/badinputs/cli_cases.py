@@ -102,6 +102,20 @@ CASES = [
     Case("cli", "submit-prefix-of-a-flag", [*SUBMIT, "--no-pre"], r"unrecognized arguments: --no-pre"),
     Case("cli", "submit-trainer-flag-hints-arg", ["submit", "stage1", "--preset", "tiny", "--dry-run", "--steps", "10"],
          r"unrecognized arguments: --steps 10; an argument of the job's entrypoint goes through --arg: `--arg steps=10`"),
+    # What a job reads at its start is checked at submit (38.2): where it exists here, its contents;
+    # where it does not, a warning naming it (it may exist on the nodes only; the embedded cluster's
+    # nodes are this machine: refused there, tests/test_cli_light.py).
+    Case("cli", "stage1-data-dir-without-manifests", ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg",
+         "data_dir={tmp}/data"], r"stage1: --data-dir \S+/data: no stage-1 manifests in \S+/data \(expected one or more "
+         r"of gen_img.jsonl.*\); nothing submitted", setup=_mkdir("data")),
+    Case("cli", "stage1-data-dir-absent-here", ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg",
+         "data_dir={tmp}/nowhere"], r"warning: --data-dir \S+/nowhere does not exist on this machine; the job reads it "
+         r"on its node\(s\)", outcome="counted"),
+    Case("cli", "dflash-data-not-an-extraction", ["submit", "dflash", "--preset", "tiny", "--dry-run", "--arg",
+         "data={tmp}/shards"], r"dflash: --data \S+/shards: no meta.json there, not an extraction directory",
+         setup=_mkdir("shards")),
+    Case("cli", "extract-data-a-directory", ["submit", "extract", "--preset", "tiny", "--dry-run", "--arg",
+         "data={tmp}/chat"], r"extract: --data \S+/chat: a directory, not a file; nothing submitted", setup=_mkdir("chat")),
     Case("cli", "stage1-lr-negative", ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg", "lr=-1"],
          r"stage1 does not accept these arguments: .*--lr.*nothing submitted"),
     # image tasks never leave the mixture silently: a text-only model with them weighted is refused

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from train.common.config import ConfigError, opt, parse_config
 from train.common.hf_local import check_init_from
@@ -123,3 +125,28 @@ def check_layout(cfg: DFlashConfig, world: int) -> int:
         raise ConfigError(f"--topology {cfg.topology} needs {n_targets + 1} ranks, this job has "
                           f"{world}; set the job's GPUs/tasks to {n_targets + 1}")
     return n_targets
+
+
+def _not_a_directory(flag: str) -> Callable[[str], None]:
+    def check(path: str) -> None:
+        if Path(path).is_dir():
+            raise ConfigError(f"{flag} {path}: a directory, not a file")
+
+    return check
+
+
+def _extraction_dir(path: str) -> None:
+    if not Path(path).is_dir():
+        raise ConfigError(f"--data {path}: a file, not an extraction directory (--data takes the directory "
+                          "`launch submit extract` wrote)")
+    if not (Path(path) / "meta.json").is_file():
+        raise ConfigError(f"--data {path}: no meta.json there, not an extraction directory (run `launch submit "
+                          "extract` first, then --arg data=job:<its id>)")
+
+
+def input_paths(cfg: DFlashConfig) -> list[tuple[str, str, Callable[[str], object] | None]]:
+    """What the job reads at its start, for `launch submit` to check before queueing: (flag, path,
+    the check of it where it exists on the submitting machine)."""
+    if not cfg.data:
+        return []
+    return [("--data", cfg.data, _extraction_dir if cfg.mode == "offline" else _not_a_directory("--data"))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,7 +18,14 @@ from train.common.codebooks import CodebookConfig, parse_lengths, parse_sizes
 from train.common.config import ConfigError, json_object, opt, parse_config, require_sink
 from train.common.hf_local import check_init_from, has_vision_tower
 from train.common.shapes import SHAPES, get_shape
-from train.stage1.tasks import IMAGE_TASKS, TASKS, DataError, check_weights, image_tasks_weighted
+from train.stage1.tasks import (
+    IMAGE_TASKS,
+    TASKS,
+    DataError,
+    check_data_dir,
+    check_weights,
+    image_tasks_weighted,
+)
 
 
 @dataclass
@@ -158,3 +166,10 @@ def codebook_config(cfg: Stage1Config) -> CodebookConfig:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return codebooks
+
+
+def input_paths(cfg: Stage1Config) -> list[tuple[str, str, Callable[[str], object] | None]]:
+    """What the job reads at its start, for `launch submit` to check before queueing: (flag, path,
+    the check of it where it exists on the submitting machine). A synthetic run (no --data-dir)
+    reads nothing."""
+    return [("--data-dir", cfg.data_dir, check_data_dir)] if cfg.data_dir else []
