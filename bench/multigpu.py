@@ -161,6 +161,9 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
             "mfu_useful": statistics.median(u) if (u := [r["mfu_useful"] for r in steps
                                                          if r.get("mfu_useful") is not None]) else None,
             "first_step_s": (every[0]["data_ms"] + every[0]["compute_ms"]) / 1000 if every else None,
+            # process start -> end of step 1 (imports, build, kernel warm-up, step 1), rank 0
+            "to_step1_s": every[0].get("since_start_s") if every else None,
+            "kernel_compiles_step1": every[0].get("kernel_compiles") if every else None,
             "stalls": [[r["step"], r["stall"]] for r in every if r.get("stall")],
             "images_per_step": statistics.mean(r.get("images", 0) for r in steps),
             "vision_flops_share": statistics.median(r.get("vision_flops", 0) / max(1e-9, r["tok_s"] * (
@@ -179,7 +182,8 @@ def bench_stage1(a: argparse.Namespace) -> list[dict[str, Any]]:
         }
         rows.append(row)
         print(f"   {n} GPU: {tok_s:,.0f} tok/s, {_pct(row['mfu'])} MFU, {_pct(row['mfu_useful'])} uMFU, "
-              f"first step {row['first_step_s']:.1f} s, stalls {row['stalls']}, peak {row['peak_mem_gb']:.1f} GiB, "
+              f"first step {row['first_step_s']:.1f} s (ended {row['to_step1_s'] or 0:.0f} s after start, "
+              f"compiles {row['kernel_compiles_step1']}), stalls {row['stalls']}, peak {row['peak_mem_gb']:.1f} GiB, "
               f"vocab {row['vocab']}, wall {row['wall_s']:.0f} s", flush=True)
     base = rows[0]["tok_s_per_gpu"] if rows else 1.0
     for row in rows:

@@ -10,6 +10,11 @@
 #             so give this step a whole call (VLM_LIMIT=590)
 #   text      the same preset text-only: --vision off with the text tasks' reference weights
 #   warm      vision on again in a new process, warm caches: the first step's time
+#   bake      pack the kernel caches the runs above compiled into one archive in /tmp/kstore (what
+#             the end of `launch kernels bake --preset qwen35-2b` does on a cluster), with its time
+#   fresh     a node that has only the archive: empty kernel caches, the archive unpacked into them
+#             at start (launch's job start), vision on, 3 steps; `kernel compiles by the end of
+#             step 1` must be 0 each, and `ended N s after the process started` is the time to step 1
 # DATA: a pre-generated `generate_synthetic(DIR, 500, shape="qwen35-2b")` (448-1024 px images);
 # without it the trainer generates the same set in its run directory.
 # Usage: DATA=DIR bench/stage1_vlm_h200.sh install .whl1 install .whl2 check vlm text warm
@@ -28,7 +33,7 @@ bench() {  # NAME STEPS TIMEOUT TRAINER-ARGS...
   timeout "$limit" python3 bench/multigpu.py stage1 --gpus 1 --deepspeed off --preset qwen35-2b --steps "$steps" \
     --skip 1 --timeout "$((limit - 10))" --work "/tmp/vlm-bench/$name" --jsonl "$out/$name.jsonl" -- "${data[@]}" "$@"
   cp "/tmp/vlm-bench/$name/stage1-qwen35-2b-1gpu/metrics.jsonl" "$out/$name-metrics.jsonl" 2>/dev/null
-  grep -E "^# (kernels|warm-up|mixture|packing|compile|vision)" "/tmp/vlm-bench/$name/stage1-qwen35-2b-1gpu/logs/rank0.log" \
+  grep -E "^# (kernels|warm-up|mixture|packing|compile|vision|kernel compiles|WARNING)|world=" "/tmp/vlm-bench/$name/stage1-qwen35-2b-1gpu/logs/rank0.log" \
     > "$out/$name-header.txt" 2>/dev/null
 }
 LOCK=${LOCK:-images/trainer/requirements-gpu-cp312.lock}
@@ -49,6 +54,25 @@ while [ $# -gt 0 ]; do
   vlm) bench vlm 31 "${VLM_LIMIT:-590}" ;;
   text) bench text 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS" ;;
   warm) bench warm 3 "${WARM_LIMIT:-150}" ;;
+  bake)
+    t0=$(date +%s%N)
+    python3 -c "import json; from pathlib import Path; from toolkit import kernel_cache as k
+m = k.pack(Path('/tmp/kstore'), k.key_fields(), k.cache_dirs(), note='qwen35-2b on one H200')
+print(json.dumps({x: m[x] for x in ('key', 'archive', 'bytes', 'files')}))" || exit 1
+    echo "bake: packed in $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+    ;;
+  fresh)
+    rm -rf /tmp/kfresh /tmp/knode
+    export TRITON_CACHE_DIR=/tmp/kfresh/triton TORCHINDUCTOR_CACHE_DIR=/tmp/kfresh/inductor
+    export TILELANG_CACHE_DIR=/tmp/kfresh/tilelang LAUNCH_KERNEL_ARCHIVES=/tmp/kstore LAUNCH_NODE_SCRATCH=/tmp/knode
+    t0=$(date +%s%N)
+    LAUNCH_KERNEL_ARCHIVE=$(python3 -c "from launch.kernel_archive import install_for_job
+print(install_for_job(log=lambda line: None))") || exit 1
+    export LAUNCH_KERNEL_ARCHIVE
+    echo "fresh: $LAUNCH_KERNEL_ARCHIVE (unpack $(( ($(date +%s%N) - t0) / 1000000 )) ms)"
+    bench fresh 3 "${FRESH_LIMIT:-240}" ${REQUIRE_WARM:+--require-warm-kernels}
+    cat "$out/fresh-header.txt"
+    ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
 done

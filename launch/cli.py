@@ -33,6 +33,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "keepalive": ("launch.keepalive.cli", "GPU keepalive holder and its Slurm hooks"),
     "report": ("launch.report", "plot a job's loss, tok/s and MFU to PNG"),
     "buckets": ("launch.buckets", "bucket edges and padding efficiency for a lengths file"),
+    "kernels": ("launch.kernels", "kernel caches baked once per GPU kind and versions: bake | list"),
     "export": ("launch.export", "write a job's checkpoint as a transformers checkpoint (from_pretrained loads it)"),
 }
 

@@ -19,7 +19,8 @@ from launch import values
 from launch.errors import LaunchError
 from launch.jobspec import ResolvedJob
 
-CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "HF_HOME": "hf", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "HF_HOME": "hf", "TORCHINDUCTOR_CACHE_DIR": "inductor",
+              "TILELANG_CACHE_DIR": "tilelang"}
 # Checkpointable jobs get SIGUSR2 this long before the limit, to save and requeue.
 SIGNAL_DELAY_S = 120
 
@@ -65,6 +66,10 @@ def job_environment(job: ResolvedJob, folder: Path, scratch: str, extra_env: dic
         f"export LAUNCH_SCRATCH={scratch_word}",
     ]
     lines += [f'export {var}="$LAUNCH_SCRATCH"/{sub}' for var, sub in CACHE_VARS.items()]
+    # Baked kernel caches (launch/kernels.py): the store every node reads, as the submitter sees it.
+    from launch.kernel_archive import STORE_VAR, store_dir
+
+    lines.append(f'[ -n "${{{STORE_VAR}:-}}" ] || export {STORE_VAR}={shlex.quote(str(store_dir()))}')
     for key in job.env:  # the spec loader checked these; this is the last line of defence
         try:
             values.check_env_key(key)

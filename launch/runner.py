@@ -28,6 +28,7 @@ from types import ModuleType
 
 import submitit
 
+from launch import kernel_archive as kernels
 from launch import runconfig
 from launch.doctor.checks import fast_subset
 from launch.errors import LaunchError
@@ -208,6 +209,8 @@ class EntrypointRun(submitit.helpers.Checkpointable):
         signal.signal(signal.SIGTERM, on_sigterm)
         try:
             prepare_node_local_dirs()
+            if os.environ.get("LAUNCH_SCRATCH"):  # a job of `launch`: its node's baked kernels, once per node
+                kernels.install_for_job(log=lambda line: print(line, flush=True))
             if self.preflight:
                 try:
                     fast_subset(self.job_name)
@@ -236,6 +239,8 @@ class EntrypointRun(submitit.helpers.Checkpointable):
                 print(f"[launch] task {recorder.task}: {recorder.line()}", file=sys.stderr, flush=True)
                 raise SystemExit(code)
             raise EntrypointFailed(f"{self.module} exited with code {code}: {error}")
+        if os.environ.get(kernels.BAKE_VAR) and recorder.task == self.main_task:
+            kernels.bake_at_end(log=lambda line: print(line, flush=True))
         recorder.write("completed")
         return 0
 

@@ -156,3 +156,37 @@ def test_torch_varlen_check_reports_why_it_is_not_used():
     problem = varlen_attention.check_torch_varlen(torch.device("cpu"))
     assert problem  # torch's flash-attention varlen kernel is CUDA-only
     assert varlen_attention.describe("varlen", torch.device("cpu")).startswith("varlen: sdpa per document")
+
+
+def test_compiled_vision_tower_on_varlen_equals_transformers_tower():
+    """The tower's blocks compiled around one varlen attention call (dynamic shapes) against
+    transformers' stock tower (per-image sdpa): outputs and gradients, for two steps of different
+    image sets (other patch totals and grids) through the same compiled graphs."""
+    from train.common.regional_compile import apply_vision_regional_compile
+    from train.common.shapes import get_shape
+    from train.stage1.tokenizer import build_tokenizer
+
+    torch._dynamo.reset()
+    tok = build_tokenizer(get_shape("tiny"), None, vision=True)
+    ref, _ = build_model("tiny", vision=True, vision_ids=tok.vision_ids)
+    fast = copy.deepcopy(ref)
+    assert apply_vision_regional_compile(fast, backend="aot_eager") == 0  # not on varlen: left as it is
+    assert varlen_attention.use_vision_varlen(fast)
+    assert apply_vision_regional_compile(fast, backend="aot_eager") == len(fast.model.visual.blocks) == 2
+    g = torch.Generator().manual_seed(0)
+    compiles = []
+    for grid in ([[1, 4, 4], [1, 6, 4], [1, 8, 8]], [[1, 8, 4], [1, 4, 4]]):
+        grid = torch.tensor(grid)
+        pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 8 * 8, generator=g)
+        outs, grads = [], []
+        for m in (fast, ref):
+            m.zero_grad()
+            out = m.model.visual(pixels, grid_thw=grid).pooler_output
+            out.square().sum().backward()
+            outs.append(out)
+            grads.append({n: p.grad.clone() for n, p in m.model.visual.named_parameters() if p.grad is not None})
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        for name in grads[1]:
+            torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-5, msg=name)
+        compiles.append(compile_counts())
+    assert compiles[1][1] == compiles[0][1]  # the second image set recompiled nothing

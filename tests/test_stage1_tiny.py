@@ -38,6 +38,8 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
     header, *_ = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert header["event"] == "header" and "torchtitan" in header["mfu_convention"]
     # the vision budget, derived on the CPU from the host's memory, bounds the demo too
+    assert header["kernel_archive"].startswith("none looked for")
+    assert "# kernel compiles by the end of step 1: triton " in stdout  # (caches shared with other processes here)
     assert "vision tokens" in header["vision_budget"] and "host memory (cpu)" in header["vision_budget"]
     assert "# MFU (torchtitan)" in stdout and "kernels[cpu]" in stdout
     assert "# compile: off" in stdout and "# packing: rows" in stdout  # the CPU demo never compiles
@@ -53,6 +55,7 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
         assert r["grad_norm"] > 0
         assert set(r["task_loss"]) <= set(TASKS)
         assert r["vision_tokens"] == 4 * r["images"] and r["budget_waits"] == 0  # tiny images: 4 tokens each
+        assert (r["vision_fwd_ms"] > 0) == (r["images"] > 0) and r["vision_mfu"] is None  # no peak on a CPU
     assert set().union(*(r["task_loss"] for r in recs)) == set(TASKS)  # every task was trained on
     first = statistics.mean(r["loss"] for r in recs[:3])
     last = statistics.mean(r["loss"] for r in recs[-3:])

@@ -362,3 +362,43 @@ def test_batch_without_images_still_gives_every_vision_parameter_a_gradient(mode
     grads = [p.grad for p in packed.model.visual.parameters()]
     assert all(g is not None and not g.any() for g in grads)
     packed.zero_grad()
+
+
+def test_vision_tower_varlen_equals_transformers_per_image_attention():
+    """The tower with every image of a step in one varlen attention call per block
+    (varlen_attention.use_vision_varlen: transformers' cu_seqlens branch) against transformers'
+    own per-image sdpa: outputs and gradients of the same weights on three images of different
+    grids. On the CPU the varlen call is sdpa per image, non-causal; the oracle is transformers' code."""
+    from train.common import varlen_attention
+
+    tok = build_tokenizer(get_shape("tiny"), None, vision=True)
+    model, _ = build_model("tiny", vision=True, vision_ids=tok.vision_ids)
+    ref = copy.deepcopy(model)
+    assert varlen_attention.use_vision_varlen(model) and not varlen_attention.use_vision_varlen(
+        build_model("tiny", vision=False)[0])
+    assert model.config.vision_config._attn_implementation == varlen_attention.VISION_VARLEN_IMPL
+    assert ref.config.vision_config._attn_implementation != varlen_attention.VISION_VARLEN_IMPL
+    grid = torch.tensor([[1, 4, 4], [1, 6, 4], [1, 8, 8]])
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 8 * 8, generator=g)
+    outs, grads = [], []
+    for m in (model, ref):
+        out = m.model.visual(pixels, grid_thw=grid).pooler_output
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append({n: p.grad.clone() for n, p in m.model.visual.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-5, msg=name)
+    # the oracle can fail: the text layers' causal varlen call in the tower differs from transformers'
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(varlen_attention.VISION_VARLEN_IMPL,
+                                lambda *a, **kw: varlen_attention.varlen_attention_forward(*a, **{**kw, "is_causal": True}))
+    try:
+        with torch.no_grad():
+            causal = model.model.visual(pixels, grid_thw=grid).pooler_output
+    finally:
+        varlen_attention.register()
+    assert not torch.allclose(causal, outs[1], atol=1e-3)

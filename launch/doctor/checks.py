@@ -26,8 +26,15 @@ from launch.errors import LaunchError, debug
 
 def _check_groups() -> list[tuple[str, Callable]]:
     return [("kernels", check_kernels), ("triton", check_compiler), ("cache", check_caches),
+            ("cache.kernel_archive", _check_kernel_archive),
             ("gpus", check_gpus), ("fabric", check_fabric), ("versions", check_versions), ("slurm", check_slurm),
             ("slurm.devices", check_device_policy)]
+
+
+def _check_kernel_archive(ctx: DoctorContext) -> list[CheckResult]:
+    from launch.kernel_archive import doctor_check
+
+    return [doctor_check(ctx.env, ctx.gpus)]
 
 
 def run_checks(

@@ -19,6 +19,7 @@ class Levers:
     compile: str = "auto"  # auto: on CUDA, off on CPU
     attention: str = "auto"  # auto: varlen on CUDA, sdpa on CPU
     act_ckpt: int = 0  # decoder layers with activation checkpointing (0: none)
+    compile_vision: str = "auto"  # the tower's blocks too (auto: with compile, when the tower is on varlen)
 
 
 def apply_levers(model: torch.nn.Module, device: torch.device, levers: Levers, backend: str = "inductor") -> list[str]:
@@ -29,10 +30,16 @@ def apply_levers(model: torch.nn.Module, device: torch.device, levers: Levers, b
     attention = varlen_attention.select_attention(levers.attention, device)
     varlen_attention.use_attention(model, attention)
     lines = [f"attention: {varlen_attention.describe(attention, device)}"]
+    if attention == "varlen" and varlen_attention.use_vision_varlen(model):
+        lines.append("vision attention: varlen, non-causal per image: all of a step's images in one call per block")
     if regional_compile.compile_enabled(levers.compile, device):
         cache = regional_compile.configure_cache_dir()
         n = regional_compile.apply_regional_compile(model, backend=backend)
         lines.append(f"compile: regional torch.compile ({backend}) of {n} decoder layers, cache {cache or 'default'}")
+        if levers.compile_vision != "off":
+            blocks = regional_compile.apply_vision_regional_compile(model, backend=backend)
+            if blocks:
+                lines.append(f"compile: the vision tower's {blocks} blocks around their varlen attention (dynamic shapes)")
     else:
         lines.append("compile: off")
     if levers.act_ckpt:

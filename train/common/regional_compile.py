@@ -175,6 +175,64 @@ def apply_regional_compile(model: torch.nn.Module, backend: str = "inductor", **
     return len(layers)
 
 
+# ----------------------------------------------------------------------------- the vision tower
+
+
+def _vision_pre(block: torch.nn.Module, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb_vision
+
+    attn = block.attn
+    seq = hidden_states.shape[0]
+    q, k, v = attn.qkv(block.norm1(hidden_states)).reshape(seq, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    return q, k, v
+
+
+def _vision_post(block: torch.nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    hidden_states = residual + block.attn.proj(attn_out)
+    return hidden_states + block.mlp(block.norm2(hidden_states))
+
+
+def _vision_block_forward(block: torch.nn.Module, regions: dict[str, Any], hidden_states: torch.Tensor,
+                          cu_seqlens: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                          max_seqlen: int | None = None, **_: Any) -> torch.Tensor:
+    """Qwen3_5VisionBlock.forward with its attention on the varlen kernel (all images, one call)."""
+    from train.common.varlen_attention import varlen_attention_forward
+
+    attn = block.attn
+    q, k, v = regions["vision_pre"](block, hidden_states, *position_embeddings)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, N, D], as transformers passes them
+    out, _ = varlen_attention_forward(attn, q, k, v, None, scaling=attn.scaling, cu_seq_lens_q=cu_seqlens,
+                                      max_length_q=max_seqlen, is_causal=False)
+    return regions["vision_post"](block, hidden_states, out.reshape(hidden_states.shape[0], -1).contiguous())
+
+
+def apply_vision_regional_compile(model: torch.nn.Module, backend: str = "inductor", **compile_kwargs: Any) -> int:
+    """Compile every vision tower block around its attention (norm1, qkv, rotary | proj, residual,
+    norm2, MLP, residual), with the attention on the varlen kernel; the blocks compiled (0: the
+    model has no tower, or its tower is not on the varlen kernel, see
+    :func:`train.common.varlen_attention.use_vision_varlen`, and keeps transformers' forward).
+
+    ``dynamic=True``: a step's patch count changes with its images, and one shape-generic graph
+    serves them all (a static one would recompile for every new total). The two regions are
+    compiled functions shared by the 27 blocks, as the decoder layers' are.
+    """
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionBlock
+
+    from train.common.varlen_attention import VISION_VARLEN_IMPL
+
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None or vision._attn_implementation != VISION_VARLEN_IMPL:
+        return 0
+    regions = {name: torch.compile(fn, backend=backend, dynamic=True, **compile_kwargs)
+               for name, fn in (("vision_pre", _vision_pre), ("vision_post", _vision_post))}
+    blocks = [m for m in model.modules() if isinstance(m, Qwen3_5VisionBlock)]
+    for block in blocks:
+        block.forward = functools.partial(_vision_block_forward, block, regions)
+    return len(blocks)
+
+
 # ----------------------------------------------------------------------------- activation checkpointing
 
 

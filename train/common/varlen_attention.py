@@ -31,6 +31,11 @@ import torch
 import torch.nn.functional as F
 
 VARLEN_IMPL = "packed_varlen"
+# The vision tower's: transformers' Qwen3.5 vision attention passes cu_seqlens (one call over all
+# of a step's images) only to an implementation whose name says "flash"; any other (sdpa) splits
+# q/k/v per image, with a device-to-host `lengths.tolist()` in each of its 27 blocks, and runs
+# attention once per image per block. This name takes the varlen branch with our kernels.
+VISION_VARLEN_IMPL = "packed_varlen_flash_vision"
 ATTENTION_CHOICES = ("auto", "sdpa", "varlen")
 
 
@@ -59,12 +64,14 @@ def check_torch_varlen(device: torch.device, tolerance: float = 5e-2) -> str | N
             cu = torch.tensor([0, 37, 101, 200], dtype=torch.int32, device=device)
             q, k, v = (torch.randn(200, h, 256, generator=g).to(device, torch.bfloat16).requires_grad_()
                        for h in (8, 2, 2))
-            got = torch_varlen(q, k, v, cu, 99, None)
-            got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
-            want = sdpa_per_document(q, k, v, cu, None)
-            want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
-            errors = [float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-                      for a, b in zip((got, *got_grads), (want, *want_grads), strict=True)]
+            errors = []
+            for causal in (True, False):  # the text layers' and the vision tower's
+                got = torch_varlen(q, k, v, cu, 99, None, causal)
+                got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+                want = sdpa_per_document(q, k, v, cu, None, causal)
+                want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+                errors += [float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+                           for a, b in zip((got, *got_grads), (want, *want_grads), strict=True)]
             problem = None if max(errors) <= tolerance else f"disagrees with sdpa per document ({max(errors):.3g})"
         except Exception as exc:  # the kernel's own refusal (arch, head dim, dtype) is the reason to report
             problem = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -77,8 +84,9 @@ def _row_bounds(batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
 
 
 def sdpa_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      scale: float | None) -> torch.Tensor:
-    """q [N, H, D], k/v [N, H_kv, D] (N tokens of the flattened batch) -> [N, H, D], causal per document."""
+                      scale: float | None, causal: bool = True) -> torch.Tensor:
+    """q [N, H, D], k/v [N, H_kv, D] (N tokens of the flattened batch) -> [N, H, D], per document
+    (causal, or every token of a document attending to all of it: an image in the vision tower)."""
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     n_rep = q.shape[1] // k.shape[1]
@@ -88,18 +96,21 @@ def sdpa_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         qd, kd, vd = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, L, D]
         if n_rep > 1:
             kd, vd = kd.repeat_interleave(n_rep, dim=1), vd.repeat_interleave(n_rep, dim=1)
-        out[a:b] = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)[0].transpose(0, 1)
+        out[a:b] = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)[0].transpose(0, 1)
     return out
 
 
 def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
-                 scale: float | None) -> torch.Tensor:
+                 scale: float | None, causal: bool = True) -> torch.Tensor:
     varlen_attn = _torch_varlen()
     assert varlen_attn is not None
     params = inspect.signature(varlen_attn).parameters
     kwargs: dict[str, object] = {"scale": scale}
-    # torch 2.10 spelled causality is_causal=True; 2.11 on take a window: (-1, 0) is causal
-    kwargs.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    # torch 2.10 spelled causality is_causal=True; 2.11 on take a window: (-1, 0) is causal, (-1, -1) none
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         if "enable_gqa" in params:
@@ -113,8 +124,10 @@ def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
-                             **_: object) -> tuple[torch.Tensor, None]:
-    """transformers' attention-interface signature: query [B, H, T, D] -> ([B, T, H, D], None)."""
+                             is_causal: bool | None = None, **_: object) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature: query [B, H, T, D] -> ([B, T, H, D], None).
+    Causal unless the caller says ``is_causal=False`` (the vision tower) or the module is not."""
+    causal = bool(getattr(module, "is_causal", True)) if is_causal is None else bool(is_causal)
     if dropout:
         raise ValueError("varlen attention: attention dropout is not supported")
     batch, heads, seq_len, dim = query.shape
@@ -124,9 +137,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not _TORCH_VARLEN_PROBLEM.get(
             str(query.device), "unchecked"):
         max_len = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
-        out = torch_varlen(q, k, v, cu, max_len, scaling)
+        out = torch_varlen(q, k, v, cu, max_len, scaling, causal)
     else:
-        out = sdpa_per_document(q, k, v, cu, scaling)
+        out = sdpa_per_document(q, k, v, cu, scaling, causal)
     return out.view(batch, seq_len, heads, dim), None
 
 
@@ -135,7 +148,19 @@ def register() -> str:
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN_IMPL, varlen_attention_forward)
+    AttentionInterface.register(VISION_VARLEN_IMPL, varlen_attention_forward)
     return VARLEN_IMPL
+
+
+def use_vision_varlen(model: torch.nn.Module) -> bool:
+    """Point the vision tower (if the model has one) at the varlen kernel: all of a step's images
+    in one attention call per block, no per-image split, no host sync per block. True if it did."""
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        return False
+    register()
+    vision._attn_implementation = VISION_VARLEN_IMPL
+    return True
 
 
 def select_attention(requested: str, device: torch.device) -> str:

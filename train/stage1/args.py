@@ -84,12 +84,17 @@ class Stage1Config:
                          help="full-attention kernel: varlen per document, or sdpa with a block-diagonal mask "
                               "(auto: varlen on CUDA, sdpa on CPU)")
     act_ckpt: int = opt(0, help="decoder layers with activation checkpointing (0: none)")
+    compile_vision: str = opt("auto", choices=("auto", "off"),
+                              help="regional compile of the vision tower's blocks too (auto: with --compile, when the "
+                                   "tower's attention is varlen)")
     vision_ckpt: bool = opt(False, help="activation checkpointing of every vision tower block: its activations "
                             "are recomputed in the backward (less memory for images, one more tower forward)")
     packing: str = opt("auto", choices=("auto", "flat", "rows"),
                        help="batch layout: flat (one stream of batch_rows x row_len) or rows (auto: flat on CUDA)")
     vision_budget: str = opt("auto", help="vision tokens a step's images may hold, per rank: auto (from the model and "
                              "the device's memory, train/common/vision_budget.py), a number, or off")
+    require_warm_kernels: bool = opt(False, help="fail the run when a baked kernel archive was unpacked for this node "
+                                      "and kernels were compiled anyway by the end of step 1")
     conv_impl: str = opt("auto", choices=("auto", "causal-conv1d", "fla"),
                          help="GDN short-conv kernel on CUDA (auto: causal-conv1d when installed, else fla's Triton)")
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from toolkit import kernel_cache
 from toolkit.metrics import SCHEMAS, step_records
 from train.common import fastpath, mfu
 from train.common.checkpoint import CheckpointError, load_state, rng_state, set_rng_state
@@ -42,7 +43,7 @@ from train.common.levers import Levers, apply_levers
 from train.common.losses import LossImplError
 from train.common.metrics import compile_counts, peak_memory_mb
 from train.common.packing import IGNORE_INDEX, model_kwargs, resolve_layout
-from train.common.profiler import ProgressWatch, StepProfiler, StepTiming, rank_spread
+from train.common.profiler import ModuleTimer, ProgressWatch, StepProfiler, StepTiming, rank_spread
 from train.common.runtime import Runtime, pick_device
 from train.common.shapes import get_shape
 from train.common.stepper import Stepper, make_adamw, zero2_config
@@ -73,6 +74,7 @@ from train.stage1.synthetic import generate_synthetic
 from train.stage1.tokenizer import TokenizerError, build_tokenizer
 
 ENTRYPOINT = "train.stage1"
+KERNEL_ARCHIVE_VAR = "LAUNCH_KERNEL_ARCHIVE"  # set by launch's job start: what it found for this node's key
 
 # ---------------------------------------------------------------------------------------------
 
@@ -198,6 +200,9 @@ class Stage1Run:
     first_loss: float | None = None
     last_loss: float | None = None
     source: dict[str, Any] = field(default_factory=dict)  # data_source(): what the batches are drawn from
+    kernel_entries: dict[str, int] | None = None  # kernel cache files at process start (compile check)
+    tower_timer: ModuleTimer | None = None  # the vision tower's forward time per step
+    tower_ms: float = 0.0  # ... of the last step
 
 
 def train(cfg: Stage1Config) -> int:
@@ -206,7 +211,10 @@ def train(cfg: Stage1Config) -> int:
     with Runtime.start(ENTRYPOINT, SCHEMAS["stage1"], cfg.out, tasks=TASKS, force_group=ds,
                        max_bad_steps=cfg.max_bad_steps, tensorboard=cfg.tensorboard,
                        wandb_project=cfg.wandb_project) as rt:
+        entries = kernel_cache.count_entries(kernel_cache.cache_dirs())  # before anything compiles
         run = setup(cfg, rt, ds)
+        run.kernel_entries = entries
+        first_step = rt.step + 1
         while rt.step < cfg.steps:
             run.prof.start_step()
             batch = next(run.data)
@@ -215,13 +223,15 @@ def train(cfg: Stage1Config) -> int:
             # tokens/s and MFU count every token of the packed rows, padding included (torchtitan);
             # real_tok_s and mfu_useful leave the padding out.
             timing = run.prof.end_step(batch["input_ids"].numel() * rt.dist.world_size)
+            run.tower_ms = run.tower_timer.take() if run.tower_timer is not None else 0.0
             rt.step += 1
             progress = run.progress.observe(rt.step, timing, step_load(batch))
             rt.check_finite(result.loss if rt.dist.world_size == 1 else None, result.grad_norm, result.skipped)
             run.first_loss = result.loss if run.first_loss is None else run.first_loss
             run.last_loss = result.loss
+            compiled = check_kernel_compiles(run, rt) if rt.step == first_step else {}
             if rt.step % cfg.log_every == 0 or rt.step == cfg.steps:
-                rt.log.log_step({**step_record(run, rt, batch, result, timing), **progress})
+                rt.log.log_step({**step_record(run, rt, batch, result, timing), **progress, **compiled})
             if cfg.ckpt_every and (rt.step % cfg.ckpt_every == 0 or rt.step == cfg.steps):
                 save_checkpoint(run, rt)
         finish(run, rt)
@@ -259,7 +269,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
                                            vision=bool(cfg.vision), codebooks=codebooks, vision_ids=tok.vision_ids)
     fastpath.install_kernels(model, kernels)
     vision_lines = checkpoint_vision_tower(model) if cfg.vision and cfg.vision_ckpt else []
-    lever_lines = apply_levers(model, rt.device, Levers(cfg.compile, cfg.attention, cfg.act_ckpt))
+    lever_lines = apply_levers(model, rt.device, Levers(cfg.compile, cfg.attention, cfg.act_ckpt, cfg.compile_vision))
     # Every GDN/conv kernel variant the run's document layouts can select, compiled now (into the
     # node-local kernel cache), not mid-run: the first timed step is then the last slow one.
     t_warm = time.perf_counter()
@@ -295,6 +305,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         "optimizer": stepper.name, "vision_params": spec.n_vision_params,
         **({"vision_flops_per_patch": 6 * mfu.vision_matmul_params(vision_config(model))}
            if vision_config(model) is not None else {}),
+        "kernel_archive": os.environ.get(KERNEL_ARCHIVE_VAR) or "none looked for (not started by launch)",
         **({"vision_budget": budget.header() if budget else "off (unbounded)"} if tok.encoder is not None else {}),
     })
     rt.print(mixture_line(data, tok))
@@ -303,12 +314,49 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         rt.print(f"# {line}")
     model.train()
     return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), ProgressWatch(cfg.steps, rt.device),
-                     flops_per_token, peak, vision_config=vision_config(model), source=source)
+                     flops_per_token, peak, vision_config=vision_config(model), source=source,
+                     tower_timer=ModuleTimer(model.model.visual, rt.device) if cfg.vision else None)
 
 
 STEP_LINE_LEGEND = ("step line: step n/N, loss (per task: gi gen_img, gt gen_txt, un und, ri replay_img, "
                     "rt replay_text), tok/s, useful-token MFU, compute+data ms, peak GiB, eta; STALL(cause) on a "
                     "step > 2x the running median (and >= 0.5 s over it): compile, allocator, data or images")
+
+
+def check_kernel_compiles(run: Stage1Run, rt: Runtime) -> dict[str, Any]:
+    """After this process's first step: the kernels compiled since it started (new files in the
+    Triton, TileLang and Inductor caches), said in one line. With a baked archive unpacked for
+    this node (the job's start says so in $LAUNCH_KERNEL_ARCHIVE) every one of them should have
+    been there: a compile is then a warning, or with --require-warm-kernels the run's error."""
+    now = kernel_cache.count_entries(kernel_cache.cache_dirs())
+    new = {k: max(0, now[k] - (run.kernel_entries or {}).get(k, 0)) for k in now}
+    archive = os.environ.get(KERNEL_ARCHIVE_VAR, "")
+    had_archive = archive.startswith(("unpacked ", "present "))
+    age = process_age_s()
+    rt.print(f"# kernel compiles by the end of step {rt.step}: " + ", ".join(f"{k} {v}" for k, v in new.items())
+             + f" (archive: {archive.split(':')[0] if archive else 'none looked for'})"
+             + (f"; step {rt.step} ended {age:.1f} s after the process started" if age is not None else ""))
+    if had_archive and sum(new.values()):
+        message = (f"the baked kernel archive ({archive.split(':')[0]}) was unpacked, yet "
+                   f"{sum(new.values())} kernel cache files were compiled by the end of step {rt.step} "
+                   f"({new}): the archive does not cover this run's kernels; bake it again for this preset")
+        if run.cfg.require_warm_kernels:
+            raise FastPathError(message)
+        rt.print(f"# WARNING: {message}")
+    return {"kernel_compiles": new, "since_start_s": age}
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere): imports, model build,
+    kernel warm-up and the first step, the time a fresh node waits before training."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def step_load(batch: dict[str, Any]) -> dict[str, float]:
@@ -368,8 +416,29 @@ def step_record(run: Stage1Run, rt: Runtime, batch: dict[str, Any], result: Step
         "data_ms": timing.data_ms, "compute_ms": timing.compute_ms, "peak_mem_mb": peak_memory_mb(rt.device),
         "compiles": compiles, "recompiles": recompiles, "lr": run.stepper.step_lr, "grad_norm": result.grad_norm,
         "packing_efficiency": useful, "batch_index": batch["batch_index"], "batch_digest": batch_digest(batch),
-        "fwd_ms": timing.forward_ms, **(rank_spread(timing, rt.device) if rt.dist.world_size > 1 else {}),
+        "fwd_ms": timing.forward_ms, **forward_mfus(run, rt, batch, timing), **(rank_spread(timing, rt.device) if rt.dist.world_size > 1 else {}),
     }
+
+
+def forward_mfus(run: Stage1Run, rt: Runtime, batch: dict[str, Any], timing: StepTiming) -> dict[str, Any]:
+    """The tower's own forward time and forward MFU beside the trunk's (this rank's).
+
+    vision_mfu = the tower's forward FLOPs (a third of mfu.vision_flops) / its forward time / peak;
+    trunk_fwd_mfu = the text model's forward FLOPs (a third of flops_per_token per token) over the
+    rest of the forward (the forward mark includes the loss) / peak. Forward only: the backward
+    of the two is not timed apart."""
+    if run.tower_timer is None:
+        return {}
+    tower_ms = run.tower_ms
+    out: dict[str, Any] = {"vision_fwd_ms": tower_ms, "vision_mfu": None, "trunk_fwd_mfu": None}
+    if run.peak_flops:
+        flops = mfu.vision_flops(run.vision_config, batch.get("image_grid_thw")) / 3
+        if tower_ms > 0 and flops > 0:
+            out["vision_mfu"] = flops / (tower_ms / 1e3) / run.peak_flops
+        trunk_ms = (timing.forward_ms or 0.0) - tower_ms
+        if trunk_ms > 0:
+            out["trunk_fwd_mfu"] = batch["input_ids"].numel() * run.flops_per_token / 3 / (trunk_ms / 1e3) / run.peak_flops
+    return out
 
 
 def step_vision_flops(run: Stage1Run, rt: Runtime, batch: dict[str, Any]) -> float:

@@ -51,14 +51,30 @@ def check_processor(processor: Any, vision_config: Any, where: str) -> None:
             raise ValueError(f"{where}: image processor {p_key}={theirs} but the vision tower's {v_key}={ours}")
 
 
+def _check_size(path: Path, w: int, h: int) -> None:
+    if w * h > MAX_IMAGE_PIXELS:
+        raise BadImage(f"image {path} is {w}x{h} pixels, above the {MAX_IMAGE_PIXELS} limit (a decompression bomb?)")
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """(width, height) of the image at ``path`` from its header, nothing decoded; BadImage for an
+    unreadable file or a decompression bomb."""
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+    except Image.DecompressionBombError as exc:  # PIL's own limit, hit at open for the largest claims
+        raise BadImage(f"image {path}: {exc} (a decompression bomb?)") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise BadImage(f"unreadable image {path} ({type(exc).__name__})") from None
+    _check_size(path, w, h)
+    return w, h
+
+
 def open_rgb(path: Path) -> Image.Image:
     """The image at ``path`` as RGB; BadImage for an unreadable file or a decompression bomb."""
     try:
         with Image.open(path) as im:
-            w, h = im.size  # from the header: nothing decoded yet
-            if w * h > MAX_IMAGE_PIXELS:
-                raise BadImage(f"image {path} is {w}x{h} pixels, above the {MAX_IMAGE_PIXELS} limit "
-                               "(a decompression bomb?)")
+            _check_size(path, *im.size)  # from the header: nothing decoded yet
             im.load()
             return im.convert("RGB")
     except BadImage:
@@ -124,11 +140,7 @@ class ImageEncoder:
         """Placeholder tokens the image at ``path`` will have, from its header alone (nothing
         decoded): the vision budget turns away images that would not fit before paying their
         decode. The same resizes as ``__call__`` (bucket, then the processor's smart_resize)."""
-        try:
-            with Image.open(path) as im:
-                w, h = im.size
-        except (OSError, ValueError, SyntaxError, EOFError) as exc:
-            raise BadImage(f"unreadable image {path} ({type(exc).__name__})") from None
+        w, h = image_size(path)
         lo, hi = _pixel_bounds(self.processor)
         if self.bucket:
             h, w = bucketed_size(h, w, self.bucket, lo, hi)

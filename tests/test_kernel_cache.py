@@ -1,0 +1,191 @@
+"""Baked kernel caches (toolkit/kernel_cache.py): the key, the archive, the once-per-node unpack.
+
+Real files, real tar/gzip, real flock, and 8 real processes racing to unpack one archive (what 8
+ranks of a job do at start). The GPU parts of the key read `cpu` here; the GPU key is exercised
+with explicit fields.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from toolkit import kernel_cache as kc
+
+
+def _fake_caches(root: Path, n: int = 40) -> dict[str, Path]:
+    """Triton/TileLang/Inductor-like trees: nested hash dirs with binary and text files."""
+    dirs = {name: root / name for name in kc.CACHES}
+    for i in range(n):
+        (dirs["triton"] / f"{i:04x}abcd").mkdir(parents=True)
+        (dirs["triton"] / f"{i:04x}abcd" / "kernel.cubin").write_bytes(os.urandom(2048))
+        (dirs["triton"] / f"{i:04x}abcd" / "kernel.json").write_text(json.dumps({"i": i}))
+    (dirs["tilelang"] / "kernels" / "k1").mkdir(parents=True)
+    (dirs["tilelang"] / "kernels" / "k1" / "lib.so").write_bytes(os.urandom(4096))
+    (dirs["inductor"] / "fxgraph" / "ab").mkdir(parents=True)
+    (dirs["inductor"] / "fxgraph" / "ab" / "entry").write_bytes(b"graph")
+    (dirs["triton"] / "x.lock").write_text("")  # a lock file is not packed
+    return dirs
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.startswith(".kernel-archive-") and not p.name.endswith(".lock")}
+
+
+def test_key_reads_cpu_here_and_changes_with_any_version():
+    fields = kc.key_fields()
+    assert (fields["gpu_arch"], fields["driver"], fields["cuda"]) == ("cpu", "cpu", "cpu")
+    assert fields["packages"]["torch"] != "-" and set(kc.KERNEL_PACKAGES) == set(fields["packages"])
+    key = kc.archive_key(fields)
+    assert key.startswith("cpu-cpu-") and key == kc.archive_key(kc.key_fields())
+    h200 = kc.key_fields(gpu_arch="sm_90", driver="580.95.05", cuda="13.0", packages={"tilelang": "0.1.15"})
+    assert kc.archive_key(h200).startswith("sm_90-cuda13.0-")
+    for change in ({"driver": "580.95.06"}, {"cuda": "12.8"}, {"gpu_arch": "sm_100"},
+                   {"packages": {"tilelang": "0.1.16"}}):
+        assert kc.archive_key({**h200, **change}) != kc.archive_key(h200), change
+
+
+def test_pack_is_reproducible_and_unpack_seeds_the_job_caches(tmp_path: Path):
+    caches = _fake_caches(tmp_path / "baked")
+    fields = kc.key_fields(gpu_arch="sm_90", driver="580", cuda="13.0", packages={"tilelang": "0.1.15"})
+    store = tmp_path / "store"
+    first = kc.pack(store, fields, caches, note="preset qwen35-2b")
+    second = kc.pack(store, fields, caches)
+    assert first["sha256"] == second["sha256"] and first["archive"] == f"{first['sha256']}.tar.gz"
+    assert first["files"] == {"inductor": 1, "tilelang": 1, "triton": 80}
+    assert [m["key"] for m in kc.manifests(store)] == [first["key"]]
+
+    job = {name: tmp_path / "job" / name for name in kc.CACHES}
+    job["triton"].mkdir(parents=True)
+    (job["triton"] / "0000abcd").mkdir()
+    (job["triton"] / "0000abcd" / "kernel.json").write_text("the job's own")  # never overwritten
+    got = kc.unpack(store, first["key"], tmp_path / "node", job)
+    assert got.state == "unpacked" and got.files == 82 and got.seeded == {"triton": 79, "tilelang": 1, "inductor": 1}
+    tree = tmp_path / "node" / first["key"]
+    for name in kc.CACHES:
+        assert _files(tree / name) == _files(caches[name])
+        assert stat.S_IMODE((tree / name).stat().st_mode) == kc.READONLY_DIR
+    cubin = tree / "triton" / "0001abcd" / "kernel.cubin"
+    assert stat.S_IMODE(cubin.stat().st_mode) == kc.READONLY_FILE
+    assert (job["triton"] / "0001abcd" / "kernel.cubin").stat().st_ino == cubin.stat().st_ino  # a link, not a copy
+    assert (job["triton"] / "0000abcd" / "kernel.json").read_text() == "the job's own"
+    again = kc.unpack(store, first["key"], tmp_path / "node", job)
+    assert again.state == "present" and again.seeded == {}  # once per node, once per cache directory
+    assert kc.count_entries(job) == {"triton": 80, "tilelang": 1, "inductor": 1}
+    assert "no baked archive" in kc.unpack(store, "sm_90-cuda13.0-0000", tmp_path / "node", job).line(store)
+
+
+def test_a_corrupt_archive_is_refused_and_leaves_nothing(tmp_path: Path):
+    fields = kc.key_fields(gpu_arch="sm_90", driver="580", cuda="13.0", packages={})
+    manifest = kc.pack(tmp_path / "store", fields, _fake_caches(tmp_path / "baked", n=3))
+    archive = tmp_path / "store" / manifest["archive"]
+    archive.write_bytes(archive.read_bytes()[:-100] + b"x" * 100)
+    job = {name: tmp_path / "job" / name for name in kc.CACHES}
+    with pytest.raises(kc.ArchiveError, match="sha256"):
+        kc.unpack(tmp_path / "store", manifest["key"], tmp_path / "node", job)
+    assert [p.name for p in (tmp_path / "node").iterdir()] == [f".{manifest['key']}.lock"]
+    assert not (tmp_path / "job").exists()
+
+
+def _rank(store: str, key: str, node: str, job: str, start, queue) -> None:
+    start.wait()
+    dirs = {name: Path(job) / name for name in kc.CACHES}
+    got = kc.unpack(Path(store), key, Path(node), dirs)
+    queue.put((got.state, sum(got.seeded.values())))
+
+
+def test_eight_processes_starting_together_share_one_unpack(tmp_path: Path):
+    manifest = kc.pack(tmp_path / "store", kc.key_fields(), _fake_caches(tmp_path / "baked", n=300))
+    ctx = multiprocessing.get_context("fork")
+    start, queue = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(str(tmp_path / "store"), manifest["key"], str(tmp_path / "node"),
+                                             str(tmp_path / "job"), start, queue)) for _ in range(8)]
+    for p in procs:
+        p.start()
+    start.set()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    states = sorted(state for state, _ in results)
+    assert states == ["present"] * 7 + ["unpacked"]
+    assert sum(n for _, n in results) == 602  # every file linked once, by one process
+    node = tmp_path / "node"
+    assert sorted(p.name for p in node.iterdir()) == sorted([manifest["key"], f".{manifest['key']}.lock"])  # no temp tree
+    for name in kc.CACHES:
+        assert _files(tmp_path / "job" / name) == _files(tmp_path / "baked" / name)
+
+
+# --------------------------------------------------------------------------- the launcher and the trainer
+
+
+@pytest.fixture
+def job_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """A job's environment as `launch`'s sbatch script sets it: per-job caches, the store, node scratch."""
+    paths = {"store": tmp_path / "store", "node": tmp_path / "node", "job": tmp_path / "job"}
+    monkeypatch.setenv("LAUNCH_KERNEL_ARCHIVES", str(paths["store"]))
+    monkeypatch.setenv("LAUNCH_NODE_SCRATCH", str(paths["node"]))
+    monkeypatch.setenv("LAUNCH_HOME", str(tmp_path / "home"))
+    for name, var in kc.CACHES.items():
+        monkeypatch.setenv(var, str(paths["job"] / name))
+    monkeypatch.delenv("LAUNCH_KERNEL_ARCHIVE", raising=False)
+    return paths
+
+
+def test_launch_kernels_list_and_doctor_name_the_missing_and_the_baked_archive(job_env, tmp_path: Path, capsys):
+    from launch.cli import main
+    from launch.doctor.results import Status
+    from launch.kernel_archive import doctor_check
+
+    assert main(["kernels", "list"]) == 0
+    out = capsys.readouterr().out
+    key = kc.archive_key(kc.key_fields())
+    assert f"this machine's key: {key} (no archive)" in out and "launch kernels bake --preset P" in out
+    result = doctor_check(dict(os.environ), gpus=None)
+    assert result.status is Status.WARN and key in result.found and "launch kernels bake" in result.fix
+
+    kc.pack(job_env["store"], kc.key_fields(), _fake_caches(tmp_path / "baked", n=2), note="stage1:tiny")
+    assert main(["kernels", "list"]) == 0
+    out = capsys.readouterr().out
+    assert f"* {key}" in out and "stage1:tiny" in out and "(no archive)" not in out
+    assert doctor_check(dict(os.environ), gpus=None).status is Status.PASS
+    assert main(["kernels"]) == 2 and "an action is needed" in capsys.readouterr().err
+
+
+def test_a_job_start_unpacks_and_the_trainer_fails_a_compile_despite_the_archive(job_env, tmp_path: Path):
+    from types import SimpleNamespace
+
+    from launch.kernel_archive import install_for_job
+    from train.common.fastpath import FastPathError
+    from train.stage1.train import check_kernel_compiles
+
+    logged: list[str] = []
+    assert install_for_job(log=logged.append).startswith("absent cpu-cpu-")
+    assert "no baked archive" in logged[-1] and os.environ["LAUNCH_KERNEL_ARCHIVE"].startswith("absent ")
+
+    kc.pack(job_env["store"], kc.key_fields(), _fake_caches(tmp_path / "baked", n=2))
+    assert install_for_job(log=logged.append).startswith("unpacked cpu-cpu-")
+    assert _files(job_env["job"] / "triton") == _files(tmp_path / "baked" / "triton")
+    assert install_for_job(log=logged.append).startswith("present cpu-cpu-")  # the job's next rank
+
+    printed: list[str] = []
+    rt = SimpleNamespace(step=1, print=printed.append)
+    run = SimpleNamespace(cfg=SimpleNamespace(require_warm_kernels=False),
+                          kernel_entries=kc.count_entries(kc.cache_dirs()))
+    first = check_kernel_compiles(run, rt)
+    assert first["kernel_compiles"] == {"triton": 0, "tilelang": 0, "inductor": 0}
+    assert 0 < first["since_start_s"] < 3600 and "after the process started" in printed[-1]
+    assert not any("WARNING" in p for p in printed)
+    (job_env["job"] / "triton" / "new0000").mkdir()
+    (job_env["job"] / "triton" / "new0000" / "kernel.cubin").write_bytes(b"compiled at step 1")
+    assert check_kernel_compiles(run, rt)["kernel_compiles"]["triton"] == 1
+    assert "WARNING: the baked kernel archive (present cpu-cpu-" in printed[-1]
+    run.cfg.require_warm_kernels = True
+    with pytest.raises(FastPathError, match="1 kernel cache files were compiled"):
+        check_kernel_compiles(run, rt)
