@@ -189,3 +189,35 @@ def test_a_job_start_unpacks_and_the_trainer_fails_a_compile_despite_the_archive
     run.cfg.require_warm_kernels = True
     with pytest.raises(FastPathError, match="1 kernel cache files were compiled"):
         check_kernel_compiles(run, rt)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_bake_job_packs_the_caches_and_the_next_job_unpacks_them(slurm_cluster, tmp_path: Path):
+    """`launch kernels bake --preset tiny` on real Slurm: the job's main task packs its caches into
+    the store under this machine's key; the next stage-1 job unpacks it at start and its trainer's
+    header names it."""
+    from conftest import REPO, run_launch
+
+    env = {**os.environ, **slurm_cluster.env(), "LAUNCH_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO),
+           "LAUNCH_KERNEL_ARCHIVES": str(tmp_path / "store"), "LAUNCH_NODE_SCRATCH": str(tmp_path / "node")}
+    env.pop("LAUNCH_JOBS_PATH", None)
+    out = run_launch(["kernels", "bake", "--preset", "tiny", "--follow"], env, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    key = kc.archive_key(kc.key_fields())
+    manifest = kc.find_manifest(tmp_path / "store", key)
+    assert manifest is not None and manifest["note"] == "stage1:tiny", out.stdout[-2000:]
+    assert (tmp_path / "store" / manifest["archive"]).is_file()
+    listed = run_launch(["kernels", "list"], env)
+    assert f"* {key}" in listed.stdout, listed.stdout
+
+    out = run_launch(["submit", "stage1", "--preset", "tiny", "--arg", "steps=1", "--arg", "row_len=128",
+                      "--arg", "batch_rows=1", "--arg", "synthetic_samples=60", "--json"], env)
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)
+    from conftest import wait_for_state
+
+    assert wait_for_state(job["job_id"], env, {"COMPLETED", "FAILED"}, timeout=300) == "COMPLETED"
+    log = Path(job["log"]).read_text()
+    assert f"[launch] kernel archive: unpacked {key}" in log, log[-3000:]
+    assert f"kernel_archive=unpacked {key}" in log

@@ -32,6 +32,8 @@ def _check_groups() -> list[tuple[str, Callable]]:
 
 
 def _check_kernel_archive(ctx: DoctorContext) -> list[CheckResult]:
+    if ctx.preflight:  # in the job, its start has just looked for the archive and said so in its own line
+        return []
     from launch.kernel_archive import doctor_check
 
     return [doctor_check(ctx.env, ctx.gpus)]
