@@ -75,6 +75,12 @@ def entry_inputs(module: str):  # -> Callable[[object], list[tuple[str, str, Cal
     return _entry_function(module, "input_paths")
 
 
+def entry_gpu_work(module: str):  # -> Callable[[object], str | None] | None
+    """The entrypoint's optional `gpu_work(parsed_args)`: what in the run needs a real GPU (None:
+    it runs on the CPU too, its GPUs only a task count)."""
+    return _entry_function(module, "gpu_work")
+
+
 def _entry_function(module: str, name: str):  # -> Callable | None
     """`name` from the entrypoint's `args` module when it has one (a package entrypoint's flags and
     checks without torch: `train.stage1.args`), else from next to its `main`."""

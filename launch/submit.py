@@ -19,12 +19,13 @@ import sys
 from pathlib import Path
 
 from launch import feasibility, registry, values
+from launch.cluster.embedded import real_gpu_nodes
 from launch.errors import LaunchError
 from launch.executor import SlurmOptions, make_executor, sbatch_failure, sbatch_script
 from launch.fsutil import launch_home, private_files
 from launch.jobs_cli import follow, next_line
 from launch.jobspec import JobSpec, ResolvedJob, find_spec, known_jobs
-from launch.runner import EntrypointRun, entry_inputs, entry_parser, entry_task_check
+from launch.runner import EntrypointRun, entry_gpu_work, entry_inputs, entry_parser, entry_task_check
 from launch.slurmenv import describe_slurm, is_embedded, require_cluster, slurm_env
 
 
@@ -237,6 +238,25 @@ def check_input_paths(spec: JobSpec, parsed: object | None, embedded: bool) -> N
                   "node(s) and stops at its start if it is not there", file=sys.stderr)
 
 
+def stand_in_refusal(spec: JobSpec, job: ResolvedJob, parsed: object | None, real_gpus: bool) -> str | None:
+    """GPU work (the entrypoint's `gpu_work`) on a machine without the NVIDIA driver, whose embedded
+    cluster's GPUs are stand-ins: refused with that reason, whatever the cluster's size (a bigger
+    `launch cluster up --gpus N` would only make more stand-ins)."""
+    if real_gpus or job.resources.gpus_per_node == 0 or parsed is None:
+        return None
+    try:
+        work = entry_gpu_work(spec.entrypoint)
+    except ImportError:
+        return None
+    what = work(parsed) if work is not None else None
+    if what is None:
+        return None
+    preset = f"--preset {job.preset}" if job.preset else spec.name
+    return (f"{preset} needs real GPUs ({what}), and this machine has no NVIDIA driver: the embedded cluster's "
+            "GPUs are stand-in devices that model Slurm's allocation only; here, use a CPU preset "
+            f"(`launch submit {spec.name} --list-presets`: tiny), or submit to a GPU cluster")
+
+
 def too_big_advice(spec: JobSpec, job: ResolvedJob, cluster: feasibility.Cluster, env_extra: dict[str, str]) -> str:
     """What to do about a request no node can run. A job whose arguments fix its task count
     (DFlash online k-1: check_tasks) cannot ask for fewer GPUs; the embedded cluster can be
@@ -298,10 +318,16 @@ def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: 
     executor = make_executor(job, folder, scratch, options)
     what = f"{spec.name} (preset {job.preset})" if job.preset else spec.name
     if args.dry_run:
-        check_input_paths(spec, parsed, is_embedded(slurm_env()))
+        embedded = is_embedded(slurm_env())
+    else:
+        env_extra = require_cluster()
+        embedded = is_embedded(env_extra)
+    check_input_paths(spec, parsed, embedded)
+    refusal = stand_in_refusal(spec, job, parsed, real_gpus=bool(real_gpu_nodes())) if embedded else None
+    if refusal:
+        raise LaunchError(refusal)
+    if args.dry_run:
         return dry_run(executor, spec, job, argv, what)
-    env_extra = require_cluster()
-    check_input_paths(spec, parsed, is_embedded(env_extra))
     cluster = feasibility.query_cluster(env_extra)
     problem = feasibility.check(job.resources, cluster, what, too_big_advice(spec, job, cluster, env_extra))
     if problem:

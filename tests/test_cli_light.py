@@ -115,3 +115,27 @@ def test_a_data_dir_absent_here_is_refused_for_the_embedded_cluster_and_named_fo
             check_input_paths(spec, parsed, embedded=True)
         check_input_paths(spec, parsed, embedded=False)
         assert f"warning: {flag} {tmp_path}/nowhere does not exist on this machine" in capsys.readouterr().err
+
+
+def test_gpu_presets_on_stand_in_gpus_are_refused_with_the_real_reason():
+    """Without the NVIDIA driver the embedded cluster's GPUs are stand-ins: a preset whose work needs
+    a GPU (a 2B shape, a real target) is refused naming that, whatever the cluster's size, so a
+    bigger `cluster up --gpus 8` is never the way; the CPU presets that use GPUs as a task count
+    (DFlash tiny-online's 2-1) still go through, and nothing is refused where real GPUs are."""
+    from launch.jobspec import find_spec
+    from launch.submit import check_entrypoint_args, stand_in_refusal
+
+    def refusal(name: str, preset: str, real_gpus: bool = False) -> str | None:
+        spec = find_spec(name)
+        job = spec.resolve(preset)
+        return stand_in_refusal(spec, job, check_entrypoint_args(spec, job.argv(), job.resources.total_tasks), real_gpus)
+
+    said = refusal("stage1", "qwen35-2b")
+    assert said == ("--preset qwen35-2b needs real GPUs (model shape qwen35-2b), and this machine has no NVIDIA driver: "
+                    "the embedded cluster's GPUs are stand-in devices that model Slurm's allocation only; here, use a CPU "
+                    "preset (`launch submit stage1 --list-presets`: tiny), or submit to a GPU cluster")
+    assert "cluster up" not in said
+    assert "(the online target qwen35-2b)" in refusal("dflash", "online-6-1")
+    assert "(the target qwen35-2b)" in refusal("extract", "qwen35-2b")
+    assert refusal("stage1", "qwen35-2b", real_gpus=True) is None
+    assert refusal("dflash", "tiny-online") is None and refusal("stage1", "tiny") is None

@@ -127,7 +127,8 @@ def _own_hostname(name: str) -> Callable[[], None]:
     return enter
 
 
-def _real_gpu_nodes() -> list[str]:
+def real_gpu_nodes() -> list[str]:
+    """This machine's NVIDIA GPU device nodes (none without the driver: the cluster then makes stand-ins)."""
     if not Path("/proc/driver/nvidia").exists():
         return []
     nodes = [p for p in Path("/dev").glob("nvidia[0-9]*") if p.name[6:].isdigit()]
@@ -385,7 +386,7 @@ class EmbeddedCluster:
 
     def _gpu_files(self, names: list[str], gpus: int | None) -> tuple[list[list[str]], bool]:
         """Each node's GPU device files: real ones split between the nodes, else stand-ins."""
-        real = _real_gpu_nodes()
+        real = real_gpu_nodes()
         n = len(names)
         if real:
             count = len(real) // n if gpus is None else gpus

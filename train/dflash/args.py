@@ -150,3 +150,11 @@ def input_paths(cfg: DFlashConfig) -> list[tuple[str, str, Callable[[str], objec
     if not cfg.data:
         return []
     return [("--data", cfg.data, _extraction_dir if cfg.mode == "offline" else _not_a_directory("--data"))]
+
+
+def gpu_work(cfg: DFlashConfig) -> str | None:
+    """What in this run needs a real GPU, or None when it runs on the CPU too (offline, or online
+    with the tiny random target: its GPUs are then only the k-1 topology's task count)."""
+    if cfg.mode != "online" or (cfg.preset == "tiny" and not cfg.init_from):
+        return None
+    return f"the online target {cfg.init_from or cfg.preset}"

@@ -69,3 +69,8 @@ def input_paths(cfg: ExtractConfig) -> list[tuple[str, str, Callable[[str], obje
     """What the job reads at its start, for `launch submit` to check before queueing: (flag, path,
     the check of it where it exists on the submitting machine). No --data: a synthetic set."""
     return [("--data", cfg.data, _not_a_directory("--data"))] if cfg.data else []
+
+
+def gpu_work(cfg: ExtractConfig) -> str | None:
+    """What in this run needs a real GPU, or None when it runs on the CPU too (the tiny random target)."""
+    return None if cfg.preset == "tiny" and not cfg.init_from else f"the target {cfg.init_from or cfg.preset}"

@@ -54,3 +54,8 @@ def input_paths(cfg: RegenConfig) -> list[tuple[str, str, Callable[[str], object
     """What the job reads at its start, for `launch submit` to check before queueing: (flag, path,
     the check of it where it exists on the submitting machine)."""
     return [("--data", cfg.data, _not_a_directory("--data"))]
+
+
+def gpu_work(cfg: RegenConfig) -> str | None:
+    """Generation with the target: GPU work whenever the job asks for GPUs (the tiny preset asks none)."""
+    return f"generation with the target {cfg.init_from}"

@@ -178,3 +178,10 @@ def input_paths(cfg: Stage1Config) -> list[tuple[str, str, Callable[[str], objec
     the check of it where it exists on the submitting machine). A synthetic run (no --data-dir)
     reads nothing."""
     return [("--data-dir", cfg.data_dir, check_data_dir)] if cfg.data_dir else []
+
+
+def gpu_work(cfg: Stage1Config) -> str | None:
+    """What in this run needs a real GPU, or None when it runs on the CPU too (the tiny shape: its
+    GPUs, if any are asked for, are only a task count). `launch submit` refuses GPU work on
+    stand-in GPUs (a machine without the NVIDIA driver) with this as the reason."""
+    return None if cfg.shape == "tiny" else f"model shape {cfg.shape}"
