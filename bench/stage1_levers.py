@@ -129,7 +129,8 @@ def make_batches(layout: str, rows: int, row_len: int, vocab: int, n: int) -> tu
     """``n`` batches as the data layer builds them, and the packing statistics over them."""
     out, real, total, dropped, n_3d, n_docs = [], 0, 0, 0, 0, 0
     for k in range(n):
-        packer = layout_packer(layout, row_len, rows)
+        # as the data layer: a batch closes once no row has room for one more 3D asset (scaled like the lengths)
+        packer = layout_packer(layout, row_len, rows, close_below=round(row_len * 5824 / 8192))
         got = []
         for row in packer.pack(bimodal_documents(vocab, row_len, seed=1000 + k)):
             got.append(row)

@@ -76,12 +76,38 @@ counted in ``dropped_tokens``. Rows are therefore full (no padding), except wher
 fall inside an image or leave a head shorter than ``min_piece`` tokens: then the row is emitted
 padded and the document starts the next row whole. Unlike first-fit, which fills the gaps of a
 row with whatever short documents come later, the documents of a row are exactly the ones drawn,
-in order, so a caller that keeps only the first rows (a batch) trains on the mixture it drew: both
-batch layouts (``layout_packer``: ``rows`` and ``flat``) fill this way.
+in order, so a caller that keeps only the first rows (a batch) trains on the mixture it drew (the
+batch layouts filled this way until the cut tails were measured; they now place whole documents).
+
+Placement: whole documents, a batch at a time (``fill="whole"``, both batch layouts)
+------------------------------------------------------------------------------------
+Cut to fill trains the head of the document that ends a row and throws its tail away; in stage 1
+that tail is the generation target (texture codes after shape codes after SS codes, ``und``'s
+caption after its asset), so the trained token shares drifted from the data's (at 4 x 8,192
+tokens, flat: 14.6% of the drawn texture codes never trained; rows: 48%). ``whole`` never cuts a
+document (only a document longer than ``max_doc_len`` is still split, ``long_doc``). The
+``open_rows`` rows of a batch (``rows``: ``batch_rows`` rows; ``flat``: the one stream) are open
+together; each document goes, in input order, into the first open row with room for it. The batch
+closes, every open row emitted padded, when
+
+* a document fits no open row (it starts the next batch; the data layer's batch never holds it),
+  or
+* the most room left in any open row is below ``close_below`` tokens: the packer stops before
+  it looks at the next document.
+
+Why ``close_below``: a batch that closes only on a document that does not fit leaves out, once
+per batch, a document that is long more often than the data's are (a 3D document, ~20% of a
+4 x 8,192 batch), which bends the document shares against the 3D tasks (measured: replay_img
++3.4 / +4.4 points, flat / rows). Closing on the room left, a rule that does not look at the next
+document, leaves the documents of a batch a prefix of its draws cut at a stopping time, unbiased
+(Wald). The data layer passes the length of one 3D asset: a batch closes once no row has room for
+one more, and a document that fits no row while one still has that much room is rare (an image
+document a little longer than the room). ``bench/packing_cost.py`` measures the shares and the
+useful tokens given up: the padding where a cut head used to be.
 
 The flat layout (one stream per batch)
 --------------------------------------
-``Packer(row_len=B * T, max_doc_len=T, fill="cut")``: the batch is ONE row of ``B * T`` tokens,
+``Packer(row_len=B * T, max_doc_len=T, fill="whole")``: the batch is ONE row of ``B * T`` tokens,
 collated to ``[1, B * T]``, with ``cu_seqlens`` over it, so a document no longer has to end where
 a row of ``T`` would; documents are still split at ``max_doc_len = T`` (``long_doc``), so no
 attention span and no MFU attention term grows with the stream. Every token mixer of the model
@@ -99,7 +125,7 @@ import torch
 IGNORE_INDEX = -100
 PAD_TASK = -1
 LONG_DOC_RULES = ("split", "truncate")
-FILL_RULES = ("first-fit", "cut")
+FILL_RULES = ("first-fit", "cut", "whole")
 LAYOUTS = ("rows", "flat")
 
 
@@ -184,7 +210,8 @@ class Packer:
     """Documents ``(token_ids, task_index)`` -> uniform :class:`PackedRow` s (see module docstring)."""
 
     def __init__(self, row_len: int = 8192, pad_id: int = 0, long_doc: str = "split", open_rows: int = 8,
-                 max_doc_len: int | None = None, fill: str = "first-fit", min_piece: int = 16):
+                 max_doc_len: int | None = None, fill: str = "first-fit", min_piece: int = 16,
+                 close_below: int = 0):
         if row_len < 2:
             raise ValueError(f"row_len must be >= 2, got {row_len}")
         if long_doc not in LONG_DOC_RULES:
@@ -200,6 +227,8 @@ class Packer:
         self.max_doc_len = max_doc_len  # documents are split (or truncated) to this many tokens
         self.fill = fill
         self.min_piece = min_piece
+        self.close_below = close_below  # fill="whole": a batch closes once no open row has this much room
+        self.deferred_docs = 0  # fill="whole": documents that closed a batch (they start the next one)
         self.pad_id = pad_id
         self.long_doc = long_doc
         self.open_rows = open_rows
@@ -243,6 +272,9 @@ class Packer:
     def pack(self, docs: Iterable[Document | tuple]) -> Iterator[PackedRow]:
         if self.fill == "cut":
             yield from self._pack_cut(docs)
+            return
+        if self.fill == "whole":
+            yield from self._pack_whole(docs)
             return
         open_rows: list[_OpenRow] = []
         for doc in docs:
@@ -295,6 +327,32 @@ class Packer:
         if row.docs:
             yield self._emit(row)
 
+    def _pack_whole(self, docs: Iterable[Document | tuple]) -> Iterator[PackedRow]:
+        rows = [_OpenRow() for _ in range(self.open_rows)]
+        for doc in docs:
+            self.docs_seen += 1
+            doc = as_document(doc)
+            if not doc.tokens:
+                continue
+            for p_i, piece in enumerate(self._pieces(doc)):
+                n = len(piece.tokens)
+                target = next((r for r in rows if r.used + n <= self.row_len), None)
+                if target is None:  # the batch is full: it closes, this piece opens the next one
+                    self.deferred_docs += p_i == 0
+                    for row in rows:
+                        yield self._emit(row)
+                    rows = [_OpenRow() for _ in range(self.open_rows)]
+                    target = rows[0]
+                target.docs.append(piece)
+                target.used += n
+                if max(self.row_len - r.used for r in rows) < max(1, self.close_below):
+                    for row in rows:
+                        yield self._emit(row)
+                    rows = [_OpenRow() for _ in range(self.open_rows)]
+        if any(r.docs for r in rows):
+            for row in rows:
+                yield self._emit(row)
+
     def _emit(self, row: _OpenRow) -> PackedRow:
         packed = build_row(row.docs, self.row_len, self.pad_id)
         self.real_tokens += packed.n_real_tokens
@@ -309,18 +367,23 @@ def _slice(doc: Document, start: int, end: int) -> Document:
     return Document(doc.tokens[start:end], doc.task, images)
 
 
-def layout_packer(layout: str, row_len: int, batch_rows: int, pad_id: int = 0, long_doc: str = "split") -> Packer:
-    """The packer of a batch layout: ``rows`` (``batch_rows`` rows of ``row_len``, cut to fill) or
-    ``flat`` (one stream of ``batch_rows * row_len`` tokens, cut to fill, documents of at most
-    ``row_len``). A batch is the packer's first ``rows_per_batch(layout, batch_rows)`` rows."""
+def layout_packer(layout: str, row_len: int, batch_rows: int, pad_id: int = 0, long_doc: str = "split",
+                  close_below: int = 0) -> Packer:
+    """The packer of a batch layout, whole documents (``fill="whole"``): ``rows`` (``batch_rows``
+    rows of ``row_len``, open together) or ``flat`` (one stream of ``batch_rows * row_len`` tokens,
+    documents of at most ``row_len``). A batch is the packer's first ``rows_per_batch(layout,
+    batch_rows)`` rows. ``close_below``: see the module docstring (the data layer passes one 3D
+    asset's length)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown packing layout {layout!r} ({', '.join(LAYOUTS)})")
     if layout == "flat":
-        return Packer(row_len=row_len * batch_rows, pad_id=pad_id, long_doc=long_doc, max_doc_len=row_len, fill="cut")
-    # Cut to fill for rows too: first-fit filled the gaps of its first rows with later short
-    # documents and threw away the long ones left in the rows a batch never emitted, which bent
-    # the mixture (gen_img 11% of documents against a 22% weight). Cut keeps the drawn order.
-    return Packer(row_len=row_len, pad_id=pad_id, long_doc=long_doc, fill="cut")
+        return Packer(row_len=row_len * batch_rows, pad_id=pad_id, long_doc=long_doc, max_doc_len=row_len,
+                      fill="whole", open_rows=1, close_below=close_below)
+    # All rows of the batch open together: first-fit over more open rows than a batch keeps filled
+    # its first rows with later short documents and left the long ones in rows never emitted,
+    # which bent the mixture (gen_img 11% of documents against a 22% weight).
+    return Packer(row_len=row_len, pad_id=pad_id, long_doc=long_doc, fill="whole", open_rows=batch_rows,
+                  close_below=close_below)
 
 
 def resolve_layout(requested: str, device_type: str) -> str:

@@ -325,7 +325,10 @@ def build_batch(
             docs_used += 1
             yield doc
 
-    packer = layout_packer(cfg.packing, cfg.row_len, cfg.batch_rows, pad_id=tok.pad_id, long_doc="split")
+    # Whole documents; a batch closes once no row has room for one more 3D asset (packing.py: this
+    # keeps the document shares unbiased); a document that fits no row closes it too, and is not in it.
+    packer = layout_packer(cfg.packing, cfg.row_len, cfg.batch_rows, pad_id=tok.pad_id, long_doc="split",
+                           close_below=sum(n or 0 for n in tok.codebooks.lengths))
     rows = []
     for row in packer.pack(documents()):
         rows.append(row)
@@ -335,7 +338,7 @@ def build_batch(
         rows.append(build_row([], packer.row_len, tok.pad_id))
     batch: dict[str, Any] = collate(rows)
     batch.update(
-        batch_index=batch_index, n_docs=docs_used, bad_records=bad, over_budget=over_budget,
+        batch_index=batch_index, n_docs=docs_used - packer.deferred_docs, bad_records=bad, over_budget=over_budget,
         budget_waits=gate.waited if gate is not None else 0,
         vision_tokens=sum(img.n_tokens for r in rows for img in r.images),
         packing_efficiency=sum(r.n_real_tokens for r in rows) / sum(r.input_ids.numel() for r in rows),
