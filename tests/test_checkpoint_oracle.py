@@ -74,12 +74,16 @@ def setup(request, tmp_path_factory, data):
 def packed(docs: list[Document], layout: str):
     rows = list(layout_packer(layout, ROW_LEN, BATCH_ROWS).pack(docs))
     rows = rows[: BATCH_ROWS if layout == "rows" else 1]
-    # (row, start, end) of each document, in order
-    segments = [(r_i, a, b) for r_i, row in enumerate(rows)
-                for a, b in zip(row.cu_seqlens.tolist()[:-1], row.cu_seqlens.tolist()[1:], strict=True)
-                if a < row.n_real_tokens]
-    assert len(segments) == len(docs)
-    return rows, collate(rows), segments
+    # (row, start, end) of each document, in the order of docs (a row takes them first-fit)
+    where = {}
+    for r_i, row in enumerate(rows):
+        cu = row.cu_seqlens.tolist()
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            if a < row.n_real_tokens:
+                i = next(i for i, d in enumerate(docs) if i not in where and d.tokens == row.input_ids[a:b].tolist())
+                where[i] = (r_i, a, b)
+    assert len(where) == len(docs)
+    return rows, collate(rows), [where[i] for i in range(len(docs))]
 
 
 def train_losses(model, batch) -> torch.Tensor:
