@@ -73,6 +73,9 @@ class DFlashConfig:
     amp: str = opt("auto", choices=("auto", "bf16", "off"))
     # auto: block-sparse flex_attention (compiled) on CUDA, the dense chunked reference on CPU
     attn_impl: str = opt("auto", choices=("auto", "dense", "flex"))
+    # torch.compile of each drafter layer's regions around the attention (norms, rotary, MLP,
+    # residuals): auto = on CUDA, off on the CPU
+    compile: str = opt("auto", choices=("auto", "on", "off"))
     # the anchor-block CE: auto = stage-1's fused kernel on CUDA (no logits tensor), logits on CPU
     loss_impl: str = opt("auto", choices=("auto", "logits", "cce", "liger"))
 

@@ -232,10 +232,10 @@ class DrafterAttention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_eps)
         self.window = cfg.layer_window(layer_idx)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_ctx: tuple[torch.Tensor, torch.Tensor], attend: BlockAttention) -> torch.Tensor:
-        b, n, _ = x.shape
-        t = ctx.shape[1]
+    def project(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_ctx: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """q, k_ctx, v_ctx, k_blk, v_blk: [B, heads, N, d] / [B, kv_heads, T or N, d], normed and rotated."""
+        b = x.shape[0]
 
         def heads(proj: nn.Linear, norm: RMSNorm | None, inp: torch.Tensor, count: int) -> torch.Tensor:
             out = proj(inp).view(b, inp.shape[1], count, self.d)
@@ -245,9 +245,15 @@ class DrafterAttention(nn.Module):
         k_ctx = apply_rope(heads(self.k_proj, self.k_norm, ctx, self.kv_heads), *rope_ctx)
         k_blk = apply_rope(heads(self.k_proj, self.k_norm, x, self.kv_heads), *rope_q)
         v_ctx, v_blk = heads(self.v_proj, None, ctx, self.kv_heads), heads(self.v_proj, None, x, self.kv_heads)
-        out = attend(q, k_ctx, v_ctx, k_blk, v_blk, window=self.window)  # [B, heads, N, d]
-        assert k_ctx.shape[2] == t
+        return q, k_ctx, v_ctx, k_blk, v_blk
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        b, _, n, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.d))
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_ctx: tuple[torch.Tensor, torch.Tensor], attend: BlockAttention) -> torch.Tensor:
+        return self.output(attend(*self.project(x, ctx, rope_q, rope_ctx), window=self.window))
 
 
 class DrafterMLP(nn.Module):
@@ -271,9 +277,26 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = DrafterMLP(cfg)
 
+        self.regions: tuple[Any, Any] | None = None  # compiled (pre, post), Drafter.compile_regions
+
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_ctx, attend: BlockAttention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        pre, post = self.regions or (_layer_pre, _layer_post)
+        out = attend(*pre(self, x, ctx, rope_q, rope_ctx), window=self.self_attn.window)
+        return post(self, x, out)
+
+
+# A layer's two regions around the attention kernel. torch.compile fuses what sits between the
+# matmuls (RMSNorms, rotary, the SwiGLU product, residual adds), which runs as many small kernels
+# in eager mode; the attention itself (flex, compiled on its own, or the dense reference) and its
+# per-step mask stay outside, so the regions see plain tensors. Functions of the layer, so the
+# layers of one shape share one graph.
+def _layer_pre(layer: DrafterLayer, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_ctx) -> tuple[torch.Tensor, ...]:
+    return layer.self_attn.project(layer.input_layernorm(x), ctx, rope_q, rope_ctx)
+
+
+def _layer_post(layer: DrafterLayer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    x = x + layer.self_attn.output(attn_out)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 class BlockAttention:
@@ -518,6 +541,14 @@ class Drafter(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_ctx, attend)
         return self.norm(x).view(bsz, n_anchor, k, h)
+
+    def compile_regions(self, backend: str = "inductor") -> None:
+        """torch.compile each layer's regions around the attention (see _layer_pre). Batch shapes
+        vary (rows, context, anchors): the first shape compiles static, the next recompiles with
+        dynamic sizes once, as the compiled flex does."""
+        regions = (torch.compile(_layer_pre, backend=backend), torch.compile(_layer_post, backend=backend))
+        for layer in self.layers:
+            layer.regions = regions
 
     @torch.no_grad()
     def match_output_scale(self, lm_head_weight: torch.Tensor) -> None:

@@ -123,6 +123,7 @@ def _median_time(fn, runs: int, warmup: int, device: torch.device) -> tuple[floa
 def run_probe(cfg, device: torch.device, gpus: int, batches: int = 3, warmup: int = 1) -> Probe:
     """Times the trainer's own target batch and drafter step on the job's target and data."""
     from train.common.bucketing import BucketedSampler
+    from train.common.regional_compile import compile_enabled
     from train.dflash import train as T
     from train.dflash.model import Drafter, TargetHead, TargetShape, default_attn_impl
     from train.extract.target import head_weights
@@ -147,6 +148,8 @@ def run_probe(cfg, device: torch.device, gpus: int, batches: int = 3, warmup: in
     dcfg = T.make_drafter_config(cfg, shape, layers, mask)
     head = TargetHead(embed_w.to(device), head_w.to(device)).to(device)
     drafter = Drafter(dcfg).to(device)
+    if compile_enabled(cfg.compile, device):
+        drafter.compile_regions()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, fused=device.type == "cuda")
     amp_on = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
     attn = default_attn_impl(device) if cfg.attn_impl == "auto" else cfg.attn_impl

@@ -35,6 +35,7 @@ from train.common.distributed import slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.losses import LossImplError
+from train.common.regional_compile import compile_enabled
 from train.common.runtime import Runtime
 from train.common.stepper import Stepper
 from train.dflash.args import DFlashConfig, check_layout, check_tasks, parse_args  # noqa: F401 - the flags live there (no torch)
@@ -346,6 +347,8 @@ def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucketed
     src.target = None  # the drafter rank needs only the target's head
     drafter = Drafter(dcfg).to(device)
     drafter.match_output_scale(head.lm_head.weight)
+    if compile_enabled(cfg.compile, device):
+        drafter.compile_regions()
     stepper = Stepper.create(drafter, drafter, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                              lr_lambda=lambda s: lr_at(cfg, s), device=device, dist=rt.dist, data_parallel=False)
     if latest is not None:
