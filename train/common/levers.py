@@ -31,7 +31,7 @@ def apply_levers(model: torch.nn.Module, device: torch.device, levers: Levers, b
     varlen_attention.use_attention(model, attention)
     lines = [f"attention: {varlen_attention.describe(attention, device)}"]
     if attention == "varlen" and varlen_attention.use_vision_varlen(model):
-        lines.append("vision attention: varlen, non-causal per image: all of a step's images in one call per block")
+        lines.append(varlen_attention.describe_vision(model))
     if regional_compile.compile_enabled(levers.compile, device):
         cache = regional_compile.configure_cache_dir()
         n = regional_compile.apply_regional_compile(model, backend=backend)

@@ -50,10 +50,15 @@ def _torch_varlen() -> Callable[..., torch.Tensor] | None:
     return varlen_attn
 
 
-def check_torch_varlen(device: torch.device, tolerance: float = 5e-2) -> str | None:
-    """Why torch's varlen kernel cannot serve on ``device`` (None when it can). Runs once per device:
-    3 documents, 8 query heads on 2 kv heads of 256 dims (the Qwen3.5 shape), fwd + bwd in bf16."""
-    key = str(device)
+def _problem_key(device: torch.device | str, head_dim: int) -> str:
+    return str(device) if head_dim == 256 else f"{device}:{head_dim}"
+
+
+def check_torch_varlen(device: torch.device, tolerance: float = 5e-2, head_dim: int = 256) -> str | None:
+    """Why torch's varlen kernel cannot serve on ``device`` (None when it can). Runs once per device
+    and head dim: 3 documents, 8 query heads on 2 kv heads of ``head_dim`` (256: the Qwen3.5 text
+    attention; the vision tower's is 72), fwd + bwd in bf16, causal and not."""
+    key = _problem_key(device, head_dim)
     if key in _TORCH_VARLEN_PROBLEM:
         return _TORCH_VARLEN_PROBLEM[key]
     if _torch_varlen() is None:
@@ -62,7 +67,7 @@ def check_torch_varlen(device: torch.device, tolerance: float = 5e-2) -> str | N
         try:
             g = torch.Generator().manual_seed(0)
             cu = torch.tensor([0, 37, 101, 200], dtype=torch.int32, device=device)
-            q, k, v = (torch.randn(200, h, 256, generator=g).to(device, torch.bfloat16).requires_grad_()
+            q, k, v = (torch.randn(200, h, head_dim, generator=g).to(device, torch.bfloat16).requires_grad_()
                        for h in (8, 2, 2))
             errors = []
             for causal in (True, False):  # the text layers' and the vision tower's
@@ -135,7 +140,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     cu = cu.to(query.device)
     q, k, v = (x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], dim) for x in (query, key, value))
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not _TORCH_VARLEN_PROBLEM.get(
-            str(query.device), "unchecked"):
+            _problem_key(query.device, dim), "unchecked"):
         max_len = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
         out = torch_varlen(q, k, v, cu, max_len, scaling, causal)
     else:
@@ -160,7 +165,21 @@ def use_vision_varlen(model: torch.nn.Module) -> bool:
         return False
     register()
     vision._attn_implementation = VISION_VARLEN_IMPL
+    device = next(model.parameters()).device
+    if device.type == "cuda":  # decides, once, for the tower's head dim too
+        check_torch_varlen(device, head_dim=int(vision.hidden_size) // int(vision.num_heads))
     return True
+
+
+def describe_vision(model: torch.nn.Module) -> str:
+    """The vision tower's attention line of the log header."""
+    vision = model.config.vision_config
+    device = next(model.parameters()).device
+    head_dim = int(vision.hidden_size) // int(vision.num_heads)
+    problem = check_torch_varlen(device, head_dim=head_dim) if device.type == "cuda" else "not on CUDA"
+    kernel = "torch varlen_attn" if problem is None else f"sdpa per image ({problem})"
+    return (f"vision attention: varlen, non-causal per image, all of a step's images in one call per block "
+            f"({kernel}, head dim {head_dim})")
 
 
 def select_attention(requested: str, device: torch.device) -> str:
