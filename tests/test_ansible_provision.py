@@ -93,6 +93,31 @@ def test_shipped_inventories_pass_the_check_and_the_syntax_check(tmp_path: Path,
     assert syntax.returncode == 0, syntax.stdout + syntax.stderr
 
 
+def test_a_gpu_container_venv_is_pinned_unless_the_inventory_says_otherwise(tmp_path: Path) -> None:
+    """kpro6.yml installs CT 200's venv from the cp312 GPU lock. Without a lock or a wheelhouse the
+    check refuses it (tests/badinputs: gpu-venv-unpinned); a wheelhouse, or
+    python_env_allow_network_install: true on purpose, passes. A CPU container is not held to it."""
+    import yaml
+
+    data = yaml.safe_load(_with_userspace_sha(tmp_path, "kpro6.yml").read_text())
+    ct = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
+    group = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["vars"]
+    assert group["python_env_lock_file"].endswith("/images/trainer/requirements-gpu-cp312.lock")
+    assert (ANSIBLE_DIR / "playbooks" / group["python_env_lock_file"].replace("{{ playbook_dir }}/", "")).is_file()
+    del group["python_env_lock_file"]
+    refused = check_inventory(write_inventory(tmp_path / "unpinned.yml", data))
+    assert refused.returncode == 2 and "python_env_allow_network_install: true on purpose" in refused.stderr
+    for name, changes in {"wheelhouse": {"python_env_wheelhouse": "build/wheelhouse/gpu-cp312"},
+                          "on-purpose": {"python_env_allow_network_install": True},
+                          "cpu": {"python_env_flavour": "cpu", "ct_gpus": []}}.items():
+        variant = yaml.safe_load(yaml.safe_dump(data))
+        variant["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"].update(
+            changes)
+        result = check_inventory(write_inventory(tmp_path / f"{name}.yml", variant))
+        assert result.returncode == 0, (name, result.stderr)
+    assert ct["ct_gpus"]
+
+
 def test_shipped_kpro6_without_the_userspace_checksum_is_refused_with_the_command_that_prints_it(tmp_path: Path) -> None:
     """kpro6.yml as shipped has no nvidia_userspace_sha256: the play would change the host and the
     CT, then stop in nvidia_userspace. The check refuses it first, in one line giving the command

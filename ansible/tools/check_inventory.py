@@ -380,6 +380,25 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     if fstype in NETWORK_FSTYPES:
         raise InventoryError(f"{host}: node_caches_root is on {fstype}, a network file system; use node-local NVMe")
     _userspace_checksum(host, hv, phv)
+    _pinned_venv(host, hv)
+
+
+def _pinned_venv(host: str, hv: dict) -> None:
+    """A GPU container's venv comes from a lock or a wheelhouse: the package lists are an unpinned
+    network install (no fused loss kernel, versions drifting from what was measured), allowed only
+    when the inventory says so (python_env_allow_network_install: true)."""
+    gpu = str(hv.get("python_env_flavour", "cpu")) == "gpu" or bool(hv.get("ct_gpus"))
+    if not gpu or hv.get("python_env_lock_file") or hv.get("python_env_wheelhouse"):
+        return
+    if "python_env_packages" in hv and not hv["python_env_packages"]:
+        return  # nothing installed from the lists
+    if _truthy(hv.get("python_env_allow_network_install", False)):
+        return
+    raise InventoryError(
+        f"{host}: python_env_lock_file and python_env_wheelhouse are unset: the GPU container's venv would be an "
+        "unpinned network install; set python_env_lock_file to images/trainer/requirements-gpu-cp312.lock "
+        "(Ubuntu 24.04; requirements-gpu.lock for Debian 12) or python_env_wheelhouse (make wheelhouse flavour=gpu "
+        "os=ubuntu-24.04), or python_env_allow_network_install: true on purpose")
 
 
 # The userspace installer's defaults (the URLs the role downloads from), read from the role itself.

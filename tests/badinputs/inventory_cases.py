@@ -42,12 +42,15 @@ def _apply(target: dict, changes: dict) -> None:
             target[key] = value
 
 
-def kpro6(ct: dict | None = None, host: dict | None = None, more: dict[str, dict] | None = None) -> dict[str, str]:
+def kpro6(ct: dict | None = None, host: dict | None = None, more: dict[str, dict] | None = None,
+          group: dict | None = None) -> dict[str, str]:
     """kpro6.yml with container kpro6-ct200's variables changed by `ct` (None removes one), the
-    host's by `host`, and further containers `more` (each a copy of ct200 with its changes)."""
+    host's by `host`, the containers' group vars by `group`, and further containers `more` (each a
+    copy of ct200 with its changes)."""
     data = copy.deepcopy(KPRO6)
     containers = _containers(data, "kpro6")
     _apply(containers[CT], ct or {})
+    _apply(data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["vars"], group or {})
     _apply(data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"], host or {})
     for name, changes in (more or {}).items():
         containers[name] = copy.deepcopy(containers[CT])
@@ -155,6 +158,13 @@ CASES = [
           r"https://us\.download\.nvidia\.com/tesla/570\.172\.08/NVIDIA-Linux-x86_64-570\.172\.08\.run \| sha256sum$"),
     _case("driver-version-not-one", kpro6(host={"gpu_host_expected_driver_version": "latest"}),
           r"kpro6: gpu_host_expected_driver_version='latest' is not a driver version"),
+    # ---- the GPU container's venv: pinned (a lock or a wheelhouse) unless said otherwise on purpose
+    _case("gpu-venv-unpinned", kpro6(group={"python_env_lock_file": None}),
+          rf"{CT}: python_env_lock_file and python_env_wheelhouse are unset: the GPU container's venv would be an "
+          r"unpinned network install; set python_env_lock_file to images/trainer/requirements-gpu-cp312\.lock .*"
+          r"or python_env_allow_network_install: true on purpose$"),
+    _case("gpu-venv-unpinned-empty-lock", kpro6({"python_env_lock_file": ""}),
+          rf"{CT}: python_env_lock_file and python_env_wheelhouse are unset"),
     # ---- secrets in plain text
     _case("munge-key-in-plain-text", kpro6({"slurm_munge_key_b64": "c2VjcmV0LWtleQ=="}),
           rf"{CT}: slurm_munge_key_b64 is a secret in plain text \(inventory\.yml line \d+\); put it in an ansible-vault file"),
