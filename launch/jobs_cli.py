@@ -164,6 +164,9 @@ def run_status(args: argparse.Namespace) -> int:
     failed = st["state"] in TERMINAL_STATES - {"COMPLETED"}
     if failed:
         row["error"] = job_error(rec, st["state"])
+    progress = running_progress(rec, st["state"])
+    if progress:
+        row["progress"] = progress
     config = runconfig.read(rec.run_folder)
     row["config"] = config
     run_jobs = registry.jobs_of_run(rec.run_folder)
@@ -177,6 +180,8 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"  pending: {row['pending']}")
     if requeued:
         print(f"  {requeued}")
+    if progress:
+        print(f"  progress: {progress_words(rec, progress)}")
     print(f"  folder: {rec.folder}")
     if len(run_jobs) > 1 or rec.run_dir:
         print(f"  run: {rec.run_folder} (jobs {', '.join(j.job_id for j in run_jobs)})")
@@ -416,9 +421,20 @@ def last_progress(rec: JobRecord) -> dict | None:
     return steps[-1] if steps else None
 
 
-def progress_words(rec: JobRecord) -> str:
-    """'step 12/60, ETA 1:40' (each part only when the trainer logged it), or ''."""
+def running_progress(rec: JobRecord, state: str) -> dict | None:
+    """Where a RUNNING job is (step, steps_total, eta_s, stall: what the follow's heartbeat says),
+    from the run's metrics.jsonl; None for any other state or before its first step."""
+    if state != "RUNNING":
+        return None
     last = last_progress(rec)
+    if last is None or not isinstance(last.get("step"), int):
+        return None
+    return {k: last[k] for k in ("step", "steps_total", "eta_s", "stall") if last.get(k) is not None}
+
+
+def progress_words(rec: JobRecord, last: dict | None = None) -> str:
+    """'step 12/60, ETA 1:40' (each part only when the trainer logged it), or ''."""
+    last = last_progress(rec) if last is None else last
     if last is None or not isinstance(last.get("step"), int):
         return ""
     total = last.get("steps_total")

@@ -359,3 +359,23 @@ def test_cluster_down_leaves_nothing_behind(tmp_path):
     assert _live_processes_of(cluster.state_dir) == []
     assert not cluster.is_up()
     assert cluster.down() == []  # a second down is a no-op
+
+
+def test_status_of_a_running_job_says_its_step_and_eta(launch_env):
+    """`launch status N` of a RUNNING job: the step and ETA the trainer last logged (what the
+    follow's heartbeat says), in the text and in --json; none once it has ended."""
+    job = _submit(launch_env, "--no-preflight", "--arg", "steps=2", "--arg", "step_s=0.2", "--arg", "sleep=30")
+    metrics = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        rec = json.loads(run_launch(["status", job, "--json"], launch_env).stdout)
+        if rec["state"] == "RUNNING" and rec.get("progress", {}).get("step") == 2:
+            metrics = rec["progress"]
+            break
+        time.sleep(0.5)
+    assert metrics is not None and metrics["steps_total"] == 2 and metrics["eta_s"] == pytest.approx(30), metrics
+    text = run_launch(["status", job], launch_env).stdout
+    assert "  progress: step 2/2, ETA 0:30" in text, text
+    run_launch(["cancel", job], launch_env)
+    wait_for_state(job, launch_env, {"CANCELLED"})
+    assert "progress:" not in run_launch(["status", job], launch_env).stdout

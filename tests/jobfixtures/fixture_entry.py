@@ -47,7 +47,8 @@ def main(argv: list[str]) -> int:
             return 128 + stop[0]
         if task == "0":
             with open(metrics, "a") as f:
-                f.write(json.dumps({"event": "step", "step": step, "loss": 1.0 / step}) + "\n")
+                f.write(json.dumps({"event": "step", "step": step, "loss": 1.0 / step, "steps_total": args.steps,
+                                    "eta_s": (args.steps - step) * args.step_s + args.sleep}) + "\n")
         print(f"fixture step {step}", flush=True)
         time.sleep(args.step_s)
     time.sleep(args.sleep)
