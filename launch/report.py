@@ -134,8 +134,31 @@ def _rank_times(record: dict[str, Any]) -> list[float]:
     return [float(t) for t in times]
 
 
-def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: Schema | None = None) -> list[Path]:
-    """The schema's plots, each only when one of its series has data (no empty PNGs)."""
+# What each series is, in the legend (the metrics.jsonl field names are for scripts).
+SERIES_WORDS = {
+    "loss": "training loss", "tok_s": "tokens/s, padding included", "real_tok_s": "tokens/s, real tokens only",
+    "mfu": "MFU, all tokens", "mfu_useful": "MFU, real tokens only", "ce": "cross-entropy on the block",
+    "kl": "KL(target || drafter)", "acc": "accuracy, every slot of the block", "acc1": "accuracy, first slot",
+    "target_agree": "agreement with the target's argmax", "tau": "tau: accepted tokens per block",
+    "samples_per_s": "samples/s", "rank_fwd_ms": "forward ms",
+}
+TASK_WORDS = {
+    "gen_img": "image -> 3D (gen_img)", "gen_txt": "text -> 3D (gen_txt)", "und": "3D -> text (und)",
+    "replay_img": "image + text replay (replay_img)", "replay_text": "text replay (replay_text)",
+}
+
+
+def resume_steps(headers: list[dict[str, Any]]) -> list[int]:
+    """The steps a run started again from (a resume or a requeue): each later header's start_step."""
+    return sorted({h["start_step"] for h in headers if isinstance(h.get("start_step"), int)
+                   and not isinstance(h.get("start_step"), bool) and h["start_step"] > 0})
+
+
+def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: Schema | None = None,
+                resumes: list[int] | None = None) -> list[Path]:
+    """The schema's plots, each only when one of its series has data (no empty PNGs); each series
+    named in words, a dashed line where the run was resumed. Each PNG's Description text chunk
+    says the same in words (what a reader without the image, or a test, reads)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,12 +168,25 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
     x = [r["step"] for r in steps]
     written = []
 
+    resumes = [r for r in (resumes or []) if x and min(x) <= r <= max(x)]
+
+    def finish(ax: Any, legend: bool = True, **legend_kw: Any) -> None:
+        for k, step in enumerate(resumes):
+            ax.axvline(step, color="0.4", ls="--", lw=1.0, label="resumed here" if k == 0 else None)
+        if legend and ax.get_legend_handles_labels()[1]:
+            ax.legend(**{"fontsize": 8, **legend_kw})
+        ax.grid(alpha=0.3)
+
     def save(fig: Any, name: str) -> None:
         path = out_dir / f"{name}.png"
         tmp = path.with_name(f".{path.name}.tmp")
+        ax = fig.axes[0]
+        said = [ax.get_title(), *[f"series: {line.get_label()}" for line in ax.get_lines()
+                                 if not line.get_label().startswith("_") and line.get_label() != "resumed here"],
+                *[f"resumed at step {r}" for r in resumes]]
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-            fig.savefig(tmp, dpi=100, format="png")
+            fig.savefig(tmp, dpi=100, format="png", metadata={"Description": "; ".join(said)})
             tmp.replace(path)  # atomic: a viewer never sees half a PNG
         except OSError as exc:
             if tmp.parent.is_dir():
@@ -169,11 +205,9 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
             continue
         fig, ax = plt.subplots(figsize=(7, 4))
         for key in keys:
-            ax.plot(x, series(key, plot.scale), lw=1.5, label=key)
+            ax.plot(x, series(key, plot.scale), lw=1.5, label=SERIES_WORDS.get(key, key))
         ax.set(xlabel="step", ylabel=plot.ylabel, title=f"{title}: {plot.ylabel}")
-        if len(keys) > 1:
-            ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+        finish(ax)
         save(fig, plot.name)
 
     task_losses = [_task_losses(r) for r in steps]
@@ -184,10 +218,10 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
             # A task is absent from the steps whose batch had none of it: drawn through the steps
             # it has (NaN gaps would cut each curve into fragments, or isolated dots).
             points = [(step, losses[task]) for step, losses in zip(x, task_losses, strict=True) if task in losses]
-            ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, marker=".", ms=3, label=task)
+            ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, marker=".", ms=3,
+                    label=TASK_WORDS.get(task, task))
         ax.set(xlabel="step", ylabel="loss", title=f"{title}: loss per task")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+        finish(ax)
         save(fig, "task_loss")
 
     ranked = [(r["step"], times) for r in steps if (times := _rank_times(r))]
@@ -199,9 +233,7 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
                     [times[rank] if rank < len(times) else float("nan") for _, times in ranked],
                     lw=1.0, label=f"rank {rank}")
         ax.set(xlabel="step", ylabel="forward ms", title=f"{title}: forward time per rank")
-        if n_ranks <= 16:
-            ax.legend(fontsize=7, ncol=2)
-        ax.grid(alpha=0.3)
+        finish(ax, legend=n_ranks <= 16, fontsize=7, ncol=2)
         save(fig, "rank_forward")
     return written
 
@@ -225,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
     if bad:  # the good records are drawn; the others are named, never silently dropped
         more = f", and {len(bad) - 2} more" if len(bad) > 2 else ""
         print(f"launch report: warning: {metrics}: skipped {', '.join(bad[:2])}{more}", file=sys.stderr)
-    written = write_plots(steps, out_dir, title=run_title(metrics, header), schema=schema)
+    written = write_plots(steps, out_dir, title=run_title(metrics, header), schema=schema,
+                          resumes=resume_steps(headers))
     if not written:  # an empty plot is no report
         keys = sorted({k for plot in schema.plots for k in plot.keys})
         raise LaunchError(f"{metrics}: none of its {len(steps)} step record(s) has a finite value for "

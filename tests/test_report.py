@@ -154,3 +154,25 @@ def test_step_line_columns_are_fixed() -> None:
     assert [format_eta(s) for s in (5, 725, 19920, 400000, None)] == ["5s", "12m05s", "5h32m", "4d15h", "-"]
     assert step_line(SCHEMAS["dflash"], {"step": 1, "loss": 3.0}) == \
         "step     1 | loss 3.0000 | acc - | acc1 - | tau - | tok/s - | data - | compute -"
+
+
+def test_report_legends_are_words_and_a_resume_is_marked(tmp_path: Path) -> None:
+    """Every series is named in words (not its metrics.jsonl field), and the step a resume (or a
+    requeue) started from is marked on every plot; each PNG's Description chunk says both."""
+    from PIL import Image
+
+    run_dir = tmp_path / "run"
+    _metrics(run_dir)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    # the resumed job's header comes before its steps 7.., as the trainer writes it
+    lines.insert(7, json.dumps({"event": "header", "preset": "tiny", "start_step": 6}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    out = _launch([str(run_dir)], tmp_path / "home")
+    assert out.returncode == 0, out.stderr
+    said = {Path(p).stem: Image.open(p).text["Description"] for p in out.stdout.split()}
+    assert set(said) == {"loss", "tok_s", "mfu", "task_loss"}
+    assert "series: training loss" in said["loss"] and "series: tokens/s, padding included" in said["tok_s"]
+    assert "series: MFU, all tokens" in said["mfu"]
+    assert "series: image -> 3D (gen_img)" in said["task_loss"] and "series: 3D -> text (und)" in said["task_loss"]
+    assert all("resumed at step 6" in text for text in said.values()), said
+    assert not any(f"series: {raw}" in text for text in said.values() for raw in ("loss;", "tok_s", "mfu", "und;"))
