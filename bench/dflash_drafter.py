@@ -2,6 +2,7 @@
 the target's extraction forward, on one GPU. Prints markdown tables (bench/RESULTS.md).
 
     python bench/dflash_drafter.py drafter [--anchors 4,512] [--impls dense:logits,flex:cce] [--steps 6]
+        [--compile on|off] [--target 2b|27b]   (27b: the Qwen3.6-27B shape and its qwen3.6-27b drafter)
     python bench/dflash_drafter.py extract [--steps 4] [--token-budget 65536]
 
 Workload: a Qwen3.5-2B-shaped target (hidden 2048, 24 layers, vocab 248,320, the model shape
@@ -95,23 +96,35 @@ def train_step(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_
     return time.perf_counter() - t0
 
 
+QWEN36_27B = TargetShape(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                         head_dim=256, intermediate_size=17408, vocab_size=248320, rope_theta=1e7)
+
+
 def drafter_bench(args) -> None:
-    global TARGET
+    global TARGET, LAYERS
     dev = torch.device(args.device)
+    preset = "qwen3.5"
+    if args.target == "27b":
+        TARGET, LAYERS, preset = QWEN36_27B, [1, 16, 31, 46, 61], "qwen3.6-27b"
     if args.smoke:  # a CPU check of this script's own logic, tiny shapes
         TARGET = TargetShape(hidden_size=64, num_hidden_layers=24, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, intermediate_size=128, vocab_size=300)
-    cfg = drafter_config("tiny" if args.smoke else "qwen3.5", TARGET, LAYERS, K)
+        preset = "tiny"
+    cfg = drafter_config(preset, TARGET, LAYERS, K)
+    if args.smoke and args.target == "27b":
+        cfg.layer_types, cfg.sliding_window = ["sliding_attention", "full_attention"], 64
     cfg.mask_token_id = TARGET.vocab_size - 250 if args.smoke else 248070
     torch.manual_seed(0)
     drafter = Drafter(cfg).to(dev)
+    if args.compile == "on":
+        drafter.compile_regions()
     head = TargetHead(torch.randn(TARGET.vocab_size, TARGET.hidden_size) * 0.02,
                       torch.randn(TARGET.vocab_size, TARGET.hidden_size) * 0.02).to(dev)
     drafter.match_output_scale(head.lm_head.weight)
     opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=1e-4, fused=dev.type == "cuda")
     gen = torch.Generator().manual_seed(0)
     data = [make_batch(lens, dev, gen) for lens in batches(args.batches, args.token_budget, 0)]
-    rows = []
+    rows, parts_rows = [], []
     for n_anchors in [int(x) for x in args.anchors.split(",")]:
         plans = []
         for i, bt in enumerate(data):
@@ -119,7 +132,11 @@ def drafter_bench(args) -> None:
             blocks, labels = block_inputs(bt["input_ids"], anchors, K, cfg.mask_token_id, bt["loss_mask"],
                                           bt["lengths"])
             valid = anchors >= 0
-            keys = int(((torch.minimum(anchors, bt["lengths"][:, None]) + K) * valid).sum()) * K
+            ctx_keys = torch.minimum(anchors, bt["lengths"][:, None]).clamp(min=0)
+            # the real key counts, averaged over the layers: a sliding layer's context is at most W - 1
+            per_layer = [(ctx_keys if w is None else ctx_keys.clamp(max=w - 1)) for w in
+                         (cfg.layer_window(i) for i in range(cfg.num_layers))]
+            keys = int(sum(int(((c + K) * valid).sum()) for c in per_layer) * K / cfg.num_layers)
             flops = drafter_step_flops(cfg, TARGET.vocab_size, int(bt["lengths"].sum()), int(valid.sum()) * K, keys,
                                        int((labels != -100).sum()))
             plans.append((bt, anchors.to(dev), blocks.to(dev), labels.to(dev), flops))
@@ -156,6 +173,10 @@ def drafter_bench(args) -> None:
             blocks_n = sum(int((p[1] >= 0).sum()) for p in plans) / len(plans)
             attn_share = sum(p[4]["attention"] for p in plans) / sum(p[4]["total"] for p in plans)
             outs[impl] = sec
+            bt0, anchors0, blocks0, labels0, _f0 = plans[0]
+            parts = breakdown(drafter, head, opt, bt0, anchors0, blocks0, labels0, attn, loss_impl, cfg)
+            parts_rows.append((impl, n_anchors, 1000 * per_batch[0][len(per_batch[0]) // 2] if per_batch[0] else 0.0,
+                               parts))
             rows.append((impl, n_anchors, blocks_n, 1000 * sec, real / sec, flops / 1e12, attn_share,
                          flops / sec / H100_H200_PEAK, mem))
             print("# " + row_line(rows[-1]), flush=True)  # as it lands: a later failure keeps it
@@ -165,7 +186,81 @@ def drafter_bench(args) -> None:
     print(HEADER)
     for r in rows:
         print(row_line(r))
+    print("\nper-step breakdown on batch 0 (each part timed alone, forward + backward; other = the step minus "
+          "the parts: fc/norms/embedding, launch gaps):")
+    print("| attention:loss | anchors/seq | step ms | data ms | attention ms | MLP ms | loss ms | optimizer ms "
+          "| other ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for impl, n_anchors, step_ms, p in parts_rows:
+        other = step_ms - sum(p[k] for k in ("attention", "mlp", "loss", "optimizer"))
+        print(f"| {impl} | {n_anchors} | {step_ms:.1f} | {p['data']:.1f} | {p['attention']:.1f} | {p['mlp']:.1f} "
+              f"| {p['loss']:.1f} | {p['optimizer']:.1f} | {other:.1f} |")
     sys.stdout.flush()
+
+
+def timed(fn, dev: torch.device, reps: int = 3) -> float:
+    """Median ms of fn() over reps (after one untimed call: compiles and caches)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        out.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(out)
+
+
+def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_impl: str, cfg) -> dict[str, float]:
+    """The step's parts on one batch, each alone: data (anchors, block inputs and the context's
+    host-to-device copy, what a step waits for when the data is not prefetched), the layers'
+    attention (projections, norms, rotary, the attention, o_proj) and MLP (norm, SwiGLU,
+    residual), the anchor-block loss, the optimizer; each forward + backward under bf16 autocast."""
+    from train.dflash.model import _layer_post, _layer_pre
+
+    dev = anchors.device
+    lengths = bt["lengths"].to(dev)
+    host = bt["hidden"].to("cpu").pin_memory() if dev.type == "cuda" else bt["hidden"].cpu()
+    ids_cpu, mask_cpu = bt["input_ids"], bt["loss_mask"]
+
+    def data() -> None:
+        a = sample_anchors(bt["lengths"], int(anchors.shape[1]), K, torch.Generator().manual_seed(0), mask_cpu)
+        block_inputs(ids_cpu, a, K, cfg.mask_token_id, mask_cpu, bt["lengths"])
+        host.to(dev, non_blocking=True)
+
+    parts = {"data": timed(data, dev)}
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        with torch.no_grad():
+            x, ctx, rope_q, rope_ctx, attend = drafter.prepare(bt["hidden"], head.embed_tokens(blocks), anchors,
+                                                               lengths, attn_impl=attn)
+        x = x.detach().requires_grad_(True)
+
+        def attention() -> None:
+            for layer in drafter.layers:
+                pre = layer.regions[0] if layer.regions else _layer_pre
+                out = layer.self_attn.output(attend(*pre(layer, x, ctx, rope_q, rope_ctx), window=layer.self_attn.window))
+                out.float().sum().backward()
+
+        def mlp() -> None:
+            zero = torch.zeros(x.shape[0], cfg.num_heads, x.shape[1], cfg.head_dim, device=dev, dtype=x.dtype)
+            for layer in drafter.layers:
+                # the post region with a zero attention output (its o_proj, also in attention, is counted twice)
+                post = layer.regions[1] if layer.regions else _layer_post
+                post(layer, x, zero).float().sum().backward()
+
+        parts["attention"] = timed(attention, dev)
+        parts["mlp"] = timed(mlp, dev)
+        with torch.no_grad():
+            hid = drafter(bt["hidden"], head.embed_tokens(blocks), anchors, lengths, attn_impl=attn)
+        hid = hid.detach().requires_grad_(True)
+
+        def loss() -> None:
+            value, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=loss_impl)
+            value.backward()
+
+        parts["loss"] = timed(loss, dev)
+    parts["optimizer"] = timed(opt.step, dev)
+    opt.zero_grad(set_to_none=True)
+    return parts
 
 
 def precision_check(drafter, head, plan, n_anchors: int) -> str:
@@ -262,6 +357,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
+    p.add_argument("--compile", choices=("on", "off"), default="on", help="the trainer's regional compile (auto: on)")
+    p.add_argument("--target", choices=("2b", "27b"), default="2b")
     args = p.parse_args()
     if args.token_budget is None:
         args.token_budget = 16384 if args.what == "drafter" else 65536

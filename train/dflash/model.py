@@ -527,17 +527,7 @@ class Drafter(nn.Module):
         t < a and its own K slots; blocks never see each other.
         """
         bsz, n_anchor, k, h = block_embeds.shape
-        t = hidden.shape[1]
-        ctx = self.hidden_norm(self.fc(hidden))
-        x = block_embeds.reshape(bsz, n_anchor * k, h)
-        a = anchors.clamp(min=0)
-        pos_q = (a[:, :, None] + torch.arange(k, device=x.device)).reshape(bsz, -1)
-        pos_ctx = torch.arange(t, device=x.device).expand(bsz, t)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        rope_q = rope_tables(pos_q, self.cfg.head_dim, self.cfg.rope_theta, dtype)
-        rope_ctx = rope_tables(pos_ctx, self.cfg.head_dim, self.cfg.rope_theta, dtype)
-        # anchor -1 (none): a position no context precedes, so its slots see only their block
-        attend = BlockAttention(torch.where(anchors >= 0, anchors, 0), lengths, t, k, max_scores, attn_impl)
+        x, ctx, rope_q, rope_ctx, attend = self.prepare(hidden, block_embeds, anchors, lengths, max_scores, attn_impl)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_ctx, attend)
         return self.norm(x).view(bsz, n_anchor, k, h)
@@ -549,6 +539,24 @@ class Drafter(nn.Module):
         regions = (torch.compile(_layer_pre, backend=backend), torch.compile(_layer_post, backend=backend))
         for layer in self.layers:
             layer.regions = regions
+
+    def prepare(self, hidden: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor,
+                max_scores: int = 1 << 27, attn_impl: str = "dense"):
+        """What every layer takes: the block slots [B, A*K, H], the projected context, the rotary
+        tables of both, and the step's attention (its masks built once, shared by the layers)."""
+        bsz, n_anchor, k, h = block_embeds.shape
+        t = hidden.shape[1]
+        ctx = self.hidden_norm(self.fc(hidden))
+        x = block_embeds.reshape(bsz, n_anchor * k, h)
+        a = anchors.clamp(min=0)
+        pos_q = (a[:, :, None] + torch.arange(k, device=x.device)).reshape(bsz, -1)
+        pos_ctx = torch.arange(t, device=x.device).expand(bsz, t)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        rope_q = rope_tables(pos_q, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        rope_ctx = rope_tables(pos_ctx, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        # anchor -1 (none): a position no context precedes, so its slots see only their block
+        attend = BlockAttention(torch.where(anchors >= 0, anchors, 0), lengths, t, k, max_scores, attn_impl)
+        return x, ctx, rope_q, rope_ctx, attend
 
     @torch.no_grad()
     def match_output_scale(self, lm_head_weight: torch.Tensor) -> None:
