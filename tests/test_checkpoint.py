@@ -202,6 +202,35 @@ def test_resume_gives_same_step_and_next_batch(tmp_path: Path, data: Path) -> No
         assert rb["lr"] == pytest.approx(ra["lr"])
 
 
+def test_the_schedule_ends_at_its_horizon_and_stays_at_the_final_lr() -> None:
+    from train.stage1.train import Stage1Config, lr_lambda, schedule_horizon
+
+    cfg = Stage1Config(steps=40, warmup=3, lr=3e-3, min_lr_ratio=0.1)
+    first = lr_lambda(Stage1Config(steps=20, warmup=3, lr=3e-3, min_lr_ratio=0.1))
+    resumed = lr_lambda(cfg, schedule_horizon({"config": {"steps": 20}}, cfg))
+    assert [resumed(s) for s in range(20)] == [first(s) for s in range(20)]
+    assert [resumed(s) for s in range(20, 40)] == [pytest.approx(0.1)] * 20  # no jump back up
+    assert first(0) == pytest.approx(1 / 3) and first(2) == 1.0 and first(19) > 0.1
+    # a resumed run's checkpoints carry the horizon on, whatever --steps the resume had
+    assert schedule_horizon({"schedule_horizon": 20, "config": {"steps": 40}}, cfg) == 20
+    assert schedule_horizon(None, cfg) == 40
+
+
+def test_resume_with_more_steps_trains_them_at_the_final_lr(tmp_path: Path, data: Path, capsys) -> None:
+    """What README's `launch resume --steps N` says: the cosine still ends at the run's first
+    --steps; the new steps run at the final lr (--min-lr-ratio x --lr), no re-warm."""
+    from train.stage1.train import Stage1Config, lr_lambda
+
+    out = tmp_path / "run"
+    assert run(out, data, 4, "--ckpt-every", "2") == 0  # FAST_ARGS: --lr 3e-3 --warmup 3
+    assert run(out, data, 7, "--ckpt-every", "2") == 0
+    assert "# lr: the run's schedule, its cosine ending at step 4 (its first --steps); steps 5-7 at the final lr " \
+        "0.0003" in capsys.readouterr().out
+    f = lr_lambda(Stage1Config(steps=4, warmup=3, lr=3e-3))
+    assert [r["lr"] for r in step_records(out)] == pytest.approx([3e-3 * f(s) for s in range(7)])
+    assert [r["lr"] for r in step_records(out)][4:] == pytest.approx([3e-4] * 3)
+
+
 def test_corrupt_checkpoint_stops_run_with_one_line(tmp_path: Path, data: Path, capsys) -> None:
     out = tmp_path / "run"
     assert run(out, data, 1) == 0

@@ -39,6 +39,12 @@ def test_resume_a_finished_run_to_40_steps(slurm_cluster, tmp_path: Path) -> Non
 
     steps = [r["step"] for r in logged_step_records(run_dir / "metrics.jsonl")]
     assert sorted(set(steps)) == list(range(1, 41)), steps  # one run folder, both jobs' steps
+    # the lr of every step is the README's schedule: the first job's cosine over 20 steps, then its final lr
+    from train.stage1.train import Stage1Config, lr_lambda
+
+    cfg = Stage1Config(steps=20)  # the tiny preset keeps the trainer's lr, warmup and min_lr_ratio
+    lrs = {r["step"]: r["lr"] for r in logged_step_records(run_dir / "metrics.jsonl")}
+    assert [lrs[s] for s in range(1, 41)] == pytest.approx([cfg.lr * lr_lambda(cfg)(s) for s in range(40)])
     assert not (Path(env["LAUNCH_HOME"]) / "runs" / "stage1" / job2 / "metrics.jsonl").exists()
 
     report = run_launch(["report", job2], env)

@@ -79,14 +79,28 @@ KERNEL_ARCHIVE_VAR = "LAUNCH_KERNEL_ARCHIVE"  # set by launch's job start: what 
 # ---------------------------------------------------------------------------------------------
 
 
-def lr_lambda(cfg: Stage1Config):
+def lr_lambda(cfg: Stage1Config, horizon: int | None = None):
+    """lr / --lr at (0-based) step: linear warmup over --warmup steps, then a cosine to
+    --min-lr-ratio at step ``horizon`` (default --steps), and the final lr after it. A resumed run
+    keeps its first --steps as the horizon (schedule_horizon): `launch resume --steps N` past it
+    trains the new steps at the final lr, never re-stretching the cosine (a jump back up)."""
+    horizon = cfg.steps if horizon is None else horizon
+
     def f(step: int) -> float:
         if step < cfg.warmup:
             return (step + 1) / cfg.warmup
-        t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        t = min(1.0, (step - cfg.warmup) / max(1, horizon - cfg.warmup))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
     return f
+
+
+def schedule_horizon(trainer_state: dict[str, Any] | None, cfg: Stage1Config) -> int:
+    """The step the cosine ends at: the run's first --steps, kept across resumes (its checkpoints
+    record it; one from before that record has its own run's --steps)."""
+    if not trainer_state:
+        return cfg.steps
+    return int(trainer_state.get("schedule_horizon") or (trainer_state.get("config") or {}).get("steps") or cfg.steps)
 
 
 def use_deepspeed(cfg: Stage1Config, device: torch.device, world_size: int) -> bool:
@@ -117,9 +131,9 @@ def deepspeed_config(cfg: Stage1Config, device: torch.device) -> dict[str, Any]:
 
 
 def make_stepper(objective: torch.nn.Module, model: torch.nn.Module, cfg: Stage1Config, device: torch.device,
-                 dist_info: DistInfo, ds: bool, fused: bool | None = None) -> Stepper:
+                 dist_info: DistInfo, ds: bool, fused: bool | None = None, horizon: int | None = None) -> Stepper:
     return Stepper.create(objective, model, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                          lr_lambda=lr_lambda(cfg), device=device, dist=dist_info, deepspeed=ds,
+                          lr_lambda=lr_lambda(cfg, horizon), device=device, dist=dist_info, deepspeed=ds,
                           deepspeed_config=deepspeed_config(cfg, device) if ds else None, fused=fused)
 
 
@@ -200,6 +214,7 @@ class Stage1Run:
     first_loss: float | None = None
     last_loss: float | None = None
     source: dict[str, Any] = field(default_factory=dict)  # data_source(): what the batches are drawn from
+    horizon: int = 0  # the step the lr cosine ends at (schedule_horizon): the run's first --steps
     kernel_entries: dict[str, int] | None = None  # kernel cache files at process start (compile check)
     tower_timer: ModuleTimer | None = None  # the vision tower's forward time per step
     tower_ms: float = 0.0  # ... of the last step
@@ -253,8 +268,10 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     # The checkpoint to resume from, and whether it is of this model, before the model is built:
     # another --shape is one line in a second, not after building (say) a 2B model.
     _, latest = rt.checkpoints(cfg.keep_checkpoints, restart=cfg.restart)
+    saved_state = _trainer_state(latest, rt.dist) if latest is not None else None
     if latest is not None:
-        check_model_args(latest, _trainer_state(latest, rt.dist).get("config") or {}, cfg)
+        check_model_args(latest, saved_state.get("config") or {}, cfg)
+    horizon = schedule_horizon(saved_state, cfg)
     if cfg.deepspeed_config:  # read at setup (not at submit: the file may exist only where the job runs)
         deepspeed_config(cfg, rt.device)
     # Kernels before the model exists: on GPU this refuses to go on without the fast path.
@@ -280,12 +297,16 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
                            f"{cfg.batch_rows * cfg.row_len}-token stream, {time.perf_counter() - t_warm:.1f} s")
     packing = resolve_layout(cfg.packing, rt.device.type)
     loss_impl = kernels.loss_impl or "logits"
-    stepper = make_stepper(CausalLMObjective(model, loss_impl), model, cfg, rt.device, rt.dist, ds)
+    stepper = make_stepper(CausalLMObjective(model, loss_impl), model, cfg, rt.device, rt.dist, ds, horizon=horizon)
     data_state: dict[str, Any] = {"next_batch": 0}
     source = data_source(cfg, data_dir, tok)
     if latest is not None:
         rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist, report=rt.print, source=source)
         rt.print(f"# resumed from {latest} at step {rt.step}, next batch {data_state['next_batch']}")
+    if horizon != cfg.steps:
+        rt.print(f"# lr: the run's schedule, its cosine ending at step {horizon} (its first --steps)"
+                 + (f"; steps {horizon + 1}-{cfg.steps} at the final lr {cfg.lr * cfg.min_lr_ratio:.3g}"
+                    if cfg.steps > horizon else ""))
     if rt.dist.is_main:  # after the resume: a run refused over others' checkpoints leaves their files alone
         write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
     budget = step_vision_budget(cfg, model, spec, rt, ds) if tok.encoder is not None else None
@@ -314,7 +335,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         rt.print(f"# {line}")
     model.train()
     return Stage1Run(cfg, model, stepper, data, StepProfiler(rt.device), ProgressWatch(cfg.steps, rt.device),
-                     flops_per_token, peak, vision_config=vision_config(model), source=source,
+                     flops_per_token, peak, vision_config=vision_config(model), source=source, horizon=horizon,
                      tower_timer=ModuleTimer(model.model.visual, rt.device) if cfg.vision else None)
 
 
@@ -539,7 +560,7 @@ def model_info(cfg: Stage1Config, spec: Any, tok: Any) -> dict[str, Any]:
 def save_checkpoint(run: Stage1Run, rt: Runtime) -> None:
     def write(tmp: Path) -> None:
         trainer = {"step": rt.step, "data": run.data.state_dict(), "rng": rng_state(), "config": asdict(run.cfg),
-                   "source": run.source}
+                   "source": run.source, "schedule_horizon": run.horizon}
         torch.save(trainer, tmp / f"trainer_rank{rt.dist.rank:05d}.pt")
         run.stepper.save(tmp, rt.dist.is_main)
 
