@@ -1,6 +1,6 @@
 """`--topology auto`: choose k for the online k-1 split of a node by measurement.
 
-The job's first rank runs a short probe on its own GPU with the job's target and data, through the
+The job's last rank (whose log `launch logs` shows) runs a short probe on its own GPU with the job's target and data, through the
 trainer's own code: a target rank's batch (`target_batch`: forward, captured layers, anchors, the
 final states at the blocks) and a drafter step on that batch (`drafter_forward`, backward, AdamW).
 Every GPU of a node is the same kind, so one GPU's times stand for all of them.

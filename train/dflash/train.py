@@ -261,12 +261,12 @@ def train(cfg: DFlashConfig) -> int:
 
 
 def plan_only(cfg: DFlashConfig) -> int:
-    """--topology auto: the job's first rank probes on its GPU and prints the plan (train.dflash.plan);
-    the other ranks have nothing to do."""
+    """--topology auto: the job's last rank (the drafter's, whose log `launch logs` shows) probes on
+    its GPU and prints the plan (train.dflash.plan); the other ranks have nothing to do."""
     from train.dflash.plan import plan_topology
 
     rank, world, local_rank, _addr, _port = slurm_layout()
-    if rank != 0:
+    if rank != world - 1:
         return 0
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     plan_topology(cfg, cfg.plan_gpus or world, device, Path(cfg.out))
