@@ -55,7 +55,11 @@ def test_submit_check_keeps_image_tasks_or_refuses(tmp_path: Path) -> None:
         check_tasks(parse_args(["--init-from", str(text), "--weights", '{"replay_img": 1, "und": 1}']), 1)
     msg = str(exc.value)
     assert "\n" not in msg and "task(s) replay_img carry images" in msg and f"checkpoint {text} has no vision" in msg
-    assert "--arg vision=on" in msg and """--arg weights='{"gen_txt": 1, "und": 1, "replay_text": 1}'""" in msg
+    # never --arg vision=on: submit would take it and the job refuse it at start; what trains instead
+    assert "vision=on" not in msg and """--arg weights='{"gen_txt": 1, "und": 1, "replay_text": 1}'""" in msg
+    assert msg.endswith("or an --init-from checkpoint with one")
+    with pytest.raises(ConfigError, match=rf"--vision on: checkpoint {text}: no vision tower"):
+        parse_args(["--init-from", str(text), "--vision", "on"])  # refused at submit, not at the job's start
     # a checkpoint that is not here is refused at parse time, before any task check (one line at submit)
     with pytest.raises(ConfigError, match=r"--init-from \S+elsewhere: not a directory"):
         parse_args(["--init-from", str(tmp_path / "elsewhere")])

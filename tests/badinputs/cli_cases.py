@@ -126,8 +126,8 @@ CASES = [
     Case("cli", "stage1-text-checkpoint-image-tasks",
          ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg", "init_from={tmp}/ckpt",
           "--arg", 'weights={"gen_img": 1, "und": 1}'],
-         r"task\(s\) gen_img carry images but checkpoint \S*ckpt has no vision tower: use --arg vision=on, or "
-         r"weights without them", {"ckpt/config.json": '{"model_type": "qwen3_5_text"}'}),
+         r"task\(s\) gen_img carry images but checkpoint \S*ckpt has no vision tower: use weights without them "
+         r"\(--arg weights=.*\), or an --init-from checkpoint with one", {"ckpt/config.json": '{"model_type": "qwen3_5_text"}'}),
     Case("cli", "dflash-offline-no-data", ["submit", "dflash", "--preset", "tiny", "--dry-run"],
          r"dflash does not accept these arguments: --mode offline needs --data"),
     Case("cli", "extract-budget-word", ["submit", "extract", "--preset", "tiny", "--dry-run", "--arg", "token_budget=lots"],

@@ -120,10 +120,14 @@ def check_tasks(cfg: Stage1Config, tasks: int) -> None:
         return
     weighted = image_tasks_weighted(cfg.weights)
     if weighted:
-        why = "--vision off" if cfg.vision is False else f"checkpoint {cfg.init_from} has no vision tower"
         text_only = json.dumps({t: 1 for t in TASKS if t not in IMAGE_TASKS})
-        raise ConfigError(f"task(s) {', '.join(weighted)} carry images but {why}: use --arg vision=on, or "
-                          f"weights without them (--arg weights='{text_only}')")
+        without = f"weights without them (--arg weights='{text_only}')"
+        if cfg.init_from and not has_vision_tower(cfg.init_from):
+            # --vision on would pass here and be refused at the job's start: offer only what trains
+            raise ConfigError(f"task(s) {', '.join(weighted)} carry images but checkpoint {cfg.init_from} has no "
+                              f"vision tower: use {without}, or an --init-from checkpoint with one")
+        raise ConfigError(f"task(s) {', '.join(weighted)} carry images but --vision off: use --arg vision=on, or "
+                          f"{without}")
 
 
 def validate(cfg: Stage1Config) -> None:
@@ -156,6 +160,9 @@ def validate(cfg: Stage1Config) -> None:
         raise ConfigError(f"--vision-budget must be auto, off or a number of tokens >= 1, got {cfg.vision_budget!r}")
     if cfg.vision and SHAPES[cfg.shape].vision is None:
         raise ConfigError(f"model shape {cfg.shape!r} has no vision tower; use --vision off")
+    if cfg.vision and cfg.init_from and not has_vision_tower(cfg.init_from):
+        raise ConfigError(f"--vision on: checkpoint {cfg.init_from}: no vision tower in its config.json; use --vision "
+                          "off with text-only --weights, or an --init-from checkpoint with one")
     codebook_config(cfg)
 
 

@@ -222,7 +222,8 @@ def normalized_weights(weights: dict[str, float] | None, man: Manifest, images: 
         weighted = image_tasks_weighted(weights)
         if weighted:
             raise DataError(f"task(s) {', '.join(weighted)} need images, and this model has no vision tower to "
-                            "read them with its checkpoint's tokenizer: use --vision on, or --weights without them")
+                            "read them with its checkpoint's tokenizer: use --vision on (a checkpoint with a vision "
+                            "tower), or --weights without them")
     for task, w in weights.items():
         if w > 0 and not man.records.get(task):
             raise DataError(f"task {task} has weight {w} but {man.root / (task + '.jsonl')} has no valid records")
