@@ -24,6 +24,7 @@ mkdir -p "$out"
 export PYTHONPATH=/tmp/gpuenv:$PWD LD_LIBRARY_PATH=/tmp/gpuenv/z3/lib PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=/tmp/kcache/triton TORCHINDUCTOR_CACHE_DIR=/tmp/kcache/inductor
 export TILELANG_CACHE_DIR=/tmp/kcache/tilelang HF_HOME=/tmp/kcache/hf
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}  # as the stage1 job spec sets it
 data=()
 [ -n "${DATA:-}" ] && data=(--data-dir "$DATA")
 TEXT_WEIGHTS='{"gen_txt": 293000, "und": 293000, "replay_text": 150000}'
