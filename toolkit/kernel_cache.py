@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -61,15 +62,21 @@ class ArchiveError(RuntimeError):
 
 
 def driver_version() -> str:
-    """The NVIDIA kernel driver's version (``/proc/driver/nvidia/version``), or ``cpu``."""
+    """The NVIDIA kernel driver's version: ``/proc/driver/nvidia/version`` (as ``nvidia-smi``
+    reports it), else ``nvidia-smi`` itself (a container may not see /proc/driver), else ``unknown``."""
     try:
         text = Path("/proc/driver/nvidia/version").read_text()
     except OSError:
-        return "cpu"
+        text = ""
     for word in text.split():
         if word.count(".") >= 1 and word.replace(".", "").isdigit():
             return word
-    return "unknown"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out[0] if out else "unknown"
 
 
 def key_fields(gpu_arch: str | None = None, driver: str | None = None, cuda: str | None = None,
