@@ -192,3 +192,18 @@ def test_conv_does_not_leak_across_documents():
         torch.testing.assert_close(out[..., a:b], alone, atol=1e-6, rtol=1e-5)
     unpacked = causal_conv1d_varlen(x, w, activation="silu")
     assert (unpacked[..., 10:13] - out[..., 10:13]).abs().max() > 1e-3
+
+
+def test_cached_generation_goes_through_transformers_cache_path(models):
+    """The packed layer hands a decoding step with a cache to transformers' own GDN forward (the
+    kwarg is ``cache`` from transformers 5.24, ``cache_params`` before): greedy generation with
+    the cache equals the stock model's, and each cached step's logits equal a full forward's."""
+    stock, packed = models
+    prompt = torch.randint(1, 4000, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = stock.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+        got = packed.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True, output_logits=True,
+                              return_dict_in_generate=True)
+        assert torch.equal(got.sequences, want)
+        full = stock(input_ids=got.sequences[:, :-1], use_cache=False).logits[0, prompt.shape[1] - 1:]
+    torch.testing.assert_close(torch.cat(got.logits), full, atol=1e-4, rtol=1e-4)

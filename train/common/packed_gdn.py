@@ -21,6 +21,7 @@ Kernel adapter signatures::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -51,16 +52,21 @@ def packing_metadata(
     return cu_seqlens.to(device=device, dtype=torch.int32), seq_idx.to(device=device, dtype=torch.int32)
 
 
+# The name transformers' own GDN forward takes its cache by (inspect follows the deprecation wrapper).
+_CACHE_KWARG = "cache" if "cache" in inspect.signature(Qwen3_5GatedDeltaNet.forward).parameters else "cache_params"
+
+
 class PackedGatedDeltaNet(Qwen3_5GatedDeltaNet):
     """Training forward of the GDN layer with per-model kernels that honour document boundaries."""
 
     conv_impl: Callable[..., torch.Tensor] = staticmethod(causal_conv1d_varlen)
     gdr_impl: Callable[..., torch.Tensor] = staticmethod(chunk_gated_delta_rule_varlen)
 
-    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        if cache_params is not None:
+    def forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
+        cache = cache if cache is not None else cache_params  # transformers >= 5.24 says cache, before: cache_params
+        if cache is not None:
             # Cached generation is transformers' business; packing is a training-time layout.
-            return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+            return super().forward(hidden_states, attention_mask=attention_mask, **{_CACHE_KWARG: cache}, **kwargs)
         hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
         batch, seq_len, _ = hidden_states.shape
         cu_seqlens, seq_idx = packing_metadata(
