@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from train.common.shapes import get_shape
-from train.common.vision_budget import MAX_IMAGES_PER_STEP, derive_budget, fixed_budget
+from train.common.vision_budget import MAX_IMAGES_PER_STEP, check_fits, derive_budget, fixed_budget
 from train.stage1.data import (
     MAX_BUDGET_WAITS,
     DataConfig,
@@ -134,7 +134,11 @@ def test_derived_budget_shrinks_with_the_step_and_grows_with_memory_and_shards()
     assert derive_budget(**{**base, "step_tokens": 2 * 32768}).tokens < b.tokens
     assert derive_budget(**{**base, "device_memory": 2 * H200_BYTES}).tokens > b.tokens
     assert derive_budget(**base, zero_shards=8).tokens > b.tokens
-    assert derive_budget(**{**base, "device_memory": 80 * 2**30}).tokens == 0  # does not fit: no images
+    h100 = derive_budget(**{**base, "device_memory": 80 * 2**30})
+    assert h100.tokens == 0  # does not fit: no images; the trainer refuses to start rather than drop them all
+    with pytest.raises(ValueError, match="cannot hold one of the largest images .* lower --batch-rows"):
+        check_fits(h100, 1024)
+    check_fits(b, 1024)
     assert b.images == min(MAX_IMAGES_PER_STEP, b.tokens)
     assert "GiB" in b.header() and str(b.tokens) in b.header()
     with pytest.raises(ValueError):

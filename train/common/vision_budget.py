@@ -77,6 +77,17 @@ def derive_budget(*, vision: Any, params: int, layers: int, hidden: int, step_to
     return VisionBudget(tokens, min(MAX_IMAGES_PER_STEP, tokens), source)
 
 
+def check_fits(budget: VisionBudget, largest_image_tokens: int) -> None:
+    """ValueError (one line) when the budget cannot hold even one of the largest images the
+    processor emits: every such image would be dropped, and the run would train on text alone
+    without saying so in its numbers."""
+    if budget.tokens < largest_image_tokens:
+        raise ValueError(f"the vision budget ({budget.header()}) cannot hold one of the largest images "
+                         f"({largest_image_tokens} vision tokens): this model and step leave too little memory for "
+                         "images on this device; lower --batch-rows or --row-len, add --vision-ckpt, or set "
+                         "--vision-budget by hand")
+
+
 def fixed_budget(tokens: int, images: int | None = None) -> VisionBudget:
     """A budget given by hand (``--vision-budget TOKENS``)."""
     if tokens < 1:

@@ -47,7 +47,7 @@ from train.common.profiler import ModuleTimer, ProgressWatch, StepProfiler, Step
 from train.common.runtime import Runtime, pick_device
 from train.common.shapes import get_shape
 from train.common.stepper import Stepper, make_adamw, zero2_config
-from train.common.vision_budget import VisionBudget, derive_budget, fixed_budget
+from train.common.vision_budget import VisionBudget, check_fits, derive_budget, fixed_budget
 from train.stage1 import model as stage1_model  # stage1_model.build_model: tests wrap it
 
 # The flags, their parse and checks live in train.stage1.args (no torch: `launch submit` vets the
@@ -310,6 +310,11 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     if rt.dist.is_main:  # after the resume: a run refused over others' checkpoints leaves their files alone
         write_model_files(rt.out, model, tok, model_info(cfg, spec, tok))
     budget = step_vision_budget(cfg, model, spec, rt, ds) if tok.encoder is not None else None
+    if budget is not None and cfg.vision_budget == "auto":
+        try:
+            check_fits(budget, tok.encoder.max_tokens)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
     data = Stage1Data(
         DataConfig(str(data_dir), row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
                    weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers,
