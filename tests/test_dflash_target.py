@@ -131,6 +131,23 @@ def test_stage1_export_with_other_codebooks_is_a_target_as_it_is(tmp_path):
     assert cfg["vocab_size"] == vocab and cfg["mask_token_id"] == vocab - 1  # no tokenizer: the last row
 
 
+def test_auto_mask_token_of_a_stage1_export_of_qwen35(tmp_path):
+    """A tokenizer laid out as the stage-1 export of Qwen3.5's: 248,320 base tokens, then the 3D
+    tokens (<|ss_0|> at 248,320); the embedding has 273,152 rows. auto gives the published 248070;
+    the same export of a smaller tokenizer keeps the pad token."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from train.common.codebooks import code_token_name
+
+    for base, want in ((248320, 248070), (5000, 7)):
+        tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+            {f"t{i}": i for i in range(base)}, unk_token="t0")), pad_token="t7")
+        tok.add_tokens([code_token_name("ss", c) for c in range(4)], special_tokens=True)
+        tok.save_pretrained(tmp_path / str(base))
+        assert dflash_train.resolve_mask_token("auto", 273152, str(tmp_path / str(base))) == want
+
+
 def test_mask_token_is_a_real_id_of_the_targets_tokenizer(target):
     from transformers import AutoTokenizer
 
@@ -140,6 +157,9 @@ def test_mask_token_is_a_real_id_of_the_targets_tokenizer(target):
     assert dflash_train.resolve_mask_token(str(im_end), 4096, str(target)) == im_end
     assert dflash_train.resolve_mask_token("auto", 248320, None) == 248070  # the published Qwen3.5 id
     assert dflash_train.resolve_mask_token("auto", 4096, None) == 4095
+    # a stage-1 export of Qwen3.5 (273,152 rows, the same tokenizer, 3D rows from 248,320 on) keys on
+    # the tokenizer, not on the row count: the published id, never the pad token
+    assert dflash_train.resolve_mask_token("auto", 273152, None) == 248070
     for bad, why in (("4096", "not a row"), (str(len(tok)), "padding row"), ("<|nope|>", "not a token")):
         with pytest.raises(ConfigError, match=why):
             dflash_train.resolve_mask_token(bad, 4096, str(target))

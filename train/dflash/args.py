@@ -43,8 +43,9 @@ class DFlashConfig:
                                     "qwen3.6-27b for a 5120-wide 64-layer target, else qwen3.5, tiny for "
                                     "test-sized targets")
     mask_token: str = opt("auto", help="the block's mask token: an id or a token of the target's tokenizer; auto: "
-                                       "248070 for a Qwen3.5 vocab (the published configs'), else the tokenizer's "
-                                       "pad token, else the last row")
+                                       "248070 for Qwen3.5's tokenizer (the published configs'; also a stage-1 "
+                                       "export of Qwen3.5, whose 3D rows follow it), else the tokenizer's pad "
+                                       "token, else the last row")
     block_size: int = opt(16)
     anchors: int = opt(512, help="anchors per sequence (SpecForge's default), clamped to its response positions")
     max_bad_fraction: float = opt(0.01, help="offline: shards failing verification are skipped up to this share")

@@ -417,9 +417,25 @@ def slot_gamma(cfg: DFlashConfig) -> float | None:
 QWEN35_VOCAB, QWEN35_MASK = 248320, 248070
 
 
+def text_vocab(vocab: int, tok) -> int:
+    """The rows of the target's text vocabulary: ``vocab``, less the 3D codebook rows a stage-1
+    export appends after it (its tokenizer is the base one plus ``<|ss_0|>``... from the base's size
+    on; without a tokenizer, a vocab that is exactly Qwen3.5's extended by the default codebooks)."""
+    from train.common.codebooks import CodebookVocab, code_token_name
+
+    if tok is not None:
+        first_code = tok.convert_tokens_to_ids(code_token_name("ss", 0))
+        if first_code is not None and first_code != getattr(tok, "unk_token_id", None) and 0 < first_code < vocab:
+            return int(first_code)
+        return vocab
+    return QWEN35_VOCAB if vocab == CodebookVocab(QWEN35_VOCAB).padded_vocab else vocab
+
+
 def resolve_mask_token(spec: str, vocab: int, tokenizer_dir: str | None) -> int:
     """The mask token id: `spec` as an id or a token of the target's tokenizer, or (auto) the
-    published Qwen3.5 id for a Qwen3.5 vocab, else the tokenizer's pad token, else the last row.
+    published Qwen3.5 id when the target's text vocabulary is Qwen3.5's (the checkpoint, or a
+    stage-1 export of it: the same tokenizer, 3D rows after it), else the tokenizer's pad token,
+    else the last row.
 
     The serving engines embed it with the TARGET's embedding, so it must be one of its rows, and
     when the tokenizer is known, one of its tokens (ConfigError otherwise)."""
@@ -430,7 +446,7 @@ def resolve_mask_token(spec: str, vocab: int, tokenizer_dir: str | None) -> int:
         tok = load_tokenizer(tokenizer_dir) if has_tokenizer(tokenizer_dir) else None
     if spec == "auto":
         pad = getattr(tok, "pad_token_id", None) if tok is not None else None
-        mask = QWEN35_MASK if vocab == QWEN35_VOCAB else pad if pad is not None else vocab - 1
+        mask = QWEN35_MASK if text_vocab(vocab, tok) == QWEN35_VOCAB else pad if pad is not None else vocab - 1
     elif spec.lstrip("-").isdigit():
         mask = int(spec)
     else:
