@@ -8,7 +8,8 @@ The log files keep every line; the terminal gets the run. Left out of the termin
   instead; a WARN or FAIL row is shown whole, with the table's header;
 - before the first step of each attempt (a requeued job starts again): the trainer's set-up comments (`# kernels[...]`, `# MFU ...`, ...)
   except its header, cut to the facts a reader checks first (trainer, shape, params, device,
-  ranks, steps), and comments about resuming, restarting, warnings or errors;
+  ranks, steps), the step line's legend (`# step line: ...`), and comments about resuming,
+  restarting, warnings or errors;
 - the trainer's `# done: {json}` (the launcher prints the summary itself) and the launcher's
   own `[launch] running <module> <argv>` line (the command line is in the log and config.yaml).
 """
@@ -83,6 +84,8 @@ class QuietFilter:
         if body.startswith("# ") and not self.stepped:
             if body.startswith("# trainer="):
                 return [prefix + short_header(body)]
+            if body.startswith("# step line:"):  # the legend of the lines that follow
+                return [prefix + body]
             if not any(word in body.lower() for word in _KEEP_EARLY):
                 return []
         return [prefix + body]

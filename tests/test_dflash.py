@@ -90,9 +90,17 @@ def test_resume_continues_at_the_saved_step(shards, tmp_path, capsys):
     args = ["--data", str(shards), "--out", str(out), "--ckpt-every", "3", *FAST]
     assert dflash_train.main([*args, "--steps", "3"], guard=False) == 0
     assert dflash_train.main([*args, "--steps", "5"], guard=False) == 0
-    assert "resumed from" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed
     steps = [r["step"] for r in _metrics(out)]
     assert steps == [1, 2, 3, 4, 5]
+    # the compact step line: n/N of this job's total and an ETA, under the header's legend (38.9)
+    assert "# step line: step n/N, loss, acc1" in printed
+    lines = [ln for ln in printed.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in lines] == ["1/3", "2/3", "3/3", "4/5", "5/5"], lines
+    assert all(len(ln) <= 120 and " acc1 " in ln and " tau " in ln and " eta " in ln for ln in lines)
+    assert " eta 0s" in lines[2] and " eta 0s" in lines[-1]  # (a STALL(cause) may follow: CPU noise)
+    assert [r["steps_total"] for r in _metrics(out)] == [3, 3, 3, 5, 5]
 
 
 def test_block_sees_context_strictly_before_its_anchor():

@@ -169,7 +169,7 @@ def test_task_loss_curves_join_the_steps_each_task_has(tmp_path: Path, monkeypat
     import matplotlib
     from matplotlib.axes import Axes
 
-    from launch.report import write_plots
+    from launch.report import TASK_WORDS, write_plots
     from toolkit.metrics import SCHEMAS
 
     matplotlib.use("Agg")
@@ -177,8 +177,9 @@ def test_task_loss_curves_join_the_steps_each_task_has(tmp_path: Path, monkeypat
     real_plot = Axes.plot
 
     def spy(self, xs, ys, *a, **k):  # noqa: ANN001, ANN202 - records what matplotlib is asked to draw
-        if k.get("label") in ("und", "gen_txt"):
-            drawn[k["label"]] = (list(xs), list(ys))
+        task = {TASK_WORDS["und"]: "und", TASK_WORDS["gen_txt"]: "gen_txt"}.get(k.get("label"))  # legends in words
+        if task:
+            drawn[task] = (list(xs), list(ys))
         return real_plot(self, xs, ys, *a, **k)
 
     monkeypatch.setattr(Axes, "plot", spy)
@@ -264,3 +265,15 @@ def test_the_next_line_after_each_pipeline_step_names_the_pipeline_s_next_step()
     assert next_line(rec("extract", "tiny", []), True) == "launch submit dflash --preset tiny --arg data=job:7   |   launch status 7"
     assert next_line(rec("dflash", "tiny", []), True) == "launch export 7   |   launch status 7"
     assert next_line(rec("stage1", "tiny", []), True) == "launch report 7   |   launch status 7   |   launch resume 7 --steps N"
+
+
+def test_the_step_line_legend_stays_in_the_follow_and_the_default_logs() -> None:
+    """The `# step line:` legend says what the compact line's fields are: it is kept before the
+    first step, where the other set-up comments are cut (38.9)."""
+    from launch.quiet import QuietFilter
+
+    legend = "# step line: step n/N, loss, acc1 (first slot's accuracy), tau, real tok/s, compute+data ms, eta"
+    shown = QuietFilter().feed(["# trainer=dflash mode=offline steps=3", "# kernels[cpu]: loss logits", legend,
+                                "step 1/3 loss 9.000 acc1 0.000 tau 1.00 950 tok/s 12+3ms eta 2s"])
+    assert shown == ["# trainer=dflash mode=offline steps=3", legend,
+                     "step 1/3 loss 9.000 acc1 0.000 tau 1.00 950 tok/s 12+3ms eta 2s"]

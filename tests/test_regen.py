@@ -36,7 +36,12 @@ def test_regenerates_resumes_and_feeds_extraction(target, tmp_path, capsys):
     assert sorted(p.name for p in out.glob("part_*")) == ["part_00000.jsonl"] and not (out / "data.jsonl").exists()
     first = (out / "part_00000.jsonl").read_bytes()
     assert rg.main(args, guard=False) == 0  # resumes: keeps part 0, writes parts 1 and 2
-    assert '"skipped": 1' in capsys.readouterr().out and (out / "part_00000.jsonl").read_bytes() == first
+    printed = capsys.readouterr().out
+    assert '"skipped": 1' in printed and (out / "part_00000.jsonl").read_bytes() == first
+    # one line a part: `part n/N`, its rate and an ETA for the parts left (38.9)
+    parts = [ln for ln in printed.splitlines() if ln.startswith("part ")]
+    assert [ln.split(" | ")[0] for ln in parts] == ["part 1/3", "part 2/3", "part 3/3"]
+    assert parts[-1].endswith(" | eta 0s") and all(" | eta " in ln for ln in parts)
     rows = [json.loads(x) for x in (out / "data.jsonl").read_text().splitlines()]
     originals = [json.loads(x) for x in data.read_text().splitlines()]
     assert [r["id"] for r in rows] == [o["id"] for o in originals]

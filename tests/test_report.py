@@ -152,8 +152,14 @@ def test_step_line_columns_are_fixed() -> None:
     assert len(line) <= LINE_MAX and line.startswith("step 123456/123456 ") and " eta 999d" in line
     assert line.endswith(" STALL(compile+allocator+data)")
     assert [format_eta(s) for s in (5, 725, 19920, 400000, None)] == ["5s", "12m05s", "5h32m", "4d15h", "-"]
-    assert step_line(SCHEMAS["dflash"], {"step": 1, "loss": 3.0}) == \
-        "step     1 | loss 3.0000 | acc - | acc1 - | tau - | tok/s - | data - | compute -"
+    # DFlash's compact line (38.9): n/N, acc1, tau and an ETA, the same fields at every step
+    assert step_line(SCHEMAS["dflash"], {"step": 1, "loss": 3.0}) == "step 1 loss 3.000 acc1 - tau - - tok/s - eta -"
+    assert step_line(SCHEMAS["dflash"], {"step": 12, "steps_total": 30, "loss": 2.5, "acc1": 0.4123, "tau": 1.834,
+                                         "tok_s": 33087.0, "data_ms": 3.0, "compute_ms": 950.0, "eta_s": 65.0}) == \
+        "step 12/30 loss 2.500 acc1 0.412 tau 1.83 33.1k tok/s 950+3ms eta 1m05s"
+    worst = {"step": 123456, "steps_total": 123456, "loss": 123.456, "acc1": 1.0, "tau": 16.0, "tok_s": 1e9,
+             "data_ms": 1e6, "compute_ms": 1e7, "eta_s": 1e9, "stall": "compile+allocator+data"}
+    assert len(step_line(SCHEMAS["dflash"], worst)) <= LINE_MAX
 
 
 def test_report_legends_are_words_and_a_resume_is_marked(tmp_path: Path) -> None:

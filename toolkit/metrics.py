@@ -148,7 +148,7 @@ SCHEMAS: dict[str, Schema] = {
         # acc_slot: accuracy of each predicted slot 1..K-1 (a list); acc1 its first; tau the
         # acceptance-length estimate 1 + sum_j prod_{i<=j} acc_slot[i]; anchors: blocks in the step
         fields=("step", "loss", "ce", "acc", "acc1", "tau", "acc_slot", "anchors", "tok_s", "data_ms", "compute_ms",
-                "lr", "grad_norm", "epoch", "batch_rows", "padding_efficiency"),
+                "lr", "grad_norm", "epoch", "batch_rows", "padding_efficiency", "steps_total", "eta_s"),
         columns=(
             Column("loss", "loss", ".4f"),
             Column("acc", "acc", ".3f"),
@@ -280,10 +280,38 @@ def compact_step_line(schema: Schema, record: dict[str, Any], tasks: tuple[str, 
     return text[:LINE_MAX]
 
 
+def dflash_step_line(record: dict[str, Any]) -> str:
+    """One DFlash step in at most LINE_MAX characters, the same fields at every step:
+
+        step 120/2000 loss 3.123 acc1 0.412 tau 1.83 33.1k tok/s 950+3ms eta 5h32m
+
+    acc1 the first slot's accuracy, tau the acceptance-length estimate, tok/s real tokens,
+    compute+data ms, and `STALL(cause)` on a stalled step (the trainer's `# step line:` legend)."""
+    step, total = record["step"], record.get("steps_total")
+    compute, data = record.get("compute_ms"), record.get("data_ms")
+    acc1, tau = record.get("acc1"), record.get("tau")
+    parts = [f"step {step}/{total}" if isinstance(total, int) else f"step {step}",
+             f"loss {_loss(record.get('loss'), 3)}",
+             f"acc1 {acc1:.3f}" if isinstance(acc1, (int, float)) and math.isfinite(acc1) else "acc1 -",
+             f"tau {tau:.2f}" if isinstance(tau, (int, float)) and math.isfinite(tau) else "tau -",
+             f"{_si(record.get('tok_s'))} tok/s",
+             f"{compute:.0f}+{data:.0f}ms" if isinstance(compute, (int, float)) and isinstance(data, (int, float))
+             else "-", f"eta {format_eta(record.get('eta_s'))}"]
+    if record.get("stall"):
+        parts.append(f"STALL({record['stall']})")
+    return " ".join(parts)[:LINE_MAX]
+
+
+DFLASH_LEGEND = ("step line: step n/N, loss, acc1 (first slot's accuracy), tau (accepted tokens per block), "
+                 "real tok/s, compute+data ms, eta; STALL(cause) on a stalled step")
+
+
 def step_line(schema: Schema, record: dict[str, Any], tasks: tuple[str, ...] = ()) -> str:
     """The console line of one step record: the same columns at every step, `-` where absent."""
     if schema.task_labels:
         return compact_step_line(schema, record, tasks)
+    if schema.trainer == "dflash":
+        return dflash_step_line(record)
     total = record.get(schema.total_key) if schema.total_key else None
     parts = [f"{schema.first_label} {record['step']:>5}" + (f"/{total}" if total is not None else "")]
     for col in schema.columns:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.metrics import SCHEMAS
+from toolkit.metrics import DFLASH_LEGEND, SCHEMAS
 from train.common import fastpath
 from train.common.bucketing import BucketedSampler
 from train.common.checkpoint import CheckpointManager, load_state
@@ -35,6 +35,7 @@ from train.common.distributed import slurm_layout
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
 from train.common.losses import LossImplError
+from train.common.profiler import ProgressWatch, StepTiming
 from train.common.regional_compile import compile_enabled
 from train.common.runtime import Runtime
 from train.common.stepper import Stepper
@@ -199,6 +200,7 @@ class DrafterRun:
     attn_impl: str = "dense"
     loss_impl: str = "logits"
     t_start: float = field(default_factory=time.perf_counter)
+    progress: ProgressWatch = field(default_factory=lambda: ProgressWatch(0))
     real_tokens: int = 0
     first: float | None = None
     last: float | None = None
@@ -247,8 +249,11 @@ def train(cfg: DFlashConfig) -> int:
             n_real = int(batch["lengths"].sum())
             run.real_tokens += n_real
             t_end = time.perf_counter()
+            # steps_total, eta_s (and a stall's cause): the compact step line's n/N and ETA, and what
+            # `launch status` and the follow's heartbeat say
+            progress = run.progress.observe(rt.step, StepTiming(1000 * (t_data - t0), 1000 * (t_end - t_data), n_real))
             if rt.step % cfg.log_every == 0 or rt.step == cfg.steps:
-                rt.log.log_step({"step": rt.step, "loss": loss_value, "epoch": epoch, **stats,
+                rt.log.log_step({"step": rt.step, "loss": loss_value, "epoch": epoch, **stats, **progress,
                                  "tok_s": n_real / (t_end - t0), "data_ms": 1000 * (t_data - t0),
                                  "compute_ms": 1000 * (t_end - t_data), "batch_rows": len(ids),
                                  "padding_efficiency": n_real / batch["input_ids"].numel(),
@@ -364,6 +369,7 @@ def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucketed
                    "steps": cfg.steps, "device": device.type, "amp": "bf16" if amp_on else "off",
                    "loss_impl": kernels.loss_impl})
     rt.print("# " + kernels.header().replace("\n", "\n# "))
+    rt.print(f"# {DFLASH_LEGEND}")
     from train.dflash.model import default_attn_impl, dense_budget_refusal
 
     attn = default_attn_impl(device) if cfg.attn_impl == "auto" else cfg.attn_impl
@@ -374,7 +380,7 @@ def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucketed
         if refusal:
             raise ConfigError(refusal)
     return DrafterRun(head, drafter, dcfg, stepper, batch_stream(sampler, start), amp_on, n_targets, wire, src.data,
-                      attn, kernels.loss_impl or "logits")
+                      attn, kernels.loss_impl or "logits", progress=ProgressWatch(cfg.steps, device))
 
 
 def next_batch(cfg: DFlashConfig, run: DrafterRun, step: int, ids: Any, device: torch.device

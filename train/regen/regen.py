@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from toolkit.fsutil import atomic_write_text
+from toolkit.metrics import format_eta
 from train.common.config import ConfigError
 from train.common.entrypoint import run_entrypoint
 from train.common.fastpath import FastPathError
@@ -189,8 +190,12 @@ def regen(cfg: RegenConfig) -> int:
         rows = regenerate(model, tok, batch, cfg, cfg.seed * 1_000_003 + k, device)
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
         written += 1
-        print(f"part {k + 1}/{len(batches)} | {len(batch)} conversations | "
-              f"{written * cfg.batch_size / (time.perf_counter() - t0):.2f} conv/s", flush=True)
+        took = time.perf_counter() - t0
+        left = sum(1 for j in range(k + 1, len(batches)) if not (out / part_name(j)).exists())
+        if cfg.stop_after is not None:
+            left = min(left, cfg.stop_after - written)
+        print(f"part {k + 1}/{len(batches)} | {len(batch)} conversations | {written * cfg.batch_size / took:.2f} conv/s"
+              f" | eta {format_eta(left * took / written)}", flush=True)
     complete = all(part_done(out / part_name(k), b) for k, b in enumerate(batches))
     if complete:
         atomic_write_text(out / "data.jsonl", "".join((out / part_name(k)).read_text() for k in range(len(batches))))
