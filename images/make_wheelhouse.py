@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import re
 import sys
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def target_for(image_target: Target, os_release: str | None, python: str | None,
         return image_target
     if python is None or glibc is None:
         raise LaunchError("python= and glibc= go together (or os=)")
+    if not re.fullmatch(r"3\.\d{1,2}", python):
+        raise LaunchError(f"python={python} is not a CPython version such as 3.12")
+    if not re.fullmatch(r"2\.\d{1,2}", glibc):
+        raise LaunchError(f"glibc={glibc} is not a glibc version such as 2.39")
     return Target(python=python, glibc=glibc, arch=image_target.arch)
 
 
@@ -72,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise LaunchError(f"no lock for Python {target.python}: {image.lock_file.name} pins the files of Python "
                                       f"{image.wheelhouse.target.python}; resolve one for the container (as that lock's "
                                       f"header says, with that Python) into {lock.relative_to(REPO_ROOT)}, or give lock=")
+        if not lock.is_file():
+            raise LaunchError(f"lock={lock}: no such file (a requirements lock with --hash pins)")
         sums = build_wheelhouse(lock, spec, dest, args.add)
         size = sum((dest / n).stat().st_size for n in sums)
         print(f"wheelhouse: {dest} ({len(sums) - 1} wheels, {size / 2**20:.0f} MiB, {SUMS} "

@@ -64,6 +64,9 @@ def job_environment(job: ResolvedJob, folder: Path, scratch: str, extra_env: dic
         f"export LAUNCH_JOB_NAME={shlex.quote(job.spec.name)}",
         f'export LAUNCH_JOB_DIR={shlex.quote(str(folder))}/"${{SLURM_JOB_ID}}"',
         f"export LAUNCH_SCRATCH={scratch_word}",
+        # The rendezvous' key prefix, a secret made here in the job (never in the script, a
+        # command line or the log): another user who connects to the store cannot touch its keys.
+        "export LAUNCH_RENDEZVOUS_TOKEN=\"$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')\"",
     ]
     lines += [f'export {var}="$LAUNCH_SCRATCH"/{sub}' for var, sub in CACHE_VARS.items()]
     # Baked kernel caches (launch/kernels.py): the store every node reads, as the submitter sees it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,3 +39,23 @@ def private_files() -> Iterator[None]:
         yield
     finally:
         os.umask(previous)
+
+
+def foreign_ancestor(path: Path, writable_mask: int = 0o022) -> str | None:
+    """Why `path` (or an existing directory above it) could be swapped by another local user:
+    one owned by a uid other than ours or root, or writable by others without the sticky bit
+    (a 0777 parent lets anyone rename our folder and put theirs in its place; `writable_mask`
+    0o002 tolerates a site's group-writable scratch root). None when safe."""
+    me = os.geteuid()
+    for p in [path, *path.parents]:
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None  # not ours to judge (a directory we cannot stat): the mkdir says why
+        if st.st_uid not in (me, 0):
+            return f"{p} belongs to uid {st.st_uid}, another user"
+        if stat.S_ISDIR(st.st_mode) and st.st_mode & writable_mask and not st.st_mode & stat.S_ISVTX:
+            return f"{p} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}, no sticky bit)"
+    return None

@@ -29,7 +29,7 @@ from launch.runner import last_step, read_task_outcome
 from launch.runs import requeue_line
 from launch.slurmenv import TERMINAL_STATES, job_state, job_states, pending_words, require_cluster, run_slurm
 from toolkit.metrics import SCHEMAS, logged_step_records
-from toolkit.outcome import describe, read_outcome
+from toolkit.outcome import STATES, describe, read_outcome
 
 HEARTBEAT_S = 30.0
 UNREACHABLE_GIVE_UP_S = 120.0
@@ -74,11 +74,21 @@ def task_outcomes(rec: JobRecord) -> dict[int, dict]:
     return found
 
 
+def own_outcome(rec: JobRecord) -> dict | None:
+    """outcome.json of this job: the one in its folder when it wrote it, else (a later resume
+    of its run wrote over it) what its main task recorded when it ended."""
+    outcome = read_outcome(rec.folder, job=rec.job_id)
+    if outcome is None and read_outcome(rec.folder) is not None:
+        task = read_task_outcome(Path(rec.folder), rec.main_task)
+        outcome = task if task and task.get("state") in STATES else None
+    return outcome
+
+
 def job_outcome(rec: JobRecord, slurm_state: str | None = None) -> dict | None:
     """The job's outcome.json (toolkit.outcome). Without one: a job Slurm ended was killed
     (SIGKILL, out of memory, a node failure, or a launcher from before outcomes): Slurm's state
     at the last step of its metrics, with submitit's pickled error when there is one."""
-    outcome = read_outcome(rec.folder)
+    outcome = own_outcome(rec)
     if outcome is not None:
         failed = [o for o in task_outcomes(rec).values() if o.get("state") == "failed"]
         if outcome.get("state") == "cancelled" and failed and slurm_state != "CANCELLED":
@@ -216,7 +226,7 @@ def _recorded_rc(outcome: dict | None) -> int:
 def _status_unreachable(rec: JobRecord, st: dict[str, str], as_json: bool) -> int:
     """`launch status JOB` while slurmctld does not answer: said once, with what the job
     itself recorded (outcome.json), never a bare UNKNOWN with exit 0."""
-    outcome = read_outcome(rec.folder)
+    outcome = own_outcome(rec)
     _unreachable_note(st["unreachable"], f"showing what job {rec.job_id} recorded in {rec.folder}/outcome.json"
                       if outcome else f"job {rec.job_id} recorded no outcome, so its state is unknown")
     row = {**_row(rec, st), "slurm_unreachable": st["unreachable"], "outcome": outcome}
@@ -257,7 +267,7 @@ def run_list(args: argparse.Namespace) -> int:
         _unreachable_note(why, "states marked * are what the jobs recorded (outcome.json), the rest are unknown")
         for rec, row in zip(jobs, rows, strict=True):
             if states[(rec.slurm_conf, rec.job_id)].get("unreachable"):
-                outcome = read_outcome(rec.folder)
+                outcome = own_outcome(rec)
                 row["slurm_unreachable"], row["outcome"] = why, outcome
                 if outcome:
                     row["recorded"] = outcome["state"]

@@ -62,9 +62,15 @@ def registry_path() -> Path:
 def record(job: JobRecord) -> None:
     path = registry_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Appends of one line under an exclusive lock: concurrent submits never interleave.
-        with open(path, "a") as f:
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True, mode=0o700)  # LAUNCH_HOME: the user's alone
+        # Appends of one line under an exclusive lock: concurrent submits never interleave. The
+        # registry names every job's folder and command line: the user's alone (an older 0644
+        # registry is narrowed here).
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             f.write(json.dumps(asdict(job)) + "\n")
             f.flush()

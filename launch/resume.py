@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise LaunchError(f"--arg {item!r}: expected KEY=VALUE (e.g. --arg lr=1e-4)")
+        if key.replace("-", "_") == "out":
+            raise LaunchError(f"--arg {item}: a resume continues job {rec.job_id}'s run in {run_dir}; submit a new job "
+                              "(`launch submit ... --arg out=DIR`) to train in another folder; nothing submitted")
         argv = replace_flag(argv, key, value)
     argv += list(args.extra)
     return submit.submit_job(args, spec, job, argv, run_dir=run_dir, resumes=rec.job_id)

@@ -14,6 +14,8 @@ import dataclasses
 import importlib.metadata
 import os
 import platform
+import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +78,50 @@ def build(module: str, argv: list[str], parsed: Any, meta: dict[str, Any]) -> di
 def write(run_dir: Path, config: dict[str, Any]) -> Path:
     path = run_dir / CONFIG
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+    atomic_write_text(path, yaml.dump(config, Dumper=_NoAliasDumper, sort_keys=False, allow_unicode=True))
     return path
 
 
+class _NoAliasDumper(yaml.SafeDumper):
+    """The same value twice is written out twice: the reader refuses aliases."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without aliases: an alias bomb (a billion laughs) would take minutes and gigabytes."""
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("YAML aliases are not written by the launcher")
+        return super().compose_node(parent, index)
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def read(run_dir: Path) -> dict[str, Any] | None:
-    """The run's config.yaml, or None when there is none (yet) or it is not a mapping."""
+    """The run's config.yaml, or None when there is none (yet) or it is not the launcher's: not a
+    regular file (a FIFO would block the reader), over 1 MiB, with aliases, or not a mapping.
+    Other than a missing file, the reason is said on stderr once."""
+    path = run_dir / CONFIG
     try:
-        data = yaml.safe_load((run_dir / CONFIG).read_text())
-    except (OSError, yaml.YAMLError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with open(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError("not a regular file")
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ValueError(f"over {MAX_CONFIG_BYTES >> 20} MiB")
+        data = yaml.load(raw.decode("utf-8"), Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).splitlines()[0][:120]
+        print(f"launch: {path} not read ({why}); the run's config is not shown", file=sys.stderr)
         return None
     return data if isinstance(data, dict) else None
 

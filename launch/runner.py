@@ -33,6 +33,8 @@ from launch import runconfig
 from launch.doctor.checks import fast_subset
 from launch.errors import LaunchError
 from launch.executor import CACHE_VARS
+from launch.fsutil import foreign_ancestor
+from toolkit import runlock
 from toolkit.fsutil import atomic_write_text
 from toolkit.metrics import step_records
 from toolkit.outcome import OUTCOME, STATES, describe, read_outcome, write_outcome
@@ -184,6 +186,11 @@ class EntrypointRun(submitit.helpers.Checkpointable):
             out = getattr(parsed, "out", None)
             run_dir = Path(out) if isinstance(out, (str, os.PathLike)) and str(out) else \
                 Path(os.environ.get("LAUNCH_JOB_DIR") or ".")
+            who = runlock.holder(run_dir)
+            if who:  # the trainer will refuse too; the holder's config.yaml stays its own
+                print(f"[launch] config.yaml not written: run folder {run_dir} is in use by {who}", file=sys.stderr,
+                      flush=True)
+                return
             runconfig.write(run_dir, runconfig.build(self.module, self.argv, parsed, getattr(self, "meta", {})))
         except (OSError, ValueError, TypeError, SystemExit) as exc:  # the entrypoint says what is wrong with its argv
             print(f"[launch] config.yaml not written: {one_line(exc)}", file=sys.stderr, flush=True)
@@ -273,3 +280,9 @@ def prepare_node_local_dirs() -> None:
         value = os.environ.get(var)
         if value:
             Path(value).mkdir(parents=True, exist_ok=True)
+            # What is in them runs as the user (Triton's compiled kernels, inductor's code): a
+            # directory another uid made or can swap is refused, not used.
+            foreign = foreign_ancestor(Path(value).resolve(), writable_mask=0o002)
+            if foreign:
+                raise LaunchError(f"{var}={value}: {foreign}; code cached there would run as you: give a "
+                                  "directory only you can write")

@@ -14,6 +14,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -22,11 +23,19 @@ from launch import feasibility, registry, values
 from launch.cluster.embedded import real_gpu_nodes
 from launch.errors import LaunchError
 from launch.executor import SlurmOptions, make_executor, sbatch_failure, sbatch_script
-from launch.fsutil import launch_home, private_files
+from launch.fsutil import foreign_ancestor, launch_home, private_files
 from launch.jobs_cli import follow, next_line
 from launch.jobspec import JobSpec, ResolvedJob, find_spec, known_jobs
 from launch.runner import EntrypointRun, entry_gpu_work, entry_inputs, entry_parser, entry_task_check
-from launch.slurmenv import describe_slurm, is_embedded, require_cluster, slurm_env
+from launch.slurmenv import (
+    TERMINAL_STATES,
+    describe_slurm,
+    is_embedded,
+    job_states,
+    require_cluster,
+    slurm_env,
+)
+from toolkit import runlock
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,8 +124,9 @@ def job_output(value: str, what: str) -> str:
         rec = registry.find(job_id)
     except LaunchError as exc:
         raise LaunchError(f"{what}={value}: {exc}") from None
-    if ".." in Path(inside).parts:
-        raise LaunchError(f"{what}={value}: the path after job:<id>/ stays inside that job's run folder (no '..')")
+    if ".." in Path(inside).parts or inside.startswith("/"):  # job:1//etc would be /etc
+        raise LaunchError(f"{what}={value}: the path after job:<id>/ stays inside that job's run folder (no '..', "
+                          "no leading '/')")
     return str(rec.run_folder / inside) if inside else str(rec.run_folder)
 
 
@@ -170,6 +180,12 @@ def job_folder(args: argparse.Namespace, spec: JobSpec) -> Path:
     for path in (runs, runs / spec.name):
         if path.exists() and not path.is_dir():
             raise LaunchError(f"runs directory {path} exists and is not a directory; choose another --runs-dir")
+    # The job's pickled call is unpickled in the job, as the user: a folder another uid could
+    # swap before the job starts would run that uid's pickle as the user.
+    foreign = foreign_ancestor(runs / spec.name)
+    if foreign:
+        raise LaunchError(f"runs directory {runs}: {foreign}, who could swap a job folder before the job starts; "
+                          "choose a --runs-dir only you can write (default $LAUNCH_HOME/runs)")
     return runs / spec.name
 
 
@@ -276,6 +292,12 @@ def too_big_advice(spec: JobSpec, job: ResolvedJob, cluster: feasibility.Cluster
     return f"{advice}, or give the embedded cluster that much: `{hint}`" if hint else advice
 
 
+def printable(text: str) -> str:
+    """A spec's text for a terminal: control characters (escape sequences that move the cursor,
+    retitle the window or clear the screen) shown escaped, as repr does, never sent."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def list_presets(spec: JobSpec, as_json: bool) -> int:
     rows = []
     for name in spec.presets:
@@ -286,11 +308,11 @@ def list_presets(spec: JobSpec, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"job": spec.name, "presets": rows}, indent=2))
         return 0
-    print(f"presets of {spec.name} ({spec.source}):")
+    print(f"presets of {spec.name} ({printable(str(spec.source))}):")
     for row in rows:
         mark = "*" if row["default"] else " "
-        print(f" {mark}{row['preset']:<14} {row['nodes']}x{row['gpus_per_node']} GPU, {row['cpus_per_task']} CPU/task, "
-              f"{row['time']:<9} {row['description']}")
+        print(f" {mark}{printable(row['preset']):<14} {row['nodes']}x{row['gpus_per_node']} GPU, "
+              f"{row['cpus_per_task']} CPU/task, {row['time']:<9} {printable(row['description'] or '')}")
     print("(* the default)")
     return 0
 
@@ -328,6 +350,11 @@ def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: 
         raise LaunchError(refusal)
     if args.dry_run:
         return dry_run(executor, spec, job, argv, what)
+    run_dir = run_dir or out_of(argv)
+    if run_dir is not None:
+        check_run_folder_free(run_dir, env_extra)
+    if args.dependency:
+        check_dependency_jobs(args.dependency, env_extra)
     cluster = feasibility.query_cluster(env_extra)
     problem = feasibility.check(job.resources, cluster, what, too_big_advice(spec, job, cluster, env_extra))
     if problem:
@@ -377,6 +404,51 @@ def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: 
             return 130
     print(f"next: {next_line(rec, completed=None)}")
     return 0
+
+
+def out_of(argv: list[str]) -> Path | None:
+    """The run folder a command line names with `--out` (the last one wins, as in argparse),
+    made absolute here: the job starts in this directory."""
+    out = None
+    for i, item in enumerate(argv):
+        if item == "--out" and i + 1 < len(argv):
+            out = argv[i + 1]
+        elif item.startswith("--out="):
+            out = item.partition("=")[2]
+    return Path(os.path.abspath(out)) if out else None
+
+
+def check_dependency_jobs(dependency: str, env_extra: dict[str, str]) -> None:
+    """Every job a --dependency names exists: Slurm treats an unknown job id as satisfied, and the
+    job would start at once instead of after it."""
+    ids = sorted({j for part in re.split(r"[,?]", dependency) for j in part.split(":")[1:] if j})
+    unknown = [j for j, st in job_states([j.split("+")[0] for j in ids], env_extra).items()
+               if st.get("state") == "UNKNOWN" and not st.get("unreachable")]
+    if unknown:
+        raise LaunchError(f"--dependency {dependency}: Slurm knows no job {', '.join(unknown)} (a dependency on it "
+                          "would be satisfied at once, and the job start now); nothing submitted")
+
+
+def check_run_folder_free(run_dir: Path, env_extra: dict[str, str]) -> None:
+    """One trainer per run folder: refused while a trainer holds its lock (toolkit.runlock), or
+    while a job recorded here for the same folder is still queued or running (its trainer may be
+    on another node, or not started yet)."""
+    who = runlock.holder(run_dir)
+    if who:
+        raise LaunchError(f"run folder {run_dir} is in use by {who}: one trainer writes a run folder at a time; "
+                          "wait for it to end or cancel it; nothing submitted")
+    target = run_dir.resolve()
+    same = [r for r in registry.all_jobs() if r.kind == "job" and
+            (r.run_folder.resolve() == target or (out_of(r.argv) or Path("/nonexistent")).resolve() == target)]
+    if not same:
+        return
+    states = job_states([r.job_id for r in same], {**env_extra, **same[-1].slurm_env()})
+    for rec in same:
+        state = states.get(rec.job_id, {}).get("state", "UNKNOWN")
+        if state not in TERMINAL_STATES and state != "UNKNOWN":
+            raise LaunchError(f"run folder {run_dir} is in use by job {rec.job_id} ({state}): one trainer writes a "
+                              f"run folder at a time; wait for it to end or `launch cancel {rec.job_id}`; "
+                              "nothing submitted")
 
 
 def dry_run(executor, spec: JobSpec, job: ResolvedJob, argv: list[str], what: str) -> int:  # noqa: ANN001

@@ -43,6 +43,7 @@ LAUNCHER_VARS = {
     "LAUNCH_SCRATCH": "use --scratch or the spec's scratch",
     "LAUNCH_NODE_SCRATCH": "the node's own setting, read before the job's env applies: use --scratch",
     "LAUNCH_SRUN_CONF": "the embedded cluster's own setting for srun",
+    "LAUNCH_RENDEZVOUS_TOKEN": "the job's own secret for its rendezvous, made in the job",
 }
 SLURM_JOB_VARS = frozenset({
     "SLURM_CONF", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_STEP_ID",
@@ -62,6 +63,12 @@ HIJACK_VARS = frozenset({
     "PYTHONPLATLIBDIR", "PYTHONINSPECT", "PYTHONBREAKPOINT", "GCONV_PATH", "GLIBC_TUNABLES", "LOCPATH",
     "NLSPATH", "HOSTALIASES", "RESOLV_HOST_CONF", "MALLOC_CHECK_", "TMPDIR_HOOK", "PERL5LIB", "PERL5OPT",
     "NODE_OPTIONS", "RUBYOPT", "RUBYLIB",
+    # srun runs these as the job's user around every task or step
+    "SLURM_TASK_PROLOG", "SLURM_TASK_EPILOG", "SLURM_PROLOG", "SLURM_EPILOG",
+    # a shared object OpenSSL loads (any TLS client in the job), a module Python's warnings import
+    "OPENSSL_CONF", "OPENSSL_ENGINES", "OPENSSL_MODULES", "PYTHONWARNINGS",
+    # the compiler Triton, torch's extensions and pip builds run
+    "CC", "CXX", "CPP", "LDSHARED",
 })
 HIJACK_PREFIXES = ("LD_", "DYLD_", "BASH_FUNC_")
 

@@ -25,11 +25,12 @@ from tests.badinputs.checkpoint_cases import CASES as CHECKPOINT_CASES
 from tests.badinputs.cli_cases import CASES as CLI_CASES
 from tests.badinputs.inventory_cases import CASES as INVENTORY_CASES
 from tests.badinputs.keepalive_cases import CASES as KEEPALIVE_CASES
+from tests.badinputs.redteam_cases import CASES as REDTEAM_CASES
 from tests.badinputs.shard_cases import CASES as SHARD_CASES
 from tests.badinputs.stage1_data_cases import CASES as STAGE1_DATA_CASES
 
 CASES: list[Case] = [*CLI_CASES, *INVENTORY_CASES, *STAGE1_DATA_CASES, *CHECKPOINT_CASES, *SHARD_CASES,
-                     *KEEPALIVE_CASES]
+                     *KEEPALIVE_CASES, *REDTEAM_CASES]
 JOB_FIXTURES = Path(__file__).with_name("jobfixtures")
 CHILD_TIMEOUT_S = 60
 # The trainer cases run a real step in this process: on a loaded 2-core machine two intra-op

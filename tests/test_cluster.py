@@ -38,7 +38,12 @@ def test_two_nodes_each_with_own_port_address_spool_and_gpus(tmp_path: Path) -> 
     assert spool.endswith("/spool/d/%n")
     assert any(ln.startswith("SlurmdLogFile=") and ln.endswith("/slurmd-%n.log") for ln in lines)
     assert "SlurmdTimeout=12" in lines and any(ln.endswith(",cred_expire=12") for ln in lines)
-    assert "PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP" in lines
+    import grp
+
+    # the user's own cluster: only the user's group runs jobs, no one else sees them
+    group = grp.getgrgid(os.getgid()).gr_name
+    assert f"PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP AllowGroups={group}" in lines
+    assert "PrivateData=jobs,accounting,usage,users" in lines
     first_job = next(ln for ln in lines if ln.startswith("FirstJobId="))
     assert 100_000 <= int(first_job.split("=")[1]) < 1_000_000
 

@@ -32,6 +32,17 @@ def test_resume_a_finished_run_to_40_steps(slurm_cluster, tmp_path: Path) -> Non
     assert second.returncode == 0, second.stderr
     job2 = second.stdout.strip()
     assert job2 != job1
+    # One trainer per run folder: while job2 is queued or running, neither another resume nor a
+    # new job with the same --out is queued (each one line, nothing submitted).
+    again = run_launch(["resume", job1, "--steps", "60", "--parsable", "--no-preflight"], env)
+    same_out = run_launch(["submit", "stage1", "--preset", "tiny", "--parsable", "--no-preflight", "--arg",
+                           f"out={run_dir}", "--arg", "steps=60", *TINY], env)
+    for refused in (again, same_out):
+        assert refused.returncode != 0 and refused.stdout == "", refused.stdout + refused.stderr
+        assert f": error: run folder {run_dir} is in use by job {job2} (" in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    elsewhere = run_launch(["resume", job1, "--arg", f"out={tmp_path / 'elsewhere'}", "--parsable"], env)
+    assert elsewhere.returncode != 0 and "a resume continues job" in elsewhere.stderr, elsewhere.stderr
     assert wait_for_state(job2, env, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=500) == "COMPLETED", \
         run_launch(["logs", job2, "--tail", "30"], env).stdout
     log = run_launch(["logs", job2], env).stdout
@@ -62,6 +73,13 @@ def test_resume_a_finished_run_to_40_steps(slurm_cluster, tmp_path: Path) -> Non
     assert set(modes.values()) == {0o644}, modes  # model.safetensors like the rest
 
     status = run_launch(["status", job2], env).stdout
+    # job2's trainer wrote the run folder's outcome.json (job1's folder): job1 still reads as it ended
+    first_status = run_launch(["status", job1, "--json"], env)
+    assert first_status.returncode == 0, first_status.stderr
+    import json
+
+    outcome = json.loads(first_status.stdout).get("outcome") or {}
+    assert (outcome.get("state"), outcome.get("step")) == ("completed", 20), first_status.stdout
     assert f"run: {run_dir} (jobs {job1}, {job2})" in status, status
     assert "COMPLETED" in status.splitlines()[1]
     listing = run_launch(["list"], env).stdout

@@ -35,3 +35,11 @@ def test_sample_target_loads_and_fits_the_walk_through(tmp_path: Path, capsys) -
 
     cfg = parse_args(["--init-from", str(model_dir), "--data", str(chat)])  # what submit checks
     assert cfg.init_from == str(model_dir)
+
+    # a second `make sample-target` onto the same directory: refused, the model untouched
+    before = {p: p.read_bytes() for p in (tmp_path / "t").rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["--out", str(tmp_path / "t")]) == 2
+    assert capsys.readouterr().err == (f"sample_target: error: {model_dir} already exists: nothing written; remove it "
+                                       "or give another --out (make sample-target SAMPLE_TARGET_DIR=DIR)\n")
+    assert {p: p.read_bytes() for p in (tmp_path / "t").rglob("*") if p.is_file()} == before

@@ -1,7 +1,7 @@
 """outcome.json: how a trainer's run ended, written by the job and read by the launcher.
 
 {"state": "completed" | "failed" | "cancelled", "step": N, "error": "one line" | null,
- "trainer": "stage1", "time": unix seconds}. Written atomically by the trainer's main rank when
+ "trainer": "stage1", "time": unix seconds, "job": the Slurm job that wrote it | null}. Written atomically by the trainer's main rank when
 the run ends, however it ends short of SIGKILL; the full traceback, if any, stays in the log.
 """
 
@@ -24,18 +24,28 @@ def write_outcome(run_dir: str | os.PathLike[str], state: str, step: int, error:
     if state not in STATES:
         raise ValueError(f"state must be one of {STATES}, got {state!r}")
     path = Path(run_dir) / OUTCOME
-    record = {"state": state, "step": step, "error": error, "trainer": trainer, "time": time.time()}
+    record = {"state": state, "step": step, "error": error, "trainer": trainer, "time": time.time(), "job": slurm_job()}
     atomic_write_text(path, json.dumps(record) + "\n")
     return path
 
 
-def read_outcome(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The run's outcome record, None when there is none (still running, or killed by SIGKILL)."""
+def slurm_job() -> str | None:
+    """The Slurm job this process belongs to, as the launcher records it (array jobs: `A_T`)."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
+def read_outcome(run_dir: str | os.PathLike[str], job: str | None = None) -> dict[str, Any] | None:
+    """The run's outcome record, None when there is none (still running, or killed by SIGKILL).
+    With `job`: None also when another job wrote it (a later resume's trainer writes the run
+    folder's outcome.json, which is the first job's folder)."""
     try:
         rec = json.loads((Path(run_dir) / OUTCOME).read_text())
     except (OSError, ValueError):
         return None
-    return rec if isinstance(rec, dict) and rec.get("state") in STATES else None
+    if not isinstance(rec, dict) or rec.get("state") not in STATES:
+        return None
+    return None if job and rec.get("job") and str(rec["job"]) != job else rec
 
 
 def describe(outcome: dict[str, Any]) -> str:

@@ -345,6 +345,9 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     if (proxmox or memory > 0) and memory < 16:
         raise InventoryError(f"{host}: ct_memory_mb={memory} is out of range (16.. as Proxmox allows"
                              f"{'' if proxmox else ', or 0 for no limit'})")
+    constrain = hv.get("slurm_constrain_devices", "auto")
+    if str(constrain).lower() not in ("auto", "yes", "no", "true", "false"):  # 1, maybe: the role would stop late
+        raise InventoryError(f"{host}: slurm_constrain_devices={constrain!r} is not one of auto, yes, no")
     if _unprivileged(hv, phv) and str(hv.get("slurm_constrain_devices", "auto")).lower() in ("yes", "true"):
         raise InventoryError(f"{host}: slurm_constrain_devices=yes cannot work in an unprivileged CT (slurmd's "
                              "cgroup-device eBPF program fails with EPERM there); use auto, or ct_unprivileged: false")
@@ -355,7 +358,7 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     for index in gpus:
         high = expected - 1 if expected else 63
         _int(host, "ct_gpus", index, 0, high)
-    if len(set(map(int, gpus))) != len(gpus):
+    if len({int(g) for g in gpus}) != len(gpus):  # by value: 3 and "03" are one GPU
         raise InventoryError(f"{host}: ct_gpus={gpus} lists a GPU twice")
     mode = str(hv.get("ct_scratch_mode", "1777"))
     if mode not in SCRATCH_MODES:
@@ -404,6 +407,11 @@ def _pinned_venv(host: str, hv: dict) -> None:
 # The userspace installer's defaults (the URLs the role downloads from), read from the role itself.
 _USERSPACE_DEFAULTS = Path(__file__).resolve().parents[1] / "roles" / "nvidia_userspace" / "defaults" / "main.yml"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _same_path(a: object, b: object) -> bool:
+    """Two path strings that name one directory: /scratch/a and /scratch/a/ (and //scratch/./a)."""
+    return isinstance(a, str) and isinstance(b, str) and os.path.normpath(a) == os.path.normpath(b)
 
 
 def _truthy(value: object) -> bool:
@@ -469,7 +477,7 @@ def check(inventory_path: str, limit: str | None = None) -> None:
             raise InventoryError(f"{host}: container of {parent} but not in group {parent}_containers")
         siblings = sorted(h for h in groups.get(f"{parent}_containers", []) if h < host)
         for gpu in hosts[host].get("ct_gpus", []):
-            other = next((h for h in siblings if str(gpu) in map(str, hosts[h].get("ct_gpus") or [])), None)
+            other = next((h for h in siblings if int(gpu) in {int(g) for g in hosts[h].get("ct_gpus") or []}), None)
             if other is not None:
                 raise InventoryError(f"{host}: ct_gpus has GPU {gpu}, which {other} has too; "
                                      "a GPU passes through to one container")
@@ -477,7 +485,7 @@ def check(inventory_path: str, limit: str | None = None) -> None:
         # CT cannot both own it (each run would take it from the other).
         scratch = hosts[host].get("ct_scratch_host_path")
         mine = _unprivileged(hosts[host], hosts[parent])
-        other = next((h for h in siblings if scratch and hosts[h].get("ct_scratch_host_path") == scratch
+        other = next((h for h in siblings if scratch and _same_path(hosts[h].get("ct_scratch_host_path"), scratch)
                       and _unprivileged(hosts[h], hosts[parent]) != mine), None)
         if other is not None:
             raise InventoryError(f"{host}: ct_scratch_host_path={scratch} is also {other}'s, and one of the two is "

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import grp
 import json
 import os
 import secrets
@@ -301,6 +302,12 @@ class EmbeddedCluster:
                       *spools, self.state_dir / "munge", self.state_dir / "mysql"):
                 d.mkdir(parents=True, exist_ok=True)
             os.chmod(self.state_dir, 0o755)
+            # The cluster is the user's own: munged's socket (run/) and what the daemons keep
+            # (logs, spools, the database) only for the user and root. Without the socket another
+            # uid gets no munge credential, so it can neither submit, query accounting nor cancel.
+            for d in (self.run_dir, self.log_dir, self.state_dir / "spool", self.state_dir / "munge",
+                      self.state_dir / "mysql"):
+                os.chmod(d, 0o700)
         except OSError as exc:
             raise LaunchError(f"cannot create the cluster's state in {self.state_dir} ({exc.strerror}: {exc.filename}); "
                               "give a writable --state-dir or LAUNCH_HOME") from None
@@ -428,6 +435,9 @@ class EmbeddedCluster:
             slurmctld_port=ports["slurmctld"], slurmd_port=nodes[0]["port"],
             slurmdbd_host="127.0.0.1", slurmdbd_port=ports["slurmdbd"], dbd_host=controller,
             slurm_user="root", munge_socket=str(self.munge_socket),
+            # The user's own cluster: only the user's group may run jobs in its partition (root
+            # always may), and no one else sees its jobs, accounting, usage or users.
+            allow_groups=grp.getgrgid(os.getgid()).gr_name, private_data="jobs,accounting,usage,users",
             state_save_dir=str(self.state_dir / "spool" / "ctld"),
             slurmd_spool_dir=str(self.state_dir / "spool" / "d"),
             # Several slurmds on one host: each its own spool, pid and log file (%n = node name).

@@ -134,6 +134,25 @@ def bf16_module(step: str) -> Callable[[Path], None]:
     return mutate
 
 
+def replaced(step: str, file: str, value: object) -> Callable[[Path], None]:
+    """`file` of checkpoint `step` holding plain `value` (another layout's, or another trainer's),
+    with a manifest that verifies."""
+    def mutate(ckpts: Path) -> None:
+        import torch
+
+        torch.save(value, ckpts / step / file)
+        _rehash(ckpts / step, file)
+
+    return mutate
+
+
+def _out_a_symlink(tmp: Path) -> None:
+    finished_run(tmp)
+    (tmp / "real").mkdir()
+    (tmp / "real" / "NOTES.md").write_text("mine\n")
+    (tmp / "dest").symlink_to(tmp / "real", target_is_directory=True)
+
+
 def as_deepspeed_layout(step: str) -> Callable[[Path], None]:
     """The checkpoint's files moved to where a DeepSpeed ZeRO-2 run keeps its state (deepspeed/, no
     model.pt / optim.pt), with a manifest that verifies: what a plain-torch resume finds after a
@@ -305,6 +324,12 @@ CASES = [
     Case("checkpoint", "export-dest-not-empty", [*EXPORT, "--out", "{tmp}/dest"],
          r"--out \S*dest exists and is not an export \(it holds notes\.txt\): nothing written; give a new or empty "
          "directory", setup=_destination_with({"notes.txt": "mine\n"})),
+    Case("checkpoint", "export-dest-a-symlink", [*EXPORT, "--out", "{tmp}/dest"],
+         r"--out \S*dest is a symbolic link \(to \S*real\): nothing written; give the directory itself",
+         setup=_out_a_symlink),
+    Case("checkpoint", "export-other-layout-optimizer", EXPORT,
+         rf"{STEP2}/optim\.pt is not this trainer's optimizer state \(it holds state, param_groups, no 'optimizer'\)",
+         setup=broken(bf16_module(STEP2), replaced(STEP2, "optim.pt", {"state": {}, "param_groups": []}))),
     Case("checkpoint", "export-dest-a-file", [*EXPORT, "--out", "{tmp}/run/metrics.jsonl"],
          r"--out \S*metrics\.jsonl exists and is not a directory: nothing written", setup=broken()),
 ]

@@ -23,6 +23,9 @@ edges, the estimated efficiency and the sorted / random baselines (one length pe
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -242,19 +245,35 @@ def format_table(rows: list[tuple[str, BatchStats, float, str]]) -> str:
     return "\n".join(lines)
 
 
+MAX_LENGTHS_BYTES = 256 << 20
+
+
 def read_lengths(path: str | Path) -> np.ndarray:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: no such file")
     if path.is_dir():
         raise ValueError(f"{path}: a directory, not a lengths file")
+    # A FIFO would block and /dev/zero never end: a regular file only, and bounded.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
+    with open(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path}: not a regular file (a FIFO, device or socket); give a lengths file")
+        if info.st_size > MAX_LENGTHS_BYTES:
+            raise ValueError(f"{path}: {info.st_size >> 20} MiB, over the {MAX_LENGTHS_BYTES >> 20} MiB a lengths file "
+                             "may have; sample the lengths (a few million are plenty)")
+        raw = f.read(MAX_LENGTHS_BYTES + 1)
     if path.suffix == ".npy":
         try:
-            return _as_lengths(np.load(path))  # allow_pickle stays False: a length file never needs objects
+            return _as_lengths(np.load(io.BytesIO(raw)))  # allow_pickle stays False: a length file never needs objects
         except (ValueError, OSError) as exc:
             raise ValueError(f"{path}: not a .npy array of lengths ({str(exc).split('. ')[0]})") from None
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not UTF-8 text (one length per line) and not a .npy array") from None
     values = []

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.fsutil import atomic_write_text, fsync_path, sha256_file
+from toolkit.fsutil import atomic_write_text, disk_full, fsync_path, sha256_file
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -167,13 +167,13 @@ class CheckpointManager:
     def _write_failed(self, name: str, tmp: Path, exc: BaseException) -> BaseException:
         """A full (or failing) disk while a checkpoint is written: the partial one goes (it is
         never read, and its space lets outcome.json be written), the earlier ones stay."""
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
+        try:  # measured before the partial checkpoint goes: its deletion frees the space it filled
             st = os.statvfs(self.root)
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = -1
-        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or 0 <= free < (1 << 20)
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_full(exc) or 0 <= free < (1 << 20)
         if not full and not isinstance(exc, OSError):
             return exc  # not a storage problem: the trainer's own error, unchanged
         kept = [p.name for p in self.step_dirs()]

@@ -19,10 +19,12 @@ process group at all.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -123,6 +125,25 @@ def node_layout() -> tuple[int, int]:
                                                          or os.environ.get("SLURM_NNODES") or 1)
 
 
+def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: float = 600) -> dist.Store:
+    """The job's rendezvous: rank 0's TCPStore listening on `addr` alone (the master node's
+    address, 127.0.0.1 on one node), not on every address as torch's own would, and every key
+    under the job's secret prefix (LAUNCH_RENDEZVOUS_TOKEN, made in the job): a local user who
+    connects to the port can neither read nor set the job's keys."""
+    fd = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        server = socket.socket(family, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((addr, port))
+        server.listen(max(world, 16))
+        fd = server.detach()  # the store owns the listening socket from here
+    store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+                          master_listen_fd=fd, wait_for_workers=False)
+    token = os.environ.get("LAUNCH_RENDEZVOUS_TOKEN") or os.environ.get("SLURM_JOB_ID") or "local"
+    return dist.PrefixStore(f"job-{token}", store)  # keys: job-<token>/<key>
+
+
 def init_distributed(device: torch.device, force_group: bool = False) -> DistInfo:
     """Initialise torch.distributed (gloo on CPU, nccl on CUDA) if world size > 1 or forced.
 
@@ -142,7 +163,8 @@ def init_distributed(device: torch.device, force_group: bool = False) -> DistInf
     )
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
+    dist.init_process_group(backend=backend, store=rendezvous_store(addr, port, rank, world), rank=rank,
+                            world_size=world)
     return DistInfo(rank, world, local_rank, addr, port, backend, True, node_rank, num_nodes)
 
 

@@ -41,18 +41,50 @@ def checkpoint_dir(path: str | os.PathLike[str], what: str = "checkpoint") -> Pa
     return p
 
 
-def check_init_from(path: str | os.PathLike[str] | None, flag: str = "--init-from") -> None:
+def check_init_from(path: str | os.PathLike[str] | None, flag: str = "--init-from",
+                    model_types: tuple[str, ...] | None = None) -> None:
     """At parse time (so `launch submit` says it in one line, before anything is queued): the
-    checkpoint a run starts from is a local transformers directory whose config.json loads."""
+    checkpoint a run starts from is a local transformers directory whose config.json loads, of
+    one of `model_types` (when given), and whose safetensors files are whole (their headers read
+    and cover each file; a truncated copy fails here, not as a traceback in the job)."""
     if not path:
         return
     from train.common.config import ConfigError
 
     try:
-        load_config(path)
+        config = load_config(path)
+        if model_types and getattr(config, "model_type", None) not in model_types:
+            raise HFLocalError(f"checkpoint {Path(path)}: a {getattr(config, 'model_type', None)!r} model "
+                               f"({', '.join(getattr(config, 'architectures', None) or ['no architectures'])}), "
+                               f"not {' or '.join(map(repr, model_types))}: this trainer cannot start from it")
+        check_weight_files(path)
     except HFLocalError as exc:
         said = str(exc).removeprefix(f"checkpoint {Path(path)}: ").removeprefix(f"checkpoint {Path(path)} ")
         raise ConfigError(f"{flag} {path}: {said}") from None
+
+
+def check_weight_files(path: str | os.PathLike[str]) -> None:
+    """Every *.safetensors file of DIR has a header that reads and covers the file, and an index
+    (model.safetensors.index.json) names only files that are there. Header reads only: cheap."""
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            named = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError) as exc:
+            raise HFLocalError(f"checkpoint {p}: {index.name} does not load ({_one_line(exc)})") from None
+        absent = sorted(n for n in named if not (p / n).is_file())
+        if absent:
+            raise HFLocalError(f"checkpoint {p}: {index.name} names {absent[0]}, which is not there "
+                               f"({len(absent)} file(s) missing)")
+    for file in sorted(p.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise HFLocalError(f"checkpoint {p}: {file.name} is damaged or truncated ({_one_line(exc)})") from None
 
 
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:

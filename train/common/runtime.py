@@ -32,10 +32,33 @@ import torch
 from toolkit.fsutil import atomic_write_text
 from toolkit.metrics import Schema
 from toolkit.outcome import write_outcome
+from toolkit.runlock import RunFolderBusy, acquire, release
 from train.common.checkpoint import CheckpointManager
 from train.common.config import ConfigError
 from train.common.distributed import DistInfo, init_distributed, shutdown_distributed
 from train.common.metrics import MetricsLogger
+
+
+def _lock_run_folder(out_dir: Path, dist_info: DistInfo, logger_rank: int) -> int | None:
+    """The logging rank takes the run folder's lock (toolkit.runlock); every rank learns whether
+    it could, so a refused job ends at once on all of them with the same line."""
+    fd, error = None, None
+    if dist_info.rank == logger_rank:
+        try:
+            fd = acquire(out_dir)
+        except RunFolderBusy as exc:
+            error = str(exc)
+        except OSError as exc:
+            error = f"--out {out_dir}: cannot lock the run folder ({exc.strerror or exc})"
+    if dist_info.world_size > 1 and torch.distributed.is_initialized():
+        shared = [error]
+        torch.distributed.broadcast_object_list(shared, src=logger_rank)
+        error = shared[0]
+    if error:
+        release(fd)
+        shutdown_distributed(dist_info)
+        raise ConfigError(error)
+    return fd
 
 
 class Cancelled(Exception):
@@ -89,8 +112,15 @@ class Runtime:
             device = torch.device("cuda", dist_info.local_rank)
         logger_rank = dist_info.world_size - 1 if log_rank is None else log_rank
         is_logger = dist_info.rank == logger_rank
-        log = MetricsLogger(out_dir, schema, tasks, enabled=is_logger, tensorboard=tensorboard,
-                            wandb_project=wandb_project)
+        # One trainer per run folder, before anything is written in it (metrics, checkpoints,
+        # outcome.json): a refused run leaves the holder's files as they are.
+        lock = _lock_run_folder(out_dir, dist_info, logger_rank)
+        try:
+            log = MetricsLogger(out_dir, schema, tasks, enabled=is_logger, tensorboard=tensorboard,
+                                wandb_project=wandb_project)
+        except BaseException:
+            release(lock)
+            raise
         rt = cls(name, schema, device, dist_info, out_dir, log, is_logger, max_bad_steps)
         previous = rt._catch_sigterm()
         try:
@@ -107,6 +137,7 @@ class Runtime:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             log.close()
+            release(lock)
             shutdown_distributed(dist_info)
 
     # --- ranks

@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not out.is_dir():
         print(f"sample_target: error: --out {out} is a file; give a directory", file=sys.stderr)
         return 2
+    there = [p for p in (out / "model", out / "chat.jsonl") if p.exists() or p.is_symlink()]
+    if there:  # a model someone may have trained or edited: never replaced without a word
+        print(f"sample_target: error: {there[0]} already exists: nothing written; remove it or give another --out "
+              "(make sample-target SAMPLE_TARGET_DIR=DIR)", file=sys.stderr)
+        return 2
     model = make_target(out / "model")
     chat = write_conversations(out / "chat.jsonl", args.conversations)
     print(f"target:        {model}")

@@ -100,7 +100,27 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     check_init_from(cfg.init_from)  # last: loading its config.json takes transformers (and torch)
+    check_mask_token(cfg)
     return cfg
+
+
+def check_mask_token(cfg: DFlashConfig) -> None:
+    """At submit: an id is a row of an embedding (>= 0), and of the target's when its config is
+    here (--init-from); a token is checked against the tokenizer when the run starts."""
+    spec = cfg.mask_token.strip()
+    if not spec.lstrip("-").isdigit():
+        return
+    mask = int(spec)
+    vocab = None
+    if cfg.init_from:
+        from train.common.hf_local import load_config
+
+        text = load_config(cfg.init_from)
+        text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        vocab = getattr(text, "vocab_size", None)
+    if mask < 0 or (vocab is not None and mask >= vocab) or mask >= 1 << 31:
+        rows = f"the target's {vocab}-row embedding" if vocab is not None else "an embedding (ids are >= 0)"
+        raise ConfigError(f"--mask-token {spec}: id {mask} is not a row of {rows}")
 
 
 def check_tasks(cfg: DFlashConfig, tasks: int) -> None:

@@ -27,14 +27,13 @@ python/sglang/srt/speculative/dflash_utils.py `parse_dflash_draft_config`) and v
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from toolkit.fsutil import atomic_write_bytes, atomic_write_text, fsync_path
+from toolkit.fsutil import atomic_write_bytes, atomic_write_text, check_destination, publish_dir
 from train.common.checkpoint import CheckpointError, CheckpointManager, load_state, step_dir_name, verify
 from train.dflash.model import FULL, SLIDING, Drafter, DrafterConfig
 
@@ -141,6 +140,7 @@ def write_export(drafter: Drafter, out: Path, dtype: torch.dtype = torch.bfloat1
 
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     out = Path(out)
+    check_destination(out, lambda d: (d / CONFIG).is_file() and (d / WEIGHTS).is_file())
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -148,10 +148,7 @@ def write_export(drafter: Drafter, out: Path, dtype: torch.dtype = torch.bfloat1
     atomic_write_bytes(tmp / WEIGHTS, save(weights, metadata={"format": "pt"}))
     atomic_write_text(tmp / CONFIG, json.dumps(hf_config(drafter.cfg, name), indent=2) + "\n")
     atomic_write_text(tmp / "README.md", readme(drafter.cfg))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    fsync_path(out.parent)
+    publish_dir(tmp, out)  # an earlier export replaced, the user's other files in it kept
     return out
 
 

@@ -156,6 +156,8 @@ def load_records(path: str | Path, vocab: int, max_len: int | None = None, token
                         else np.ones(ids.shape, dtype=np.uint8))
         except DatasetError:
             raise
+        except RecursionError:
+            raise DatasetError(f"{where}: malformed record (JSON nested too deeply)") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DatasetError(f"{where}: malformed record ({type(exc).__name__}: {exc}); expected "
                                '{"id", "input_ids": [int, ...]} or {"id", "conversations": [...]}') from None

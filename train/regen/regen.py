@@ -67,6 +67,8 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
                 raise ValueError("no assistant turn to regenerate")
         except (json.JSONDecodeError, AttributeError, ValueError) as exc:
             raise DatasetError(f"{path}:{n}: malformed conversation ({exc})") from None
+        except RecursionError:
+            raise DatasetError(f"{path}:{n}: malformed conversation (JSON nested too deeply)") from None
         out.append({"id": rec.get("id", n - 1), "conversations": turns})
     if not out:
         raise DatasetError(f"{path}: no conversations")

@@ -131,7 +131,7 @@ def check_tasks(cfg: Stage1Config, tasks: int) -> None:
 
 
 def validate(cfg: Stage1Config) -> None:
-    check_init_from(cfg.init_from)
+    check_init_from(cfg.init_from, model_types=("qwen3_5", "qwen3_5_text"))
     if cfg.tensorboard:
         require_sink("tensorboard")
     if cfg.wandb_project:
@@ -149,6 +149,8 @@ def validate(cfg: Stage1Config) -> None:
         raise ConfigError("--ckpt-every, --max-bad-steps and --act-ckpt must be >= 0")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
+    if not 0 <= cfg.min_lr_ratio <= 1:  # below 0 the cosine tail is a negative lr: gradient ascent; nan fails too
+        raise ConfigError(f"--min-lr-ratio must be between 0 and 1 (a fraction of --lr), got {cfg.min_lr_ratio}")
     if not 0 <= cfg.max_bad_fraction <= 1:  # nan fails too: it would tolerate every bad record
         raise ConfigError(f"--max-bad-fraction must be between 0 and 1, got {cfg.max_bad_fraction}")
     if cfg.weights is not None:

@@ -127,6 +127,8 @@ def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -
                         rec = json.loads(line)
                     except json.JSONDecodeError as exc:
                         raise MalformedRecord(f"invalid JSON ({exc.msg})") from None
+                    except RecursionError:  # [[[[...]]]] thousands deep: the parser's stack, not a record
+                        raise MalformedRecord("invalid JSON (nested too deeply)") from None
                     _check_record(task, rec)
                 except MalformedRecord as exc:
                     man.bad.append(f"{path}:{line_no}: {exc}")

@@ -19,6 +19,7 @@ calls at the end of a run.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from toolkit.fsutil import atomic_write_text
+from toolkit.fsutil import atomic_write_text, disk_full, free_space, publish_dir
+from toolkit.fsutil import check_destination as fs_check_destination
 from train.common.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -109,7 +111,12 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> str:
         low = {v.dtype for v in state.values() if v.is_floating_point()} - {torch.float32}
         optim = ckpt / "optim.pt"
         if low and optim.is_file():
-            masters = load_state(optim)["optimizer"].get("fp32_masters")
+            saved = load_state(optim)
+            if not isinstance(saved, dict) or not isinstance(saved.get("optimizer"), dict):
+                keys = ", ".join(map(str, saved)) if isinstance(saved, dict) else type(saved).__name__
+                raise ExportError(f"{optim} is not this trainer's optimizer state (it holds {keys[:120]}, no "
+                                  "'optimizer'): written by another layout or trainer; nothing written")
+            masters = saved["optimizer"].get("fp32_masters")
             if masters is not None:
                 state = _strip(state, names)
                 # the masters are in the order of the trained parameters (train.common.master_weights)
@@ -164,41 +171,39 @@ def export_checkpoint(job_dir: Path, step: int | None = None, out: Path | None =
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    for f in files.iterdir():
-        if f.is_file() and f.name not in ("config.json", "stage1.json") and not (tmp / f.name).exists():
-            shutil.copy2(f, tmp / f.name)
-    has_tokenizer = (tmp / "tokenizer.json").is_file()
-    atomic_write_text(tmp / "README.md", _readme(info, ckpt, step_no, what, cls.__name__, config, has_tokenizer))
-    # One mode for every file, as the exporting user's umask gives a new file: transformers writes
-    # the weights 0600 through a temp file, and the tokenizer/processor files copied from the run
-    # keep the job's private 0600 (jobs run under umask 077).
-    mask = os.umask(0)
-    os.umask(mask)
-    for f in tmp.iterdir():
-        if f.is_file():
-            f.chmod(0o666 & ~mask)
-    if out.exists():
-        old = out.with_name(f".old-{out.name}-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for f in files.iterdir():
+            if f.is_file() and f.name not in ("config.json", "stage1.json") and not (tmp / f.name).exists():
+                shutil.copy2(f, tmp / f.name)
+        has_tokenizer = (tmp / "tokenizer.json").is_file()
+        atomic_write_text(tmp / "README.md", _readme(info, ckpt, step_no, what, cls.__name__, config, has_tokenizer))
+        # One mode for every file, as the exporting user's umask gives a new file: transformers writes
+        # the weights 0600 through a temp file, and the tokenizer/processor files copied from the run
+        # keep the job's private 0600 (jobs run under umask 077).
+        mask = os.umask(0)
+        os.umask(mask)
+        for f in tmp.iterdir():
+            if f.is_file():
+                f.chmod(0o666 & ~mask)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if disk_full(exc):
+            raise ExportError(f"cannot write the export next to {out}: {os.strerror(errno.ENOSPC)} "
+                              f"({free_space(out.parent)} free); nothing written, {out} is as it was") from None
+        raise
+    publish_dir(tmp, out)
     return out
 
 
 def check_destination(out: Path) -> None:
-    """ExportError unless `out` is absent, empty, or an earlier export (replaced): never a user's files."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ExportError(f"--out {out} exists and is not a directory: nothing written")
-    names = sorted(p.name for p in out.iterdir())
-    readme = out / "README.md"
-    if names and not (readme.is_file() and readme.read_text(errors="replace").startswith(README_TITLE)):
-        raise ExportError(f"--out {out} exists and is not an export (it holds {', '.join(names[:3])}"
-                          f"{', ...' if len(names) > 3 else ''}): nothing written; give a new or empty directory")
+    """DestinationError unless `out` is absent, empty, or an earlier export (replaced, the user's
+    other files kept): never a user's own directory, never through a symbolic link."""
+    def is_export(d: Path) -> bool:
+        readme = d / "README.md"
+        return readme.is_file() and readme.read_text(errors="replace").startswith(README_TITLE)
+
+    fs_check_destination(out, is_export)
 
 
 def _readme(info: dict[str, Any], ckpt: Path, step: int, what: str, cls: str, config: Any,

@@ -28,9 +28,10 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3_5VisionConfig,
 )
+from transformers.utils import logging as hf_logging
 
 from train.common.codebooks import CodebookConfig, CodebookVocab, extend_embeddings
-from train.common.hf_local import load_config
+from train.common.hf_local import HFLocalError, load_config
 from train.common.shapes import SHAPES, ModelShape, VisionShape, get_shape
 
 __all__ = ["SHAPES", "ModelSpec", "build_model", "get_shape", "text_config", "vision_config", "multimodal_config",
@@ -144,9 +145,28 @@ def build_model(
         if vision and getattr(hf_config, "vision_config", None) is None:
             raise ValueError(f"--init-from {path}: the checkpoint has no vision tower (no vision_config in its "
                              "config.json); train it with --vision off")
-        model = model_cls.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, attn_implementation=attn_implementation
-        )
+        # transformers' load report (a table of MISSING weights on stderr) is replaced by the one
+        # line below: the user sees what to do, not a table that scrolls past.
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        try:
+            model, info = model_cls.from_pretrained(
+                path, local_files_only=True, dtype=torch.float32, attn_implementation=attn_implementation,
+                output_loading_info=True,
+            )
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
+        # A weight the checkpoint lacks is random init in a model that reads as "initialised from"
+        # it (a half-copied checkpoint: every GDN layer re-initialised): refused, not trained.
+        missing = sorted(set(info.get("missing_keys") or ()) | {k[0] if isinstance(k, tuple) else k
+                                                                 for k in info.get("mismatched_keys") or ()})
+        if missing:
+            raise HFLocalError(f"--init-from {path}: {len(missing)} of the model's weights are not in the checkpoint "
+                             f"or do not fit it (e.g. {missing[0]}); they would start from random init: give a "
+                             "complete checkpoint of this model")
         loaded_vocab = model.get_input_embeddings().weight.shape[0]
         if loaded_vocab not in (cfg.base_vocab, vocab.padded_vocab):
             raise ValueError(

@@ -1,0 +1,95 @@
+"""Fixes for the red team's silent cases of issue 39 that are not a refusal (the refusals are
+rows of the bad-input corpus, tests/badinputs/redteam_cases.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+JOB_FIXTURES = Path(__file__).with_name("jobfixtures")
+
+
+def test_list_presets_shows_a_specs_terminal_escapes_escaped(tmp_path: Path, monkeypatch, capsys) -> None:
+    from launch.cli import main
+
+    monkeypatch.syspath_prepend(str(JOB_FIXTURES))
+    monkeypatch.setenv("LAUNCH_HOME", str(tmp_path / "home"))
+    spec = tmp_path / "job.yaml"
+    spec.write_text('name: demo\nentrypoint: fixture_entry\nresources: {nodes: 1, gpus_per_node: 0, cpus_per_task: 1, '
+                    'time: "00:05:00"}\npresets:\n  small: {description: "ok\\x1b]0;owned\\x07\\x1b[2J\\rgone", '
+                    'args: {sleep: 0}}\n')
+    assert main(["submit", str(spec), "--list-presets"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out
+    assert "ok\\x1b]0;owned\\x07\\x1b[2J\\rgone" in out
+
+
+def test_make_wheelhouse_refuses_a_bad_python_or_a_missing_lock_in_one_line(tmp_path: Path, capsys) -> None:
+    from images.make_wheelhouse import main
+
+    for argv, said in ((["--python", "3", "--glibc", "2.39"], "python=3 is not a CPython version such as 3.12"),
+                       (["--python", "3.12", "--glibc", "x"], "glibc=x is not a glibc version such as 2.39"),
+                       (["--lock", str(tmp_path / "nope.lock"), "--out", str(tmp_path / "wh")],
+                        f"lock={tmp_path / 'nope.lock'}: no such file")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"make wheelhouse: {said}") and err.count("\n") == 1, err
+    assert not (tmp_path / "wh").exists()
+
+
+def test_a_cache_or_scratch_dir_another_uid_made_is_refused_in_the_job(tmp_path: Path, monkeypatch) -> None:
+    """TRITON_CACHE_DIR pre-made by another uid (its compiled kernels would run as the user) and a
+    scratch under a world-writable, non-sticky directory: the job's setup refuses each in one line;
+    the user's own directories pass."""
+    import os
+
+    import pytest
+
+    from launch.errors import LaunchError
+    from launch.runner import prepare_node_local_dirs
+
+    for var in ("LAUNCH_SCRATCH", "TRITON_CACHE_DIR", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    theirs = tmp_path / "triton"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(theirs))
+    with pytest.raises(LaunchError, match=rf"TRITON_CACHE_DIR={theirs}: {theirs} belongs to uid 65534, another user; "
+                                          "code cached there would run as you"):
+        prepare_node_local_dirs()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("LAUNCH_SCRATCH", str(shared / "job"))
+    with pytest.raises(LaunchError, match=r"LAUNCH_SCRATCH=\S+: \S*shared is writable by other users \(mode 777"):
+        prepare_node_local_dirs()
+    shared.chmod(0o1777)  # sticky, as /tmp: nobody else can rename the job's directory
+    prepare_node_local_dirs()
+    assert (shared / "job").is_dir() and (tmp_path / "mine").is_dir()
+
+
+def test_the_rendezvous_store_listens_on_its_address_alone_and_hides_its_keys(monkeypatch) -> None:
+    """Rank 0's TCPStore: its listening socket is on the given address (127.0.0.1 here), not on
+    every address; a client without the job's token sees none of the job's keys."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from train.common.distributed import rendezvous_store
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("LAUNCH_RENDEZVOUS_TOKEN", "s3cret")
+    store = rendezvous_store("127.0.0.1", port, 0, 1)
+    store.set("rank0", "here")
+    listening = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and int(local.split(":")[1], 16) == port:
+            listening.append(local.split(":")[0])
+    assert listening == ["0100007F"], listening  # 127.0.0.1, not 00000000 (every address)
+    outsider = dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=datetime.timedelta(seconds=5))
+    assert not outsider.check(["rank0"])
+    assert outsider.check(["job-s3cret/rank0"])  # the oracle: the key is there, under the secret prefix

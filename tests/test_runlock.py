@@ -1,0 +1,118 @@
+"""One trainer per run folder (toolkit.runlock), and a run's history kept across its jobs.
+
+The launcher's side against a real queue (a resume or a second `--out` while a job of the run is
+queued or running) is tests/test_resume_slurm.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.stage1_fixtures import FAST_ARGS, make_data
+from toolkit import runlock
+
+REPO = Path(__file__).resolve().parents[1]
+HOLD = ("import sys, time; from toolkit import runlock; runlock.acquire(sys.argv[1], job='4242'); "
+        "print('held', flush=True); time.sleep(120)")
+
+
+@pytest.fixture
+def held(tmp_path: Path):
+    """A run folder whose lock another process (as a trainer of job 4242) holds."""
+    run = tmp_path / "run"
+    run.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "held"
+        yield run, child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_second_trainer_on_a_held_run_folder_is_refused_and_writes_nothing(held, tmp_path: Path, capsys) -> None:
+    from train.stage1.train import main
+
+    run, child = held
+    (run / "metrics.jsonl").write_text('{"event": "step", "step": 3}\n')
+    (run / "outcome.json").write_text('{"state": "completed", "step": 3}\n')
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    data = make_data(tmp_path)
+    capsys.readouterr()
+    rc = main([*FAST_ARGS, "--out", str(run), "--data-dir", str(data), "--steps", "1"], guard=False)
+    err = capsys.readouterr().err.strip()
+    assert rc != 0
+    assert err == (f"train.stage1: error: run folder {run} is in use by job 4242 (pid {child.pid} on {os.uname().nodename}): "
+                   "one trainer writes a run folder at a time; wait for it to end (or cancel it), or give another --out")
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # no metrics, outcome or checkpoint written
+    assert runlock.holder(run) == f"job 4242 (pid {child.pid} on {os.uname().nodename})"
+
+
+def test_the_lock_never_goes_stale_a_killed_holder_frees_it(held) -> None:
+    run, child = held
+    assert runlock.holder(run) is not None
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    deadline = time.monotonic() + 5
+    while runlock.holder(run) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runlock.holder(run) is None
+    fd = runlock.acquire(run, job="7")
+    try:
+        assert json.loads((run / runlock.LOCK).read_text())["job"] == "7"
+        assert (run / runlock.LOCK).stat().st_mode & 0o777 == 0o600
+    finally:
+        runlock.release(fd)
+
+
+def test_a_later_jobs_outcome_in_the_run_folder_leaves_the_first_jobs_status(tmp_path: Path, monkeypatch) -> None:
+    """Job 11 ran in its folder (completed at step 20, as its main task recorded); job 12 resumed
+    the run and its trainer wrote the run folder's outcome.json (failed at step 0): job 11 still
+    reads completed at step 20, job 12's own outcome is its own."""
+    from launch.jobs_cli import job_outcome
+    from launch.registry import JobRecord
+    from toolkit.outcome import read_outcome, write_outcome
+
+    first = tmp_path / "11"
+    first.mkdir()
+    monkeypatch.setenv("SLURM_JOB_ID", "11")
+    write_outcome(first, "completed", 20)
+    (first / "outcome.task0.json").write_text(json.dumps({"state": "completed", "step": 20, "error": None,
+                                                          "task": 0, "time": 1.0}))
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    write_outcome(first, "failed", 0, "boom")  # job 12's trainer, --out the first job's folder
+    rec = JobRecord(job_id="11", name="stage1", preset=None, folder=str(first), submitted_at=0.0, slurm_conf=None,
+                    argv=[])
+    assert (job_outcome(rec, "COMPLETED") or {}).get("state") == "completed"
+    assert (job_outcome(rec, "COMPLETED") or {}).get("step") == 20
+    assert read_outcome(first, job="12")["state"] == "failed"  # the writer's own view
+
+
+def test_an_export_over_an_earlier_one_keeps_the_users_files(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`launch export` twice into one --out, the user's NOTES.md and eval/ added in between: the
+    second export replaces the model files and keeps the user's byte for byte."""
+    from launch.cli import main
+    from tests.badinputs.checkpoint_cases import finished_run
+
+    run = finished_run(tmp_path)
+    monkeypatch.setenv("LAUNCH_HOME", str(tmp_path / "home"))
+    dest = tmp_path / "dest"
+    assert main(["export", str(run), "--job", "stage1", "--step", "1", "--out", str(dest)]) == 0
+    (dest / "NOTES.md").write_text("my notes\n")
+    (dest / "eval").mkdir()
+    (dest / "eval" / "eval.json").write_text('{"acc": 0.5}\n')
+    first_readme = (dest / "README.md").read_text()
+    assert main(["export", str(run), "--job", "stage1", "--out", str(dest)]) == 0
+    assert (dest / "NOTES.md").read_text() == "my notes\n"
+    assert (dest / "eval" / "eval.json").read_text() == '{"acc": 0.5}\n'
+    assert (dest / "README.md").read_text() != first_readme and "step_00000002" in (dest / "README.md").read_text()
+    assert (dest / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".old-", ".tmp-"))]
