@@ -258,3 +258,26 @@ def test_conversations_tokenized_with_the_targets_template_loss_mask_on_assistan
     # Without the tokenizer: one line naming the record.
     assert ex.main(["--out", str(tmp_path / "z"), "--data", str(convs), *SMALL], guard=False) == 1
     assert "chat.jsonl:1: a conversation record needs the target's tokenizer" in capsys.readouterr().err
+
+
+def test_overlapped_shard_writes_equal_inline_ones(tmp_path, data, no_lm_head):
+    """--overlap on (what CUDA runs by default: each shard persisted on a writer thread while the
+    next batch runs through the target) writes the same shards (every tensor equal, the same
+    samples in each) and indexes them alike as the inline writes; --stop-after counts the shards
+    started, as before. (The files differ only in the extraction id, which names the run.)"""
+    inline, overlapped, stopped = tmp_path / "inline", tmp_path / "overlap", tmp_path / "stop"
+    assert _run(inline, data, "--overlap", "off") == 0
+    assert _run(overlapped, data, "--overlap", "on") == 0
+    names = sorted(p.name for p in inline.glob("shard_*.safetensors"))
+    assert names and names == sorted(p.name for p in overlapped.glob("shard_*.safetensors"))
+    for name in names:
+        a, b = read_shard(inline / name), read_shard(overlapped / name)
+        assert a.keys() == b.keys(), name
+        for idx in a:
+            assert a[idx].keys() == b[idx].keys()
+            for key in a[idx]:
+                assert torch.equal(a[idx][key], b[idx][key]), (name, idx, key)
+    got, want = read_index(overlapped), read_index(inline)
+    assert {n: (e.samples, e.lengths) for n, e in got.items()} == {n: (e.samples, e.lengths) for n, e in want.items()}
+    assert _run(stopped, data, "--overlap", "on", "--stop-after", "2") == 0
+    assert len(read_index(stopped)) == 2

@@ -40,6 +40,10 @@ class ExtractConfig:
     sync_check_cmd: str | None = opt(None, help="shell template with {name} printing the copy's sha256 first; "
                                                 "local file deleted on match")
     stop_after: int | None = opt(None, parse=int, help="stop after writing this many shards")
+    overlap: str = opt("auto", choices=("auto", "on", "off"),
+                       help="write each shard (device-to-host copy into pinned memory, checks, write, index, "
+                            "sync) on a background thread while the next batch runs through the target; "
+                            "auto: on CUDA")
     allow_slow_path: bool = opt(False)
 
 

@@ -22,6 +22,7 @@ import hashlib
 import json
 import shlex
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -178,18 +179,26 @@ class Extraction:
     skipped: int = 0
     done_samples: int = 0
     done_tokens: int = 0
+    # the index (mine) is written by the shard writer's thread and by already_done in the main one
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 def extract(cfg: ExtractConfig) -> int:
     """setup -> one shard per plan batch of this rank (skipped when already whole) -> finish."""
     with Runtime.start(ENTRYPOINT, SCHEMAS["extract"], cfg.out, tensorboard=False) as rt:
         job = setup(cfg, rt)
-        for k, batch in enumerate(job.plan):
-            if k % rt.dist.world_size != rt.dist.rank or already_done(job, rt, k, batch):
-                continue
-            if cfg.stop_after is not None and job.written >= cfg.stop_after:
-                break
-            write_one(job, rt, k, batch)
+        writer = ShardWriter(cfg.overlap == "on" or (cfg.overlap == "auto" and rt.device.type == "cuda"))
+        started = 0
+        try:
+            for k, batch in enumerate(job.plan):
+                if k % rt.dist.world_size != rt.dist.rank or already_done(job, rt, k, batch):
+                    continue
+                if cfg.stop_after is not None and started >= cfg.stop_after:
+                    break
+                write_one(job, rt, k, batch, writer)
+                started += 1
+        finally:
+            writer.close()
         finish(job, rt)
     return 0
 
@@ -263,6 +272,11 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
 def already_done(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> bool:
     """A shard of an earlier run: whole and indexed (synced now if asked), or whole but not yet
     indexed (a crash after its rename: adopted)."""
+    with job.lock:
+        return _already_done(job, rt, k, batch)
+
+
+def _already_done(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> bool:
     name, path = shard_name(k), rt.out / shard_name(k)
     entry = job.mine.get(name)
     if entry is not None and (entry.location == "synced" or _whole(path, entry, rt.print)):
@@ -281,26 +295,87 @@ def already_done(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> bool
     return False
 
 
-def write_one(job: Extraction, rt: Runtime, k: int, batch: list[int]) -> None:
-    """Plan batch k through the target, its shard written, indexed, and synced if asked."""
+class ShardWriter:
+    """Shard writes off the critical path: one background thread persists shard k (waits for its
+    device-to-host copies, checks, writes, indexes, syncs, logs) while the main thread runs the
+    next batch through the target. One write in flight: shards and index updates keep their order,
+    at most two batches' states are held, and a write's failure is raised in the main thread at
+    the next submit or at close. Off: each write runs inline, as before."""
+
+    def __init__(self, overlap: bool) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shard-writer") if overlap else None
+        self.pending = None
+
+    def submit(self, fn) -> None:
+        if self.pool is None:
+            fn()
+            return
+        self.wait()
+        self.pending = self.pool.submit(fn)
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory; from a GPU, into pinned memory without blocking (wait on an event)."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+def write_one(job: Extraction, rt: Runtime, k: int, batch: list[int], writer: ShardWriter | None = None) -> None:
+    """Plan batch k through the target; its shard written, indexed, and synced if asked (by
+    `writer`'s thread while the next batch runs, or here)."""
     name, path = shard_name(k), rt.out / shard_name(k)
     ids, lens = pad_batch([job.samples[i] for i in batch])
     hidden, final = target_forward(job.base, job.capture, ids.to(rt.device))
     store = DTYPES[job.cfg.dtype]
-    tensors = {
-        idx: {"input_ids": ids[r, :n].to(torch.int32), "loss_mask": torch.from_numpy(job.loss_masks[idx]),
-              "hidden": hidden[r, :n].to(store).cpu(), "final": final[r, :n].to(store).cpu()}
-        for r, (idx, n) in enumerate(zip(batch, lens, strict=True))
-    }
+    rows = [(to_host(hidden[r, :n].to(store)), to_host(final[r, :n].to(store))) for r, n in enumerate(lens)]
+    copied = None
+    if hidden.device.type == "cuda":
+        copied = torch.cuda.Event()
+        copied.record()
+    del hidden, final  # the copies hold what they need; the device memory goes back for the next batch
+
+    def persist() -> None:
+        if copied is not None:
+            copied.synchronize()
+        tensors = {
+            idx: {"input_ids": ids[r, :n].to(torch.int32), "loss_mask": torch.from_numpy(job.loss_masks[idx]),
+                  "hidden": rows[r][0], "final": rows[r][1]}
+            for r, (idx, n) in enumerate(zip(batch, lens, strict=True))
+        }
+        finish_shard(job, rt, k, batch, lens, name, path, tensors)
+
+    (writer or ShardWriter(False)).submit(persist)
+
+
+def finish_shard(job: Extraction, rt: Runtime, k: int, batch: list[int], lens: list[int], name: str, path: Path,
+                 tensors: dict[int, dict[str, torch.Tensor]]) -> None:
     refuse_nonfinite(name, tensors)
     size, digest = write_shard(path, tensors, metadata={"samples": ",".join(map(str, batch)),
                                                                 "extraction": job.ident})
     entry = ShardEntry(batch, lens, size, digest)
-    job.mine[name] = entry
-    write_index(rt.out, rt.dist.rank, job.mine)
+    with job.lock:
+        job.mine[name] = entry
+        write_index(rt.out, rt.dist.rank, job.mine)
     if job.cfg.sync_cmd:
         entry.location = sync_shard(job.cfg, path, entry)
-        write_index(rt.out, rt.dist.rank, job.mine)
+        with job.lock:
+            write_index(rt.out, rt.dist.rank, job.mine)
     job.written += 1
     job.done_samples += len(batch)
     job.done_tokens += sum(lens)
