@@ -303,7 +303,14 @@ def row_line(r) -> str:
 
 def extract_bench(args) -> None:
     from train.common import fastpath
-    from train.extract.extract import HiddenCapture, pad_batch, plan_batches, target_forward
+    from train.extract.extract import (
+        HiddenCapture,
+        copy_stream,
+        pad_batch,
+        plan_batches,
+        target_forward,
+        to_host,
+    )
     from train.extract.target import load_target
 
     dev = torch.device("cuda")
@@ -317,14 +324,26 @@ def extract_bench(args) -> None:
     gen = np.random.default_rng(0)
     samples = [gen.integers(0, target.vocab_size, size=int(n)) for n in lengths]
     times = []
+    pending = None
     for i in range(args.warmup + args.steps):
         b = plan[i % len(plan)]
         ids, lens = pad_batch([samples[j] for j in b])
         torch.cuda.synchronize()
         t = time.perf_counter()
         hidden, final = target_forward(target.base, capture, ids.to(dev))
-        hidden.to("cpu", torch.bfloat16)  # what a shard write needs from the GPU
-        torch.cuda.synchronize()
+        # what a shard write needs from the GPU: as the extractor copies it (to_host: pinned memory,
+        # a side stream); with --overlap on the copy of batch i is waited for only after batch i+1
+        host = [to_host(hidden.to(torch.bfloat16)), to_host(final.to(torch.bfloat16))]
+        done = torch.cuda.Event()
+        done.record(copy_stream(dev))
+        del hidden, final
+        if args.overlap == "on":
+            if pending is not None:
+                pending[0].synchronize()
+            pending = (done, host)
+        else:
+            done.synchronize()
+        torch.cuda.current_stream(dev).synchronize()
         dt = time.perf_counter() - t
         print(f"# batch {i}: {len(b)} x {ids.shape[1]} in {dt:.3f}s", flush=True)
         if i >= args.warmup:
@@ -359,6 +378,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     p.add_argument("--compile", choices=("on", "off"), default="on", help="the trainer's regional compile (auto: on)")
     p.add_argument("--target", choices=("2b", "27b"), default="2b")
+    p.add_argument("--overlap", choices=("on", "off"), default="on",
+                   help="extract: the device-to-host copy of a batch overlapped with the next forward")
     args = p.parse_args()
     if args.token_budget is None:
         args.token_budget = 16384 if args.what == "drafter" else 65536

@@ -328,12 +328,29 @@ class ShardWriter:
                 self.pool.shutdown(wait=True)
 
 
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream per GPU for device-to-host copies: on the compute stream a copy would run
+    before the next batch's kernels, on its own it runs beside them."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy in host memory; from a GPU, into pinned memory without blocking (wait on an event)."""
+    """A copy in host memory; from a GPU, into pinned memory on the copy stream without blocking
+    (wait on an event recorded there)."""
     if t.device.type != "cuda":
         return t.cpu()
+    stream = copy_stream(t.device)
+    stream.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return out.copy_(t, non_blocking=True)
+    with torch.cuda.stream(stream):
+        out.copy_(t, non_blocking=True)
+    t.record_stream(stream)  # its memory is not reused before the copy is done
+    return out
 
 
 def write_one(job: Extraction, rt: Runtime, k: int, batch: list[int], writer: ShardWriter | None = None) -> None:
@@ -347,7 +364,7 @@ def write_one(job: Extraction, rt: Runtime, k: int, batch: list[int], writer: Sh
     copied = None
     if hidden.device.type == "cuda":
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(copy_stream(hidden.device))
     del hidden, final  # the copies hold what they need; the device memory goes back for the next batch
 
     def persist() -> None:
