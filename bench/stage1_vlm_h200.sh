@@ -10,6 +10,8 @@
 #             so give this step a whole call (VLM_LIMIT=590)
 #   text      the same preset text-only: --vision off with the text tasks' reference weights
 #   warm      vision on again in a new process, warm caches: the first step's time
+#   bigimg    steps made only of the largest images the preset accepts (1024 x 1024, replay_img
+#             only): the vision budget bounds the step, the peak must stay <= 125 GiB
 #   bake      pack the kernel caches the runs above compiled into one archive in /tmp/kstore (what
 #             the end of `launch kernels bake --preset qwen35-2b` does on a cluster), with its time
 #   fresh     a node that has only the archive: empty kernel caches, the archive unpacked into them
@@ -55,6 +57,16 @@ while [ $# -gt 0 ]; do
   vlm) bench vlm 31 "${VLM_LIMIT:-590}" ;;
   text) bench text 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS" ;;
   warm) bench warm 3 "${WARM_LIMIT:-150}" ;;
+  bigimg)
+    python3 -c "import json, numpy as np; from pathlib import Path; from PIL import Image
+root = Path('/tmp/bigimg'); (root / 'images').mkdir(parents=True, exist_ok=True)
+rng = np.random.default_rng(0)
+with open(root / 'replay_img.jsonl', 'w') as f:
+    for i in range(48):
+        Image.fromarray(rng.integers(0, 256, (1024, 1024, 3), dtype=np.uint8)).save(root / 'images' / f'{i}.png', compress_level=1)
+        f.write(json.dumps({'id': str(i), 'image': f'images/{i}.png', 'text': f'a picture number {i}'}) + chr(10))" || exit 1
+    bench bigimg 11 "${BIG_LIMIT:-300}" --data-dir /tmp/bigimg --weights '{"replay_img": 1}'
+    ;;
   bake)
     t0=$(date +%s%N)
     python3 -c "import json; from pathlib import Path; from toolkit import kernel_cache as k
