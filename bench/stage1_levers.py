@@ -15,7 +15,7 @@ Levers (one variant each, all against `eager-2`, today's trainer):
   compiled-2      + regional torch.compile                               (--compile on)
   compiled-4      + 4 rows a step                                        (--batch-rows 4)
   varlen-2        compiled, 2 rows, varlen attention instead of the mask (--attention varlen)
-  flat-2          compiled, varlen, one 16k stream, cut to fill          (--packing flat)
+  flat-2          compiled, varlen, one 16k stream, whole documents      (--packing flat)
   flat-4          compiled, varlen, one 32k stream                       (the default path)
   flat-6          compiled, varlen, 48k stream                           (tokens by memory)
   flat-6-ckpt8    + activation checkpointing of 8 of the 24 layers       (--act-ckpt 8)
@@ -31,7 +31,8 @@ MFU on each (train/common/mfu.py: torchtitan's 6N + attention + gated-delta-rule
 TFLOP/s; the attention term uses the 8192-token document bound in every layout), peak GiB,
 first step s (cold: the compile or kernel autotune it paid; see the -warm row), graphs compiled
 in warm-up, recompiles during the timed steps (must be 0), packing efficiency, the share of 3D
-samples among the batch's documents (the drawn mix is 0.65), tokens dropped by cut-to-fill.
+samples among the batch's documents (the drawn mix is 0.65), tokens dropped (0: whole documents;
+before issue 34, cut to fill dropped the tails of the documents that ended a stream).
 
     python bench/stage1_levers.py --out DIR                 # the full list (about 10 min warm)
     python bench/stage1_levers.py --out DIR --quick         # eager-2, compiled-2, flat-4, 0.8b-flat-4

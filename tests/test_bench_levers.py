@@ -30,7 +30,7 @@ def test_levers_bench_smoke(tmp_path, capsys, monkeypatch):
     assert rows["compiled-2"]["first_loss"] == pytest.approx(rows["eager-2"]["first_loss"], abs=1e-5)
     assert rows["compiled-2"]["graphs_warmup"] > 0 and rows["eager-2"]["graphs_warmup"] == 0
     assert all(r["recompiles"] == 0 for r in rows.values())
-    assert rows["flat-4"]["tokens_per_step"] == 4 * 128 and rows["flat-4"]["packing_eff"] >= 0.97
+    assert rows["flat-4"]["tokens_per_step"] == 4 * 128 and rows["flat-4"]["packing_eff"] >= 0.85  # whole documents: the stream ends padded
     for r in rows.values():
         assert r["useful_tok_s"] <= r["tok_s"] and r["mfu"] is None  # no MFU without a known peak (CPU)
     out = capsys.readouterr().out
