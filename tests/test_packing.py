@@ -298,6 +298,24 @@ def test_whole_packing_trains_every_drawn_3d_document_at_the_qwen35_lengths():
     assert cut["trained"]["tex"] < 0.95
 
 
+def test_whole_packing_closes_a_batch_on_room_and_never_cuts():
+    docs = [([i + 1] * n, i % 3) for i, n in enumerate([60, 30, 50, 45, 20, 70, 10])]
+    rows = list(Packer(row_len=100, fill="whole", open_rows=2, close_below=40).pack(docs))
+    # first fit over the two open rows: 60+30 | 50+45; no row has 40 left, the batch closes (before
+    # looking at 20); then 20+70+10 | (empty)
+    assert [[int(r.input_ids[a]) for a, _ in segments(r) if a < r.n_real_tokens] for r in rows] == \
+        [[1, 2], [3, 4], [5, 6, 7], []]
+    assert [r.n_real_tokens for r in rows] == [90, 95, 100, 0]
+    # a document that fits no open row closes the batch and opens the next one
+    packer = Packer(row_len=100, fill="whole", open_rows=2)
+    rows = list(packer.pack([([1] * 70, 0), ([2] * 70, 0), ([3] * 70, 0)]))
+    assert [r.n_real_tokens for r in rows] == [70, 70, 70, 0] and packer.deferred_docs == 1
+    assert packer.dropped_tokens == 0
+    # close_below past what a piece can take (an asset longer than a row, split): half a piece's room
+    rows = list(Packer(row_len=100, fill="whole", open_rows=1, close_below=5000).pack([([1] * 30, 0)] * 3))
+    assert [r.n_real_tokens for r in rows] == [60, 30]
+
+
 def test_the_data_layer_builds_flat_batches(tmp_path):
     """DataConfig(packing="flat"): one [1, batch_rows * row_len] stream per batch, the same draws."""
     from tests.stage1_fixtures import make_data

@@ -102,7 +102,8 @@ per batch, a document that is long more often than the data's are (a 3D document
 document, leaves the documents of a batch a prefix of its draws cut at a stopping time, unbiased
 (Wald). The data layer passes the length of one 3D asset: a batch closes once no row has room for
 one more, and a document that fits no row while one still has that much room is rare (an image
-document a little longer than the room). ``bench/packing_cost.py`` measures the shares and the
+document a little longer than the room). A ``close_below`` above ``max_doc_len`` (an asset
+longer than a row, split into pieces anyway) means half a piece's room. ``bench/packing_cost.py`` measures the shares and the
 useful tokens given up: the padding where a cut head used to be.
 
 The flat layout (one stream per batch)
@@ -328,6 +329,9 @@ class Packer:
             yield self._emit(row)
 
     def _pack_whole(self, docs: Iterable[Document | tuple]) -> Iterator[PackedRow]:
+        # An asset longer than a piece (max_doc_len) is split anyway, and "room for one more" would
+        # close every batch after its first piece: then half a piece's room.
+        close = max(1, self.close_below if self.close_below <= self.max_doc_len else self.max_doc_len // 2)
         rows = [_OpenRow() for _ in range(self.open_rows)]
         for doc in docs:
             self.docs_seen += 1
@@ -345,7 +349,7 @@ class Packer:
                     target = rows[0]
                 target.docs.append(piece)
                 target.used += n
-                if max(self.row_len - r.used for r in rows) < max(1, self.close_below):
+                if max(self.row_len - r.used for r in rows) < close:
                     for row in rows:
                         yield self._emit(row)
                     rows = [_OpenRow() for _ in range(self.open_rows)]
