@@ -116,3 +116,38 @@ def test_an_export_over_an_earlier_one_keeps_the_users_files(tmp_path: Path, mon
     assert (dest / "README.md").read_text() != first_readme and "step_00000002" in (dest / "README.md").read_text()
     assert (dest / "model.safetensors").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".old-", ".tmp-"))]
+
+
+EXPORT_FULL_CHILD = r"""
+import os, subprocess, sys
+mnt, run = sys.argv[1:3]
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", mnt], check=True)
+dest = os.path.join(mnt, "export")
+os.mkdir(dest)
+open(os.path.join(dest, "NOTES.md"), "w").write("mine\n")
+with open(os.path.join(mnt, "filler"), "wb") as f:   # leave 1 MiB: the model's 20 MiB cannot fit
+    st = os.statvfs(mnt)
+    f.write(b"\0" * (st.f_bavail * st.f_frsize - (1 << 20)))
+from launch.cli import main
+rc = main(["export", run, "--job", "stage1", "--out", os.path.join(mnt, "new")])
+print("RC", rc, sorted(os.listdir(mnt)), open(os.path.join(dest, "NOTES.md")).read().strip(), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """`launch export` onto a small tmpfs (real ENOSPC, in its own mount namespace) that is full:
+    one line naming the free space, no temp directory left, the user's files untouched."""
+    from tests.badinputs.checkpoint_cases import finished_run
+
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount namespaces (unshare -m)")
+    run = finished_run(tmp_path)
+    (tmp_path / "mnt").mkdir()
+    child = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", EXPORT_FULL_CHILD,
+                            str(tmp_path / "mnt"), str(run)], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": str(REPO), "LAUNCH_HOME": str(tmp_path / "home")})
+    assert "RC 2 ['export', 'filler'] mine" in child.stdout, child.stdout + child.stderr
+    err = [ln for ln in child.stderr.splitlines() if ln.strip() and "it/s]" not in ln]
+    assert len(err) == 1 and "Traceback" not in child.stderr, child.stderr
+    assert "No space left on device" in err[0] and "nothing written" in err[0], err
