@@ -604,6 +604,28 @@ def test_unprivileged_ct_root_can_use_the_scratch_the_role_owns(open_tmp: Path) 
     assert (scratch / "run.log").read_text() == "out\n"
 
 
+def test_an_unprivileged_ct_whose_idmap_maps_root_to_host_root_is_refused(open_tmp: Path) -> None:
+    """A CT config with `lxc.idmap: u 0 0 65536` (its root is host root: a privileged CT that says
+    it is not): scratch_owner.yml stops with one message naming the line, and the scratch
+    directory is never made (it would have gone to host root)."""
+    import yaml
+
+    scratch = open_tmp / "scratch-root0"
+    play = open_tmp / "owner-root0.yml"
+    play.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": [
+        {"ansible.builtin.include_role": {"name": "lxc_container", "tasks_from": "scratch_owner.yml"},
+         "vars": {"lxc_container_ct": {"name": "ct200", "unprivileged": True, "scratch_mode": "1777",
+                                       "scratch_host_path": str(scratch)},
+                  "lxc_container_pct_config": {"stdout_lines": ["lxc.idmap: u 0 0 65536", "lxc.idmap: g 0 0 65536"]}}},
+    ]}]))
+    inventory = write_inventory(open_tmp / "inv-root0.yml", {"all": {"hosts": {"localhost": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}})
+    proc, recap = run_playbook(inventory, playbook=play, env={"ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles")})
+    assert recap["localhost"]["failed"] == 1, proc.stdout[-3000:]
+    assert "maps container root to host uid/gid 0/0" in " ".join(proc.stdout.split()), proc.stdout[-3000:]
+    assert not scratch.exists()
+
+
 @pytest.mark.lxc
 @pytest.mark.slow
 @needs_lxc
