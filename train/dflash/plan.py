@@ -120,14 +120,17 @@ def _median_time(fn, runs: int, warmup: int, device: torch.device) -> tuple[floa
     return statistics.median(times), outs
 
 
-def run_probe(cfg, device: torch.device, gpus: int, batches: int = 3, warmup: int = 1) -> Probe:
-    """Times the trainer's own target batch and drafter step on the job's target and data."""
+def run_probe(cfg, device: torch.device, gpus: int, trainer, batches: int = 3, warmup: int = 1) -> Probe:
+    """Times the trainer's own target batch and drafter step on the job's target and data.
+
+    `trainer` is the train.dflash.train module, handed in by its caller (the trainer itself), so
+    that this module never imports it back: the probe runs exactly the trainer's functions."""
     from train.common.bucketing import BucketedSampler
     from train.common.regional_compile import compile_enabled
-    from train.dflash import train as T
     from train.dflash.model import Drafter, TargetHead, TargetShape, default_attn_impl
     from train.extract.target import head_weights
 
+    T = trainer
     target, layers, capture = T.build_target(cfg, device)
     embed_w, head_w = head_weights(target)
     records = T.load_online_dataset(cfg, int(embed_w.shape[0]), True, lambda: None)
@@ -177,8 +180,8 @@ def run_probe(cfg, device: torch.device, gpus: int, batches: int = 3, warmup: in
                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU")
 
 
-def plan_topology(cfg, gpus: int, device: torch.device, out: Path, say=print) -> Plan:
-    probe = run_probe(cfg, device, gpus)
+def plan_topology(cfg, gpus: int, device: torch.device, out: Path, trainer, say=print) -> Plan:
+    probe = run_probe(cfg, device, gpus, trainer)
     plan = choose(probe)
     for line in report(probe, plan):
         say(line)

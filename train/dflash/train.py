@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -274,7 +275,7 @@ def plan_only(cfg: DFlashConfig) -> int:
     if rank != world - 1:
         return 0
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    plan_topology(cfg, cfg.plan_gpus or world, device, Path(cfg.out))
+    plan_topology(cfg, cfg.plan_gpus or world, device, Path(cfg.out), sys.modules[__name__])
     return 0
 
 
