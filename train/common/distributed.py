@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import ipaddress
 import os
 import re
 import shutil
@@ -125,7 +126,26 @@ def node_layout() -> tuple[int, int]:
                                                          or os.environ.get("SLURM_NNODES") or 1)
 
 
-def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: float = 600) -> dist.Store:
+def _bind_address(addr: str, nodes: int) -> str:
+    """Where rank 0 listens: `addr` itself, except when the job spans nodes and `addr` (a host
+    name, no NodeAddr) resolves to a loopback address here (Debian's 127.0.1.1 for the own
+    host name): then every address, as torch's own store does, or the other nodes could not connect."""
+    if nodes <= 1:
+        return addr
+    try:
+        ipaddress.ip_address(addr)
+        return addr  # a NodeAddr given as an address: the other nodes reach it there (127.0.0.x on one host too)
+    except ValueError:
+        pass
+    try:
+        resolved = ipaddress.ip_address(socket.getaddrinfo(addr, None)[0][4][0])
+    except (OSError, ValueError, IndexError):
+        return ""
+    return "" if resolved.is_loopback else addr
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world: int, nodes: int = 1,
+                     timeout_s: float = 600) -> dist.Store:
     """The job's rendezvous: rank 0's TCPStore listening on `addr` alone (the master node's
     address, 127.0.0.1 on one node), not on every address as torch's own would, and every key
     under the job's secret prefix (LAUNCH_RENDEZVOUS_TOKEN, made in the job): a local user who
@@ -135,7 +155,7 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: flo
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         server = socket.socket(family, socket.SOCK_STREAM)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind((addr, port))
+        server.bind((_bind_address(addr, nodes), port))
         server.listen(max(world, 16))
         fd = server.detach()  # the store owns the listening socket from here
     store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
@@ -163,7 +183,7 @@ def init_distributed(device: torch.device, force_group: bool = False) -> DistInf
     )
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, store=rendezvous_store(addr, port, rank, world), rank=rank,
+    dist.init_process_group(backend=backend, store=rendezvous_store(addr, port, rank, world, num_nodes), rank=rank,
                             world_size=world)
     return DistInfo(rank, world, local_rank, addr, port, backend, True, node_rank, num_nodes)
 
