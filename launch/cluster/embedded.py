@@ -34,6 +34,7 @@ slurmd then allocates them and sets CUDA_VISIBLE_DEVICES / SLURM_JOB_GPUS as on 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import grp
@@ -280,6 +281,8 @@ class EmbeddedCluster:
             self._refuse_other_resources(state, asked)
             running = self.running_daemons()
             dead = [name for name in self.daemon_names(state) if name not in running]
+            with contextlib.suppress(OSError):  # a cluster first started before its directories were private
+                self._make_private()
             if not dead:
                 return False
             self._restart(state, dead, say, timeout)
@@ -289,6 +292,15 @@ class EmbeddedCluster:
             self.down(progress=progress)
         self._start_fresh(asked, say, timeout)
         return True
+
+    def _make_private(self) -> None:
+        """The cluster is the user's own: munged's socket (run/) and what the daemons keep (logs,
+        spools, the database) only for the user and root. Without the socket another uid gets no
+        munge credential, so it can neither submit, query accounting nor cancel."""
+        for d in (self.run_dir, self.log_dir, self.state_dir / "spool", self.state_dir / "munge",
+                  self.state_dir / "mysql"):
+            if d.is_dir():
+                os.chmod(d, 0o700)
 
     def _start_fresh(self, asked: dict, say: Progress, timeout: float) -> None:
         n = asked.get("nodes", 1)
@@ -302,12 +314,7 @@ class EmbeddedCluster:
                       *spools, self.state_dir / "munge", self.state_dir / "mysql"):
                 d.mkdir(parents=True, exist_ok=True)
             os.chmod(self.state_dir, 0o755)
-            # The cluster is the user's own: munged's socket (run/) and what the daemons keep
-            # (logs, spools, the database) only for the user and root. Without the socket another
-            # uid gets no munge credential, so it can neither submit, query accounting nor cancel.
-            for d in (self.run_dir, self.log_dir, self.state_dir / "spool", self.state_dir / "munge",
-                      self.state_dir / "mysql"):
-                os.chmod(d, 0o700)
+            self._make_private()
         except OSError as exc:
             raise LaunchError(f"cannot create the cluster's state in {self.state_dir} ({exc.strerror}: {exc.filename}); "
                               "give a writable --state-dir or LAUNCH_HOME") from None
