@@ -26,7 +26,7 @@ from PIL import Image, ImageDraw
 from toolkit.fsutil import atomic_write_text
 from train.common.codebooks import CODEBOOK_NAMES, CodebookConfig, parse_lengths, parse_sizes
 from train.common.shapes import get_shape
-from train.stage1.data import REFERENCE_COUNTS, TASKS
+from train.stage1.tasks import REFERENCE_COUNTS, TASKS  # not .data: generating needs no torch
 
 PRIMITIVES = ("cube", "sphere", "cone", "cylinder", "torus", "pyramid")
 COLORS = {
