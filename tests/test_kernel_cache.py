@@ -134,7 +134,11 @@ def job_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     monkeypatch.setenv("LAUNCH_HOME", str(tmp_path / "home"))
     for name, var in kc.CACHES.items():
         monkeypatch.setenv(var, str(paths["job"] / name))
-    monkeypatch.delenv("LAUNCH_KERNEL_ARCHIVE", raising=False)
+    # The job start under test writes LAUNCH_KERNEL_ARCHIVE into os.environ itself: a setenv first
+    # makes monkeypatch remember it as unset, so it is removed again after the test (a later
+    # in-process trainer would otherwise read this test's archive state).
+    monkeypatch.setenv("LAUNCH_KERNEL_ARCHIVE", "")
+    monkeypatch.delenv("LAUNCH_KERNEL_ARCHIVE")
     return paths
 
 
