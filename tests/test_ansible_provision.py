@@ -739,7 +739,8 @@ def test_slurm_role_device_policy_and_gres_from_the_cts_own_minors(tmp_path: Pat
                      "slurm_manage_services": False},
             "hosts": {"ct-split": ct(name="ct-split", ct_gpus=[4, 5, 6, 7]),
                       "ct-priv": ct(name="ct-priv", ct_gpus=[0], ct_unprivileged=False),
-                      "ct-forced": ct(name="ct-forced", ct_gpus=[1], slurm_constrain_devices=True)}},
+                      "ct-forced": ct(name="ct-forced", ct_gpus=[1], slurm_constrain_devices=True),
+                      "ct-nosystemd": ct(name="ct-nosystemd", ct_gpus=[2], slurm_cgroup_ignore_systemd=True)}},
         "slurm_controllers": {"hosts": {"ct-split": None}},
     }}})
     play = tmp_path / "config.yml"
@@ -762,6 +763,17 @@ def test_slurm_role_device_policy_and_gres_from_the_cts_own_minors(tmp_path: Pat
     priv = (tmp_path / "ct-priv" / "cgroup.conf").read_text().splitlines()
     assert "ConstrainDevices=yes" in priv and "ConstrainDevices=no" not in priv
     assert not (tmp_path / "ct-forced" / "cgroup.conf").exists()
+    # cgroup v2 and systemd: by default systemd manages slurmd's scope over D-Bus (the role starts
+    # dbus, no IgnoreSystemd); slurm_cgroup_ignore_systemd renders the container settings, the
+    # controllers option as the installed Slurm names it (22.05: CgroupAutomount, 23.02+: EnableControllers).
+    assert not any(line.startswith(("IgnoreSystemd", "EnableControllers", "CgroupAutomount")) for line in unpriv.splitlines())
+    nosystemd = (tmp_path / "ct-nosystemd" / "cgroup.conf").read_text().splitlines()
+    slurmd_v = subprocess.run(["slurmd", "-V"], capture_output=True, text=True).stdout if shutil.which("slurmd") else ""
+    major_minor = tuple(int(x) for x in re.findall(r"(\d+)\.(\d+)", slurmd_v)[0]) if slurmd_v else (99, 0)
+    controllers = "CgroupAutomount=yes" if major_minor < (23, 2) else "EnableControllers=yes"
+    assert "IgnoreSystemd=yes" in nosystemd and controllers in nosystemd, nosystemd
+    # Every node's slurm.conf names the TaskProlog (GPU isolation for steps without GPUs).
+    assert f"TaskProlog={tmp_path / 'ct-priv'}/launch-task-prolog.sh" in (tmp_path / "ct-priv" / "slurm.conf").read_text()
 
 
 # --- role argument specs -----------------------------------------------------------------------

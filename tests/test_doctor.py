@@ -796,3 +796,78 @@ def test_driver_cuda_skips_without_a_driver_and_refuses_a_malformed_version():
                          text=True, cwd=REPO, timeout=60)
     assert cli.returncode == 2 and cli.stderr.strip() == "error: driver version 'R550' is not N.N"
     assert "Traceback" not in cli.stderr
+
+
+# ---------------------------------------------------------------- slurm.cgroup, slurm.gpu_isolation
+
+def test_cgroup_row_fails_on_cgroup_v2_without_a_system_bus_and_passes_with_one(tmp_path):
+    """`slurm.cgroup`: cgroup v2 (a root with cgroup.controllers) and no D-Bus system bus FAILs
+    naming the fix; a real listening Unix socket at the bus path, IgnoreSystemd=yes, or cgroup v1
+    PASS."""
+    import socket
+
+    from launch.doctor.slurm_node import check_cgroup_plugin
+
+    (tmp_path / "slurm.conf").write_text("ClusterName=x\nTaskPlugin=task/cgroup\n")
+    (tmp_path / "cgroup.conf").write_text("CgroupPlugin=autodetect\nConstrainDevices=no\n")
+    v2, v1 = tmp_path / "cg2", tmp_path / "cg1"
+    v2.mkdir(), v1.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    bus = tmp_path / "system_bus_socket"
+    ctx = DoctorContext(env={"SLURM_CONF": str(tmp_path / "slurm.conf")})
+
+    row = check_cgroup_plugin(ctx, cgroup_root=v2, bus=bus)
+    assert row.status is Status.FAIL and "no D-Bus system bus" in row.found and "dbus" in row.fix, row
+    assert check_cgroup_plugin(ctx, cgroup_root=v1, bus=bus).status is Status.PASS
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(bus))
+        listener.listen(1)
+        row = check_cgroup_plugin(ctx, cgroup_root=v2, bus=bus)
+        assert row.status is Status.PASS and "the D-Bus system bus answers" in row.found
+    bus.unlink()  # a stale socket file with nobody listening is no bus
+    bus.touch()
+    assert check_cgroup_plugin(ctx, cgroup_root=v2, bus=bus).status is Status.FAIL
+    (tmp_path / "cgroup.conf").write_text("CgroupPlugin=autodetect\nIgnoreSystemd=yes\nEnableControllers=yes\n")
+    assert check_cgroup_plugin(ctx, cgroup_root=v2, bus=bus).status is Status.PASS
+
+
+def test_gpu_isolation_row_runs_the_task_prolog_for_a_step_without_gpus(tmp_path):
+    """`slurm.gpu_isolation`: the slurm role's own TaskProlog template (rendered with Ansible's
+    Jinja) PASSes: run as for a step without GPUs it empties both variables; for a step with GPUs
+    it exports neither. A TaskProlog that prints nothing, or none, WARNs; ConstrainDevices=yes
+    PASSes without one."""
+    import jinja2
+
+    from launch.doctor.slurm_node import check_gpu_isolation
+
+    template = REPO / "ansible" / "roles" / "slurm" / "templates" / "task-prolog.sh.j2"
+    prolog = tmp_path / "task-prolog.sh"
+    prolog.write_text(jinja2.Template(template.read_text()).render(ansible_managed="test",
+                                                                   slurm_task_env={"HF_HOME": "/scratch/hf"}))
+    prolog.chmod(0o755)
+    (tmp_path / "cgroup.conf").write_text("ConstrainDevices=no\n")
+    conf = tmp_path / "slurm.conf"
+    env = {"SLURM_CONF": str(conf), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "0,1"}
+
+    conf.write_text(f"TaskPlugin=task/cgroup,task/affinity\nTaskProlog={prolog}\n")
+    row = check_gpu_isolation(DoctorContext(env=env))
+    assert row.status is Status.PASS, row
+    with_gpus = subprocess.run([str(prolog)], env={**env, "SLURM_STEP_GPUS": "2", "SLURM_JOB_GPUS": "2"},
+                               capture_output=True, text=True, check=True).stdout
+    assert with_gpus.splitlines() == ["export HF_HOME=/scratch/hf"]
+    without = subprocess.run([str(prolog)], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                             check=True).stdout
+    assert without.splitlines() == ["export HF_HOME=/scratch/hf", "export CUDA_VISIBLE_DEVICES=",
+                                    "export NVIDIA_VISIBLE_DEVICES="]
+
+    silent = tmp_path / "silent.sh"
+    silent.write_text("#!/bin/sh\necho export HF_HOME=/x\n")
+    silent.chmod(0o755)
+    conf.write_text(f"TaskPlugin=task/cgroup\nTaskProlog={silent}\n")
+    row = check_gpu_isolation(DoctorContext(env=env))
+    assert row.status is Status.WARN and "leaves CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES set" in row.found
+    conf.write_text("TaskPlugin=task/cgroup\n")
+    row = check_gpu_isolation(DoctorContext(env=env))
+    assert row.status is Status.WARN and "sees every GPU" in row.found and "TaskProlog" in row.fix
+    (tmp_path / "cgroup.conf").write_text("ConstrainDevices=yes\n")
+    assert check_gpu_isolation(DoctorContext(env=env)).status is Status.PASS

@@ -20,6 +20,7 @@ from launch.doctor.job import JobRequirements, load_job
 from launch.doctor.kernels import check_kernels
 from launch.doctor.results import CheckResult, Status, failure_message, has_failure, render_table
 from launch.doctor.slurm_context import check_slurm
+from launch.doctor.slurm_node import check_slurm_node
 from launch.doctor.versions import check_versions
 from launch.errors import LaunchError, debug
 
@@ -28,7 +29,7 @@ def _check_groups() -> list[tuple[str, Callable]]:
     return [("kernels", check_kernels), ("triton", check_compiler), ("cache", check_caches),
             ("cache.kernel_archive", _check_kernel_archive),
             ("gpus", check_gpus), ("fabric", check_fabric), ("versions", check_versions), ("slurm", check_slurm),
-            ("slurm.devices", check_device_policy)]
+            ("slurm.devices", check_device_policy), ("slurm.node", check_slurm_node)]
 
 
 def _check_kernel_archive(ctx: DoctorContext) -> list[CheckResult]:
