@@ -37,9 +37,16 @@ def cache_dir() -> Path:
 TEST_BASE = BaseSpec(suite=SUITE, variant="minbase", include=("python3", "python3-apt"), download=TEST_APT_PACKAGES)
 
 
-def cached_rootfs_tarball() -> Path:
+# The unprivileged-CT Slurm test's rootfs: the same, plus Debian's Slurm, munge and dbus (what
+# the slurm role installs on a node and controller), downloaded for an offline apt inside.
+SLURM_APT_PACKAGES = ("slurmd", "slurmctld", "slurm-client", "munge", "dbus")
+TEST_SLURM_BASE = BaseSpec(suite=SUITE, variant="minbase", include=("python3", "python3-apt"),
+                           download=TEST_APT_PACKAGES + SLURM_APT_PACKAGES)
+
+
+def cached_rootfs_tarball(spec: BaseSpec = TEST_BASE) -> Path:
     """Path of the cached rootfs tarball, building it (about a minute) when absent."""
-    return cached_base_rootfs(TEST_BASE, cache_dir())
+    return cached_base_rootfs(spec, cache_dir())
 
 
 REPO = Path(__file__).resolve().parents[1]

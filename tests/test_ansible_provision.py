@@ -491,6 +491,27 @@ def test_nvswitch_host_needs_fabric_manager_and_keeps_the_switches(tmp_path: Pat
 
 
 @needs_root
+def test_mount_options_a_user_added_to_mp0_are_kept(tmp_path: Path) -> None:
+    """mp0 is the role's by its volume and mount point, not its literal string: options a user
+    adds (`mountoptions=`, `backup=`) survive the next run with no `pct set` and no reboot; a
+    changed mount point is still set."""
+    pve = PveHost(tmp_path)
+    _ok(pve.run())
+    env = {**os.environ, **pve.env}
+    subprocess.run(["pct", "set", "200", "--mp0", f"{pve.scratch},mp=/scratch,mountoptions=noatime,backup=0"],
+                   env=env, check=True, capture_output=True)
+    # A changed mpN of a running CT is pending until its restart: the user restarted it.
+    subprocess.run(["pct", "reboot", "200"], env=env, check=True, capture_output=True)
+    before = pve.conf.read_text()
+    assert "mountoptions=noatime" in before
+    assert _ok(pve.run())["changed"] == 0
+    assert pve.commands() == [] and pve.conf.read_text() == before
+    pve.container(ct_scratch_mount="/nvme", node_caches_root="/nvme/cache")
+    _ok(pve.run())
+    assert any(c.startswith("pct set 200") and "mp=/nvme" in c for c in pve.commands()), pve.commands()
+
+
+@needs_root
 def test_a_host_driver_without_the_userspace_checksum_is_refused_before_any_host_change(tmp_path: Path) -> None:
     """The inventory has a checksum, but for another driver than the one the host has loaded (only
     the host knows it): gpu_host stops before it changes anything (no scratch made, no pct call

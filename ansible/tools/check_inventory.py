@@ -425,8 +425,8 @@ def _userspace_checksum(host: str, hv: dict, phv: dict) -> None:
     command that prints the checksum (the URL is the role's first, for the host's version)."""
     if not _truthy(hv.get("nvidia_userspace_install", True)):
         return
-    if not (_truthy(phv.get("gpu_host_require_gpu", True)) or hv.get("ct_gpus")):
-        return  # a CPU host: the role is skipped
+    if not _truthy(phv.get("gpu_host_require_gpu", True)):
+        return  # may be a CPU host (the role is skipped); a driver found there is checked by gpu_host
     import yaml
 
     urls = hv.get("nvidia_userspace_urls") or yaml.safe_load(_USERSPACE_DEFAULTS.read_text())["nvidia_userspace_urls"]
