@@ -25,8 +25,9 @@ Modelled (behaves like Proxmox):
 - Value checks from the schema: `cores` 1..8192, `memory` >= 16 (MiB), `swap` >= 0, with
   JSONSchema's message ("cores: value must have a minimum value of 1"), on `create` and `set`.
 - Pending changes (PVE::LXC::Config update_pct_config / vmconfig_hotplug_pending): on a running
-  CT, `cores`, `cpulimit`, `cpuunits`, `memory`, `swap` and NEW `devN`/`mpN`/`netN` entries are
-  hot-plugged (written to the main section at once); a changed existing `devN`/`mpN`/`netN`,
+  CT, `cores`, `cpulimit`, `cpuunits`, `memory`, `swap` and NEW `mpN`/`netN` entries are
+  hot-plugged (written to the main section at once), NEW `devN` entries too from PVE 9.0 on
+  (pve-container 6.0.4; on 8.x they stay pending); a changed existing `devN`/`mpN`/`netN`,
   any `--delete` and every other option that affects the running CT go to the `[pve:pending]`
   section (`delete: k1,k2` for deletes) and are applied at the next `start`/`reboot`. Options
   that do not touch the running CT (`description`, `lock`, `onboot`, `startup`, `protection`,
@@ -284,9 +285,16 @@ def join_pending(conf: CtConf, pending: dict[str, str], delete: list[str], rest:
     conf.sections = section + ("\n" if section and rest else "") + rest
 
 
+# pve-container 6.0.4 (PVE 9.0) hot-plugs a new devN into a running CT; before it (PVE 8.x) a
+# new devN stays in [pve:pending] until the next start, like any change to an existing one.
+DEVN_HOTPLUG_SINCE = (9, 0, 0)
+
+
 def hot_pluggable(conf: CtConf, key: str) -> bool:
     if key in HOTPLUG_KEYS or key in DIRECT_KEYS:
         return True
+    if key.startswith("dev") and pve_version() < DEVN_HOTPLUG_SINCE:
+        return False
     return bool(re.fullmatch(r"(dev|mp|net)\d+", key)) and key not in conf.options  # a new entry
 
 

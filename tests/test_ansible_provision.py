@@ -80,7 +80,7 @@ def _with_userspace_sha(tmp_path: Path, name: str) -> Path:
     return write_inventory(tmp_path / name, data)
 
 
-@pytest.mark.parametrize("name", ["kpro6.yml", "local.yml"])
+@pytest.mark.parametrize("name", ["kpro6.yml", "pve9.yml", "local.yml"])
 def test_shipped_inventories_pass_the_check_and_the_syntax_check(tmp_path: Path, name: str) -> None:
     inventory = _with_userspace_sha(tmp_path, name)
     result = check_inventory(inventory)
@@ -336,17 +336,47 @@ def test_proxmox_backend_devn_entries_survive_proxmox_rewrites(tmp_path: Path) -
     assert pve.commands() == ["pct set 200 --delete dev6,dev7", "pct reboot 200"]
 
 
+def test_pct_standin_hot_plugs_a_new_devn_from_pve_9_and_keeps_it_pending_on_8(tmp_path: Path) -> None:
+    """pve-container 6.0.4 (PVE 9.0) hot-plugs a new devN into a running CT; PVE 8.x keeps it in
+    [pve:pending] until the next start (memory is hot-plugged on both)."""
+    from tests.pct_lxc_standin import parse_conf
+
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidia0").write_text("")
+    (tmp_path / "dev" / "nvidia1").write_text("")
+    for version, hot in (("8.4.1", False), ("9.0.3", True)):
+        conf_dir = tmp_path / version
+        conf_dir.mkdir()
+        env = {**os.environ, "PCT_CONF_DIR": str(conf_dir), "PCT_DEV_ROOT": str(tmp_path / "dev"),
+               "PCT_PVE_VERSION": version}
+
+        def pct(*args: str, env: dict[str, str] = env) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "tests.pct_lxc_standin", *args], capture_output=True,
+                                  text=True, env=env, cwd=ANSIBLE_DIR.parent, timeout=60)
+
+        assert pct("create", "200", "local:vztmpl/x.tar.zst", "--memory", "2048", "--dev0", "/dev/nvidia0").returncode == 0
+        assert pct("start", "200").returncode == 0
+        assert pct("set", "200", "--memory", "4096", "--dev1", "/dev/nvidia1").returncode == 0
+        main = parse_conf((conf_dir / "200.conf").read_text())
+        assert main.options["memory"] == "4096", version
+        assert ("dev1" in main.options) is hot, version
+        assert ("new dev1: /dev/nvidia1" in pct("pending", "200").stdout.splitlines()) is not hot, version
+        assert pct("reboot", "200").returncode == 0
+        assert parse_conf((conf_dir / "200.conf").read_text()).options["dev1"] == "/dev/nvidia1"
+
+
 def test_pct_standin_locks_value_checks_and_pending_changes(tmp_path: Path) -> None:
     """The stand-in itself (no Ansible): a locked CT refuses `pct set` and `pct start` as Proxmox
-    does; cores/memory below the schema's minimum are refused; on a running CT memory and a new
-    devN apply at once, a devN delete waits in [pve:pending] until the next start."""
+    does; cores/memory below the schema's minimum are refused; on a running CT (PVE 9) memory and
+    a new devN apply at once, a devN delete waits in [pve:pending] until the next start."""
     from tests.pct_lxc_standin import parse_conf
 
     (tmp_path / "dev").mkdir()
     for name in ("nvidia0", "nvidia1"):
         (tmp_path / "dev" / name).write_text("")  # state-only mode checks only that the node exists
     conf = tmp_path / "200.conf"
-    env = {**os.environ, "PCT_CONF_DIR": str(tmp_path), "PCT_DEV_ROOT": str(tmp_path / "dev")}
+    env = {**os.environ, "PCT_CONF_DIR": str(tmp_path), "PCT_DEV_ROOT": str(tmp_path / "dev"),
+           "PCT_PVE_VERSION": "9.0.3"}
 
     def pct(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "tests.pct_lxc_standin", *args], capture_output=True, text=True,
@@ -380,12 +410,37 @@ def test_pct_standin_locks_value_checks_and_pending_changes(tmp_path: Path) -> N
 
 
 @needs_root
+def test_new_gpus_on_pve_8_stay_pending_and_reboot_only_once_drained(tmp_path: Path) -> None:
+    """PVE 8.x does not hot-plug a new devN (pve-container < 6.0.4): adding two GPUs while Slurm
+    runs a job sets them (memory hot-plugged), the reboot they need is refused naming them, and
+    the run after draining reboots exactly once; then changed=0."""
+    pve = PveHost(tmp_path, pve_version="8.4.1", ct_gpus=[0, 1, 2, 3, 4, 5])
+    _ok(pve.run())
+    pve.jobs.write_text("4242\n")
+    pve.container(ct_gpus=[0, 1, 2, 3, 4, 5, 6, 7], ct_memory_mb=262144)
+    proc, _ = pve.run()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    [added] = pve.commands()
+    new_devs = sorted(re.findall(r"--(dev\d+) /dev/nvidia[67],", added))
+    assert len(new_devs) == 2 and "memory: 262144\n" in pve.conf.read_text()
+    assert "CT 200: it needs a reboot (" in out and "but Slurm runs jobs 4242" in out, proc.stdout[-3000:]
+    assert all(f"new {key}" in out for key in new_devs), out[-2000:]
+    pve.jobs.write_text("")
+    _ok(pve.run())
+    assert pve.commands() == ["pct reboot 200"]
+    conf = pve.conf.read_text()
+    assert "[pve:pending]" not in conf and "/dev/nvidia7," in conf
+    assert _ok(pve.run())["changed"] == 0 and pve.commands() == []
+
+
+@needs_root
 def test_a_refused_reboot_stays_pending_until_the_node_is_drained(tmp_path: Path) -> None:
-    """Proxmox hot-plugs memory and new devN entries into a running CT (no reboot, even with jobs
+    """PVE 9 hot-plugs memory and new devN entries into a running CT (no reboot, even with jobs
     on it) and keeps a devN delete in [pve:pending] until the next start. A reboot refused while
     Slurm runs jobs is therefore not lost: the next run, with nothing left to `pct set`, reboots
     the drained CT exactly once; the run after it and --check change nothing."""
-    pve = PveHost(tmp_path, ct_gpus=[0, 1, 2, 3, 4, 5])
+    pve = PveHost(tmp_path, pve_version="9.0.3", ct_gpus=[0, 1, 2, 3, 4, 5])
     _ok(pve.run())
     pve.jobs.write_text("4242\n")  # Slurm runs job 4242 on the node
 
@@ -473,12 +528,25 @@ def test_nvswitch_host_needs_fabric_manager_and_keeps_the_switches(tmp_path: Pat
     pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"][
         "gpu_host_driver_version_file"] = str(version)
     write_inventory(pve.inventory, pve.data)
+    # No pinned source for Fabric Manager (Debian/PVE packages none): refused, naming the archive.
+    proc, _ = pve.run()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0 and pve.commands() == []
+    archive = ("https://developer.download.nvidia.com/compute/nvidia-driver/redist/fabricmanager/linux-x86_64/"
+               "fabricmanager-linux-x86_64-550.54.15-archive.tar.xz")
+    assert ("kpro6: NVSwitch devices (nvidia-nvswitch0, nvidia-nvswitch1) need Fabric Manager of the driver's exact "
+            f"version (550.54.15), installed from NVIDIA's archive {archive}; set gpu_host_fabricmanager_sha256: "
+            f'{{"550.54.15": "<sha256>"}} with what this prints: curl -fsSL {archive} | sha256sum') in out, out[-3000:]
+
+    pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"][
+        "gpu_host_fabricmanager_sha256"] = {"550.54.15": "cd" * 32}
+    write_inventory(pve.inventory, pve.data)
     proc, _ = pve.run()
     out = " ".join(proc.stdout.split())
     assert proc.returncode != 0
     assert ("kpro6: the host has NVSwitch devices (nvidia-nvswitch0, nvidia-nvswitch1) but "
             "nvidia-fabricmanager.service is not active") in out, proc.stdout[-3000:]
-    assert "error 802" in out and "Install nvidia-fabricmanager-550 of the driver's exact version (550.54.15)" in out
+    assert "error 802" in out and "Install Fabric Manager of the driver's exact version (550.54.15)" in out
     assert pve.commands() == []
 
     for tool, body in (("systemctl", 'test "$1 $2" = "is-active nvidia-fabricmanager.service" && echo active'),
@@ -488,6 +556,50 @@ def test_nvswitch_host_needs_fabric_manager_and_keeps_the_switches(tmp_path: Pat
     _ok(pve.run())
     conf = pve.conf.read_text()
     assert "/dev/nvidia-nvswitch" not in conf and all(f"/dev/nvidia{i}," in conf for i in range(8))
+
+
+@needs_root
+def test_the_role_waits_for_the_cts_route_and_dns_before_the_first_apt(tmp_path: Path) -> None:
+    """After `pct start` the CT's DHCP lease and DNS come later: the role waits for a default
+    route and for the host of the CT's first apt source to resolve. `pct exec` of the state-only
+    stand-in runs on this machine (its /proc/net/route and apt sources) with a stand-in `getent`
+    first on PATH that fails twice before it resolves; one that never does fails the run, named."""
+    pve = PveHost(tmp_path)
+    calls = tmp_path / "getent-calls"
+    getent = tmp_path / "ct-bin" / "getent"
+    getent.write_text(f"#!/bin/sh\necho x >> {calls}\n[ $(wc -l < {calls}) -ge 3 ]\n")
+    getent.chmod(0o755)
+    _ok(pve.run())
+    assert len(calls.read_text().splitlines()) == 3  # waited through two failures, then went on
+
+    getent.write_text("#!/bin/sh\nexit 2\n")
+    pve.container(ct_vmid=200)
+    pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"]["lxc_container_wait_timeout"] = 2
+    write_inventory(pve.inventory, pve.data)
+    proc, _ = pve.run()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert "kpro6-ct200: after 2 s the CT has cannot resolve " in out and "apt inside would fail" in out, out[-2000:]
+
+
+@needs_root
+def test_scratch_that_is_a_proxmox_storage_directory_is_refused(tmp_path: Path) -> None:
+    """kpro6's template lives on storage `nvme-scratch`: when the scratch path is that storage's
+    own directory, the role would hand template/ and dump/ (other guests' backups) to every CT
+    user with mode 1777. Refused before the CT is touched, the storage named."""
+    pve = PveHost(tmp_path)
+    pve.scratch.mkdir()
+    cfg = tmp_path / "storage.cfg"
+    cfg.write_text(cfg.read_text() + f"\ndir: nvme-scratch\n\tpath {pve.scratch}/\n\tcontent vztmpl,backup\n")
+    proc, _ = pve.run()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert (f"kpro6-ct200: ct_scratch_host_path={pve.scratch} is the directory of Proxmox storage nvme-scratch "
+            f"({pve.scratch}: its templates, backups and volumes)") in out, proc.stdout[-3000:]
+    assert pve.commands() == [] and pve.scratch.stat().st_uid == 0
+    pve.container(ct_scratch_host_path=str(pve.scratch / "ct200"))  # a directory of its own there: fine
+    _ok(pve.run())
+    assert (pve.scratch / "ct200").stat().st_uid == PVE_IDMAP_BASE and pve.scratch.stat().st_uid == 0
 
 
 @needs_root
@@ -738,6 +850,55 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
         subprocess.run(["umount", str(scratch)], check=False)
 
 
+# --- gpu_host: a packaged nvidia-persistenced that disables persistence mode ------------------
+
+def test_a_packaged_persistenced_without_persistence_mode_gets_an_execstart_override(tmp_path: Path) -> None:
+    """Debian/Ubuntu's nvidia-persistenced.service runs `--no-persistence-mode`; gpu_host asserts
+    persistence mode on, so it overrides ExecStart with the packaged command and
+    --persistence-mode, and restarts the daemon. A stand-in `systemctl` (no NVIDIA driver here)
+    prints the packaged unit's ExecStart as systemd shows it and logs the other calls; a unit that
+    already runs in persistence mode gets no drop-in."""
+    import yaml
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "systemctl.log"
+    bin_dir.mkdir()
+    exec_start = tmp_path / "exec-start"
+    (bin_dir / "systemctl").write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$*" in
+  "show -p ExecStart --value nvidia-persistenced.service") cat {exec_start} ;;
+  show*) printf 'Id=nvidia-persistenced.service\nLoadState=loaded\nActiveState=active\nSubState=running\nUnitFileState=enabled\n' ;;
+esac
+""")
+    (bin_dir / "systemctl").chmod(0o755)
+    play = tmp_path / "play.yml"
+    play.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": [
+        {"ansible.builtin.include_role": {"name": "gpu_host", "tasks_from": "persistenced_mode.yml"}}]}]))
+    inventory = write_inventory(tmp_path / "inv.yml", {"all": {"hosts": {"localhost": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+        "gpu_host_systemd_dir": str(tmp_path / "systemd")}}}})
+    (tmp_path / "systemd" / "nvidia-persistenced.service.d").mkdir(parents=True)
+    dropin = tmp_path / "systemd" / "nvidia-persistenced.service.d" / "launch-persistence-mode.conf"
+    env = {"ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles"), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+    exec_start.write_text("{ path=/usr/bin/nvidia-persistenced ; argv[]=/usr/bin/nvidia-persistenced --user "
+                          "nvidia-persistenced --no-persistence-mode --verbose ; ignore_errors=no ; start_time=[n/a] ; "
+                          "stop_time=[n/a] ; pid=0 ; code=(null) ; status=0/0 }\n")
+    proc, recap = run_playbook(inventory, playbook=play, env=env)
+    assert recap["localhost"]["failed"] == 0, proc.stdout[-3000:]
+    lines = dropin.read_text().splitlines()
+    assert lines[-3:] == ["[Service]", "ExecStart=", "ExecStart=/usr/bin/nvidia-persistenced --user nvidia-persistenced "
+                          "--persistence-mode --verbose"], lines
+    assert "daemon-reload" in log.read_text() and "restart nvidia-persistenced.service" in log.read_text()
+
+    dropin.unlink()
+    exec_start.write_text("{ path=/usr/bin/nvidia-persistenced ; argv[]=/usr/bin/nvidia-persistenced --user "
+                          "nvidia-persistenced --persistence-mode --verbose ; ignore_errors=no }\n")
+    proc, recap = run_playbook(inventory, playbook=play, env=env)
+    assert recap["localhost"]["failed"] == 0 and recap["localhost"]["changed"] == 0, proc.stdout[-3000:]
+    assert not dropin.exists()
+
+
 # --- the slurm role's GPU policy and gres.conf --------------------------------------------------
 
 @needs_root
@@ -761,7 +922,9 @@ def test_slurm_role_device_policy_and_gres_from_the_cts_own_minors(tmp_path: Pat
             "hosts": {"ct-split": ct(name="ct-split", ct_gpus=[4, 5, 6, 7]),
                       "ct-priv": ct(name="ct-priv", ct_gpus=[0], ct_unprivileged=False),
                       "ct-forced": ct(name="ct-forced", ct_gpus=[1], slurm_constrain_devices=True),
-                      "ct-nosystemd": ct(name="ct-nosystemd", ct_gpus=[2], slurm_cgroup_ignore_systemd=True)}},
+                      "ct-nosystemd": ct(name="ct-nosystemd", ct_gpus=[2], slurm_cgroup_ignore_systemd=True),
+                      # A Debian 13 CT under a controller of another release (a stand-in slurmd -V).
+                      "ct-trixie": ct(name="ct-trixie", ct_gpus=[3], slurm_version_argv=["echo", "slurm 24.11.5"])}},
         "slurm_controllers": {"hosts": {"ct-split": None}},
     }}})
     play = tmp_path / "config.yml"
@@ -770,6 +933,12 @@ def test_slurm_role_device_policy_and_gres_from_the_cts_own_minors(tmp_path: Pat
     proc, recap = run_playbook(inventory, playbook=play, env={"ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles")})
     assert recap["ct-split"]["failed"] == 0 and recap["ct-priv"]["failed"] == 0, proc.stdout[-3000:]
     assert recap["ct-forced"]["failed"] == 1
+    assert recap["ct-trixie"]["failed"] == 1 and not (tmp_path / "ct-trixie" / "slurm.conf").exists()
+    slurmd_v = subprocess.run(["slurmd", "-V"], capture_output=True, text=True).stdout if shutil.which("slurmd") else ""
+    if slurmd_v:  # the controller's release is this machine's real one
+        release = ".".join(re.findall(r"(\d+)\.(\d+)", slurmd_v)[0])
+        assert (f"ct-trixie: Slurm 24.11 here but {release} on the controller ct-split: a node of another release "
+                "than slurmctld is unsupported") in " ".join(proc.stdout.split()), proc.stdout[-3000:]
     out = " ".join(proc.stdout.split())
     assert "ct-forced: slurm_constrain_devices=yes, but this node is an unprivileged container" in out, out[-2000:]
 
@@ -789,7 +958,6 @@ def test_slurm_role_device_policy_and_gres_from_the_cts_own_minors(tmp_path: Pat
     # controllers option as the installed Slurm names it (22.05: CgroupAutomount, 23.02+: EnableControllers).
     assert not any(line.startswith(("IgnoreSystemd", "EnableControllers", "CgroupAutomount")) for line in unpriv.splitlines())
     nosystemd = (tmp_path / "ct-nosystemd" / "cgroup.conf").read_text().splitlines()
-    slurmd_v = subprocess.run(["slurmd", "-V"], capture_output=True, text=True).stdout if shutil.which("slurmd") else ""
     major_minor = tuple(int(x) for x in re.findall(r"(\d+)\.(\d+)", slurmd_v)[0]) if slurmd_v else (99, 0)
     controllers = "CgroupAutomount=yes" if major_minor < (23, 2) else "EnableControllers=yes"
     assert "IgnoreSystemd=yes" in nosystemd and controllers in nosystemd, nosystemd

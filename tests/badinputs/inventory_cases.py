@@ -127,7 +127,7 @@ CASES = [
           rf"{CT}: slurm_constrain_devices=yes cannot work in an unprivileged CT"),
     _case("scratch-shared-by-privileged-and-unprivileged", kpro6(more={"kpro6-ct201": {
               "ct_vmid": 201, "proxmox_vmid": 201, "ct_hostname": "trainer201", "ct_gpus": [], "ct_unprivileged": False}}),
-          r"kpro6-ct201: ct_scratch_host_path=/mnt/nvme-scratch is also kpro6-ct200's, and one of the two is privileged"),
+          r"kpro6-ct201: ct_scratch_host_path=/mnt/nvme-scratch/ct200 is also kpro6-ct200's, and one of the two is privileged"),
     # ---- scratch
     _case("scratch-on-network-fs", kpro6(host={"gpu_host_scratch_fstype": "nfs4"}),
           rf"{CT}: node_caches_root is on nfs4, a network file system"),
