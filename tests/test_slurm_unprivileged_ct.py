@@ -116,18 +116,26 @@ def test_a_slurm_job_runs_in_a_real_unprivileged_container() -> None:
             time.sleep(1)
         assert state == "idle", logs()
 
-        def srun(args: str, command: str) -> subprocess.CompletedProcess[str]:
-            return inside(f"cd /tmp && runuser -u alice -- timeout 120 srun -N1 -n1 {args} sh -c {command!r}",
+        # The job scripts, written into the rootfs from the host (no quoting through three shells).
+        jobs = {"gpu-job": "#!/bin/sh\nid -u > /scratch/gpu-job\necho CVD=$CUDA_VISIBLE_DEVICES\n"
+                           "exec python3 /usr/local/bin/gpu-probe.py\n",
+                "gpu-probe.py": ("import errno, os\n"
+                                 "gpus = os.environ.get('SLURM_STEP_GPUS') or os.environ.get('SLURM_JOB_GPUS') or ''\n"
+                                 "for g in gpus.split(','):\n"
+                                 "    try:\n"
+                                 "        open('/dev/nvidia' + g, 'rb')\n"
+                                 "    except OSError as e:\n"
+                                 "        print('open', g, errno.errorcode[e.errno])\n"),
+                "no-gpu-job": "#!/bin/sh\nenv | grep -E '^(CUDA|NVIDIA)_VISIBLE_DEVICES=' | sort\n"}
+        for script, text in jobs.items():
+            (rootfs / "usr" / "local" / "bin" / script).write_text(text)
+            (rootfs / "usr" / "local" / "bin" / script).chmod(0o755)
+
+        def srun(args: str, script: str) -> subprocess.CompletedProcess[str]:
+            return inside(f"cd /tmp && runuser -u alice -- timeout 120 srun -N1 -n1 {args} /usr/local/bin/{script}",
                           check=False)
 
-        probe = ("import errno, os\n"
-                 "gpus = os.environ.get('SLURM_STEP_GPUS') or os.environ.get('SLURM_JOB_GPUS') or ''\n"
-                 "for g in gpus.split(','):\n"
-                 "    try:\n"
-                 "        open('/dev/nvidia' + g, 'rb')\n"
-                 "    except OSError as e:\n"
-                 "        print('open', g, errno.errorcode[e.errno])\n")
-        gpu = srun("--gres=gpu:1", f"id -u > /scratch/gpu-job; echo CVD=$CUDA_VISIBLE_DEVICES; python3 -c \"{probe}\"")
+        gpu = srun("--gres=gpu:1", "gpu-job")
         assert gpu.returncode == 0, gpu.stdout + gpu.stderr + logs()
         lines = gpu.stdout.splitlines()
         assert "CVD=0" in lines, lines
@@ -137,7 +145,7 @@ def test_a_slurm_job_runs_in_a_real_unprivileged_container() -> None:
         assert (scratch / "gpu-job").read_text().strip() == str(JOB_UID)
         assert (scratch / "gpu-job").stat().st_uid == PVE_IDMAP_BASE + JOB_UID
 
-        none = srun("", "env | grep -E '^(CUDA|NVIDIA)_VISIBLE_DEVICES=' | sort")
+        none = srun("", "no-gpu-job")
         assert none.returncode == 0, none.stdout + none.stderr + logs()
         # A step without --gres sees no GPU: the TaskProlog set both empty (Slurm alone leaves them unset).
         assert none.stdout.splitlines() == ["CUDA_VISIBLE_DEVICES=", "NVIDIA_VISIBLE_DEVICES="], none.stdout
