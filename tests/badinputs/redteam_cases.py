@@ -189,8 +189,8 @@ def _inventory() -> list[Case]:
               kpro6({"ct_gpus": [0, 1, 2, 3]}, more={"kpro6-ct201": {**ct201, "ct_gpus": ["03", 4]}}),
               r"kpro6-ct201: ct_gpus has GPU 03, which kpro6-ct200 has too; a GPU passes through to one container"),
         _case("scratch-shared-but-for-a-trailing-slash", kpro6(more={"kpro6-ct201": {
-                  **ct201, "ct_gpus": [], "ct_unprivileged": False, "ct_scratch_host_path": "/mnt/nvme-scratch/"}}),
-              r"kpro6-ct201: ct_scratch_host_path=/mnt/nvme-scratch/ is also kpro6-ct200's, and one of the two is "
+                  **ct201, "ct_gpus": [], "ct_unprivileged": False, "ct_scratch_host_path": "/mnt/nvme-scratch/ct200/"}}),
+              r"kpro6-ct201: ct_scratch_host_path=/mnt/nvme-scratch/ct200/ is also kpro6-ct200's, and one of the two is "
               "privileged"),
     ]
 
