@@ -1376,3 +1376,25 @@ def test_the_inventory_checks_ct_keys_are_exactly_the_ones_the_roles_read() -> N
     for path in [*(ANSIBLE_DIR / "roles").rglob("*.yml"), *(ANSIBLE_DIR / "roles").rglob("*.j2")]:
         read |= set(re.findall(r"\bct_[a-z0-9_]+", path.read_text()))
     assert read == set(check_inventory.CT_KEYS), sorted(read ^ set(check_inventory.CT_KEYS))
+
+
+def test_slurm_packages_the_apt_sources_lack_are_refused_before_apt(tmp_path: Path) -> None:
+    """Ubuntu ships Slurm in `universe`: a template without it has no candidate for slurmd, and apt
+    would fail mid-play. The role's check asks this machine's real apt (`apt-cache policy`): the
+    installed Slurm packages pass, a package no source offers is refused, named, before any apt."""
+    playbook = tmp_path / "check.yml"
+    tasks = ANSIBLE_DIR / "roles" / "slurm" / "tasks" / "apt_sources.yml"
+    playbook.write_text(
+        "- hosts: localhost\n  connection: local\n  gather_facts: true\n  tasks:\n"
+        f"    - ansible.builtin.include_tasks: {tasks}\n"
+        "      vars:\n        slurm_apt_check_packages: \"{{ pkgs }}\"\n")
+    inventory = write_inventory(tmp_path / "inv.yml", {"all": {"hosts": {"localhost": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}})
+    proc, recap = run_playbook(inventory, "-e", '{"pkgs": ["slurmd", "munge"]}', playbook=playbook, timeout=180)
+    assert proc.returncode == 0 and recap["localhost"]["failed"] == 0, proc.stdout[-2000:]
+    proc, _ = run_playbook(inventory, "-e", '{"pkgs": ["slurmd", "slurmd-not-in-any-source"]}', playbook=playbook,
+                           timeout=180)
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert "the apt sources of localhost offer no slurmd-not-in-any-source;" in out, out[-2000:]
+    assert "offer no slurmd," not in out  # the one that is there is not named
