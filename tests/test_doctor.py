@@ -643,19 +643,17 @@ def test_submit_preflight_fails_the_job_early_with_the_doctors_message(launch_en
 
     spec = tmp_path / "preflightjob.yaml"
     body = {"name": "preflightjob", "entrypoint": "fixture_entry",
-            "resources": {"nodes": 1, "gpus_per_node": 2, "cpus_per_task": 1, "time": "00:05:00"},
-            "env": {"CC": "/nonexistent/cc"}}
+            "resources": {"nodes": 1, "gpus_per_node": 2, "cpus_per_task": 1, "time": "00:05:00"}}
     spec.write_text(json.dumps(body))
-    out = run_launch(["submit", str(spec), "--follow"], launch_env)
-    assert out.returncode != 0
+    # CC chooses a program the job runs: a spec may not set it, `--env` only with --allow-loader-env
+    out = run_launch(["submit", str(spec), "--env", "CC=/nonexistent/cc", "--allow-loader-env", "--follow"], launch_env)
+    assert out.returncode != 0, out.stdout + out.stderr
     job_id = out.stdout.splitlines()[0].split()[-1]
     logs = run_launch(["logs", job_id], launch_env)
     text = logs.stdout + logs.stderr
     assert "triton.cc: no C compiler: CC=/nonexistent/cc names no executable" in " ".join(text.split())
     assert "fixture done" not in text and "SLURM_JOB_ID=" not in text  # the entrypoint never ran
 
-    body["env"] = {}
-    spec.write_text(json.dumps(body))
     out = run_launch(["submit", str(spec), "--follow"], launch_env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "fixture done" in out.stdout
