@@ -60,7 +60,16 @@ def write_model_files(job_dir: Path, model: torch.nn.Module, tok: Any, info: dic
     # export loads with AutoTokenizer and encodes text as the run did.
     hf = getattr(tok, "hf", None) or (tok.to_hf() if hasattr(tok, "to_hf") else None)
     if hf is not None:
-        hf.save_pretrained(tmp)
+        try:
+            hf.save_pretrained(tmp)
+        except OSError:
+            raise
+        except Exception as exc:  # the Rust tokenizer's write errors are plain Exceptions: keep their errno
+            number = next((n for n in (errno.ENOSPC, errno.EDQUOT) if f"os error {n})" in str(exc)), None)
+            if number is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(number, os.strerror(number), str(tmp / "tokenizer.json")) from None
     if tok.encoder is not None:
         tok.encoder.processor.save_pretrained(tmp)
     atomic_write_text(tmp / "stage1.json", json.dumps(info, indent=1) + "\n")
