@@ -14,6 +14,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,8 +78,14 @@ def test_a_second_uid_can_neither_submit_nor_see_nor_cancel_nor_read(other_uid, 
 
         # control: the other uid reaches the cluster's config, and root's own commands work
         assert as_other(other_uid, ["cat", env["SLURM_CONF"]], env).returncode == 0
-        assert job in subprocess.run(["sacct", "-a", "-X", "-n", "-o", "JobID"], capture_output=True, text=True,
-                                     env=env).stdout
+        # slurmctld hands the job's start to slurmdbd asynchronously: wait until root's sacct lists it
+        deadline, listed = time.monotonic() + 60, ""
+        while job not in listed and time.monotonic() < deadline:
+            listed = subprocess.run(["sacct", "-a", "-X", "-n", "-o", "JobID"], capture_output=True, text=True,
+                                    env=env).stdout
+            if job not in listed:
+                time.sleep(1)
+        assert job in listed, "root's sacct never listed the job: the control of the accounting check failed"
 
         submit = as_other(other_uid, ["sbatch", "--wrap", "true"], env)
         assert submit.returncode != 0 and "Submitted batch job" not in submit.stdout, submit.stdout + submit.stderr
