@@ -794,7 +794,9 @@ def test_proxmox_backend_starts_a_real_container_through_the_pct_lxc_standin(tmp
                                  "ct_template": f"local:vztmpl/{template.name}", "ct_rootfs_storage": "local",
                                  "ct_unprivileged": False,  # the stand-in runs real LXC privileged only
                                  "ct_cores": 2, "ct_memory_mb": 2048, "ct_gpus": [0, 1],
-                                 "ct_scratch_host_path": str(scratch), "ct_scratch_mount": "/scratch"}},
+                                 "ct_scratch_host_path": str(scratch), "ct_scratch_mount": "/scratch",
+                                 # no lock or wheelhouse here: said on purpose, as the check asks
+                                 "python_env_allow_network_install": True}},
         }}},
     }}})
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(log), "PCT_CONF_DIR": str(conf_dir),
