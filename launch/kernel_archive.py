@@ -40,18 +40,25 @@ def install_for_job(env: Mapping[str, str] | None = None, log=print) -> str:
     Returns (and exports as $LAUNCH_KERNEL_ARCHIVE) one line: `<state> <key>: ...`."""
     env = os.environ if env is None else env
     store = store_dir(env)
+    cpu_only, quiet = False, False  # a key without a GPU (no CUDA device on this node)
     try:
-        key = kernel_cache.archive_key(kernel_cache.key_fields())
+        fields = kernel_cache.key_fields()
+        key = kernel_cache.archive_key(fields)
+        cpu_only = fields["gpu_arch"] == "cpu"
     except Exception as exc:  # noqa: BLE001 - a key that cannot be read is a note, never a failed job
         line = f"error: the kernel archive key cannot be read ({type(exc).__name__}: {exc})"
     else:
         try:
             got = kernel_cache.unpack(store, key, node_root(env), kernel_cache.cache_dirs(env))
             line = f"{got.state} {got.line(store)}"
+            quiet = cpu_only and got.state == "absent"
         except (kernel_cache.ArchiveError, OSError) as exc:
             line = f"error {key}: {exc}; the kernels compile as without an archive"
     os.environ[STATUS_VAR] = line
-    log(f"[launch] kernel archive: {line}")
+    # A CPU node's absent archive is the normal case (nothing GPU-specific to bake): the trainer's
+    # header still says it; the job's log names the archive only where it matters.
+    if not quiet:
+        log(f"[launch] kernel archive: {line}")
     return line
 
 

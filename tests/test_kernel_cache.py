@@ -171,7 +171,9 @@ def test_a_job_start_unpacks_and_the_trainer_fails_a_compile_despite_the_archive
 
     logged: list[str] = []
     assert install_for_job(log=logged.append).startswith("absent cpu-cpu-")
-    assert "no baked archive" in logged[-1] and os.environ["LAUNCH_KERNEL_ARCHIVE"].startswith("absent ")
+    # a CPU node without an archive is the normal case: exported for the header, not in the job's log
+    assert not logged and os.environ["LAUNCH_KERNEL_ARCHIVE"].startswith("absent ")
+    assert "no baked archive" in os.environ["LAUNCH_KERNEL_ARCHIVE"]
 
     kc.pack(job_env["store"], kc.key_fields(), _fake_caches(tmp_path / "baked", n=2))
     assert install_for_job(log=logged.append).startswith("unpacked cpu-cpu-")

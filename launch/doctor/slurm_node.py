@@ -109,4 +109,8 @@ def check_gpu_isolation(ctx: DoctorContext) -> CheckResult:
 
 
 def check_slurm_node(ctx: DoctorContext) -> list[CheckResult]:
+    # In a job on a node without CUDA GPUs (a CPU node, stand-in GPUs) there is nothing a
+    # GPU-less step could see: the row belongs to `launch doctor` on the node, not every job's log.
+    if ctx.preflight and not ctx.has_cuda_gpus:
+        return [check_cgroup_plugin(ctx)]
     return [check_cgroup_plugin(ctx), check_gpu_isolation(ctx)]
