@@ -13,6 +13,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 C = TypeVar("C")
@@ -120,3 +121,12 @@ def require_sink(module: str) -> None:
     except ImportError:
         flag, how = SINKS[module]
         raise ConfigError(f"{flag} needs the {module} package, which is not installed here ({how})") from None
+
+
+def not_a_directory(flag: str) -> Callable[[str], None]:
+    """The check of an input file's path that exists on the submitting machine: a file, not a folder."""
+    def check(path: str) -> None:
+        if Path(path).is_dir():
+            raise ConfigError(f"{flag} {path}: a directory, not a file")
+
+    return check

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.common.config import ConfigError, opt, parse_config
+from train.common.config import ConfigError, not_a_directory, opt, parse_config
 from train.common.hf_local import check_init_from
 
 
@@ -151,13 +151,6 @@ def check_layout(cfg: DFlashConfig, world: int) -> int:
     return n_targets
 
 
-def _not_a_directory(flag: str) -> Callable[[str], None]:
-    def check(path: str) -> None:
-        if Path(path).is_dir():
-            raise ConfigError(f"{flag} {path}: a directory, not a file")
-
-    return check
-
 
 def _extraction_dir(path: str) -> None:
     if not Path(path).is_dir():
@@ -173,7 +166,7 @@ def input_paths(cfg: DFlashConfig) -> list[tuple[str, str, Callable[[str], objec
     the check of it where it exists on the submitting machine)."""
     if not cfg.data:
         return []
-    return [("--data", cfg.data, _extraction_dir if cfg.mode == "offline" else _not_a_directory("--data"))]
+    return [("--data", cfg.data, _extraction_dir if cfg.mode == "offline" else not_a_directory("--data"))]
 
 
 def gpu_work(cfg: DFlashConfig) -> str | None:

@@ -7,9 +7,8 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from train.common.config import ConfigError, opt, parse_config
+from train.common.config import ConfigError, not_a_directory, opt, parse_config
 from train.common.hf_local import check_init_from
 
 
@@ -42,18 +41,11 @@ def parse_args(argv: list[str] | None) -> RegenConfig:
     return cfg
 
 
-def _not_a_directory(flag: str) -> Callable[[str], None]:
-    def check(path: str) -> None:
-        if Path(path).is_dir():
-            raise ConfigError(f"{flag} {path}: a directory, not a file")
-
-    return check
-
 
 def input_paths(cfg: RegenConfig) -> list[tuple[str, str, Callable[[str], object] | None]]:
     """What the job reads at its start, for `launch submit` to check before queueing: (flag, path,
     the check of it where it exists on the submitting machine)."""
-    return [("--data", cfg.data, _not_a_directory("--data"))]
+    return [("--data", cfg.data, not_a_directory("--data"))]
 
 
 def gpu_work(cfg: RegenConfig) -> str | None:
