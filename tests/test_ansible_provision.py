@@ -272,6 +272,14 @@ class PveHost:
                     "PCT_CONF_DIR": str(self.conf_dir), "PCT_DEV_ROOT": str(self.dev), "PCT_PVE_VERSION": pve_version,
                     "PCT_STATE_EXEC_PATH": str(ct_tools)}
 
+    def loaded_driver(self, version: str) -> None:
+        """The host's loaded NVIDIA driver, as gpu_host reads it (a stand-in version file)."""
+        path = self.tmp / "nvidia-version"
+        path.write_text(version + "\n")
+        self.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"][
+            "gpu_host_driver_version_file"] = str(path)
+        write_inventory(self.inventory, self.data)
+
     def container(self, **changes: object) -> None:
         ct = self.data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
         ct.update(changes)
@@ -523,11 +531,7 @@ def test_nvswitch_host_needs_fabric_manager_and_keeps_the_switches(tmp_path: Pat
     pve = PveHost(tmp_path)
     for name, minor in (("nvidia-nvswitch0", 100), ("nvidia-nvswitch1", 101), ("nvidia-nvswitchctl", 102)):
         os.mknod(pve.dev / name, 0o666 | stat.S_IFCHR, os.makedev(STANDIN_MAJOR, minor))
-    version = tmp_path / "nvidia-version"
-    version.write_text("550.54.15\n")
-    pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"][
-        "gpu_host_driver_version_file"] = str(version)
-    write_inventory(pve.inventory, pve.data)
+    pve.loaded_driver("550.54.15")
     # No pinned source for Fabric Manager (Debian/PVE packages none): refused, naming the archive.
     proc, _ = pve.run()
     out = " ".join(proc.stdout.split())
@@ -629,11 +633,7 @@ def test_a_host_driver_without_the_userspace_checksum_is_refused_before_any_host
     the host knows it): gpu_host stops before it changes anything (no scratch made, no pct call
     that changes something), naming the CT, the version and the command that prints the checksum."""
     pve = PveHost(tmp_path, nvidia_userspace_sha256={"550.54.14": "ab" * 32})
-    version = tmp_path / "nvidia-version"
-    version.write_text("550.54.15\n")
-    pve.data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"][
-        "gpu_host_driver_version_file"] = str(version)
-    write_inventory(pve.inventory, pve.data)
+    pve.loaded_driver("550.54.15")
     proc, _ = pve.run()
     out = " ".join(proc.stdout.split())
     assert proc.returncode != 0
