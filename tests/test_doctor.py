@@ -850,9 +850,20 @@ def test_gpu_isolation_row_runs_the_task_prolog_for_a_step_without_gpus(tmp_path
     conf.write_text(f"TaskPlugin=task/cgroup,task/affinity\nTaskProlog={prolog}\n")
     row = check_gpu_isolation(DoctorContext(env=env))
     assert row.status is Status.PASS, row
-    with_gpus = subprocess.run([str(prolog)], env={**env, "SLURM_STEP_GPUS": "2", "SLURM_JOB_GPUS": "2"},
+    with_gpus = subprocess.run([str(prolog)], env={**env, "SLURM_STEP_GPUS": "2", "SLURM_JOB_GPUS": "2",
+                                                    "SLURM_GPUS_ON_NODE": "1"},
                                capture_output=True, text=True, check=True).stdout
     assert with_gpus.splitlines() == ["export HF_HOME=/scratch/hf"]
+    # The batch step of a GPU job: Slurm sets SLURM_JOB_GPUS and SLURM_GPUS_ON_NODE, no SLURM_STEP_GPUS.
+    batch = subprocess.run([str(prolog)], env={**env, "SLURM_JOB_GPUS": "2", "SLURM_GPUS_ON_NODE": "1"},
+                           capture_output=True, text=True, check=True).stdout
+    assert batch.splitlines() == ["export HF_HOME=/scratch/hf"]
+    # `srun --gres=none` inside a GPU job: Slurm unsets the step's own variables, SLURM_JOB_GPUS
+    # stays inherited; the step sees no GPU.
+    gres_none = subprocess.run([str(prolog)], env={"PATH": "/usr/bin:/bin", "SLURM_JOB_GPUS": "2"},
+                               capture_output=True, text=True, check=True).stdout
+    assert gres_none.splitlines() == ["export HF_HOME=/scratch/hf", "export CUDA_VISIBLE_DEVICES=",
+                                      "export NVIDIA_VISIBLE_DEVICES="]
     without = subprocess.run([str(prolog)], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
                              check=True).stdout
     assert without.splitlines() == ["export HF_HOME=/scratch/hf", "export CUDA_VISIBLE_DEVICES=",
@@ -864,6 +875,14 @@ def test_gpu_isolation_row_runs_the_task_prolog_for_a_step_without_gpus(tmp_path
     conf.write_text(f"TaskPlugin=task/cgroup\nTaskProlog={silent}\n")
     row = check_gpu_isolation(DoctorContext(env=env))
     assert row.status is Status.WARN and "leaves CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES set" in row.found
+    # The old rule (keyed on the job's SLURM_JOB_GPUS) passes a job without GPUs but not a --gres=none step.
+    job_keyed = tmp_path / "job-keyed.sh"
+    job_keyed.write_text('#!/bin/sh\nif [ -z "${SLURM_STEP_GPUS:-}${SLURM_JOB_GPUS:-}" ]; then\n'
+                         '  echo "export CUDA_VISIBLE_DEVICES="; echo "export NVIDIA_VISIBLE_DEVICES="\nfi\n')
+    job_keyed.chmod(0o755)
+    conf.write_text(f"TaskPlugin=task/cgroup\nTaskProlog={job_keyed}\n")
+    row = check_gpu_isolation(DoctorContext(env=env))
+    assert row.status is Status.WARN and "a --gres=none step inside a GPU job" in row.found, row
     conf.write_text("TaskPlugin=task/cgroup\n")
     row = check_gpu_isolation(DoctorContext(env=env))
     assert row.status is Status.WARN and "sees every GPU" in row.found and "TaskProlog" in row.fix

@@ -70,10 +70,14 @@ def check_cgroup_plugin(ctx: DoctorContext, cgroup_root: Path = CGROUP_ROOT, bus
                        "in cgroup.conf (slurm_cgroup_ignore_systemd: true)")
 
 
-def _step_without_gpus_env(env: dict[str, str]) -> dict[str, str]:
-    """The environment slurmstepd gives a TaskProlog of a step that has no GPU."""
-    drop = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "GPU_DEVICE_ORDINAL")
-    return {k: v for k, v in env.items() if k not in drop}
+def _steps_without_gpus_envs(env: dict[str, str]) -> list[dict[str, str]]:
+    """The environments slurmstepd gives a TaskProlog of a step that has no GPU: a job without
+    GPUs, and a `srun --gres=none` step inside a GPU job (Slurm unsets the step's own variables,
+    SLURM_JOB_GPUS stays inherited)."""
+    drop = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "GPU_DEVICE_ORDINAL",
+            "SLURM_GPUS_ON_NODE")
+    no_gpu_job = {k: v for k, v in env.items() if k not in drop}
+    return [no_gpu_job, {**no_gpu_job, "SLURM_JOB_GPUS": "0"}]
 
 
 def check_gpu_isolation(ctx: DoctorContext) -> CheckResult:
@@ -86,26 +90,28 @@ def check_gpu_isolation(ctx: DoctorContext) -> CheckResult:
     if "task/cgroup" in task_plugin and _yes(constrain):
         return CheckResult(ISOLATION, Status.PASS, "ConstrainDevices=yes: Slurm confines each job to its GPUs")
     prolog = read_setting(slurm_conf, "TaskProlog")
-    fix = ("a TaskProlog that prints `export CUDA_VISIBLE_DEVICES=` and `export NVIDIA_VISIBLE_DEVICES=` when "
-           "SLURM_STEP_GPUS and SLURM_JOB_GPUS are empty (the slurm role installs one)")
+    fix = ("a TaskProlog that prints `export CUDA_VISIBLE_DEVICES=` and `export NVIDIA_VISIBLE_DEVICES=` when the "
+           "step's own SLURM_STEP_GPUS and SLURM_GPUS_ON_NODE are empty (the slurm role installs one)")
     if not prolog or not os.access(prolog, os.X_OK):
         return CheckResult(ISOLATION, Status.WARN, f"no executable TaskProlog ({prolog or 'none set'}) and devices not "
                                                    "confined: a job without --gres gets CUDA_VISIBLE_DEVICES unset and "
                                                    "sees every GPU of the node", fix)
-    try:
-        out = subprocess.run([prolog], env=_step_without_gpus_env(ctx.env), capture_output=True, text=True,
-                             timeout=20, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return CheckResult(ISOLATION, Status.WARN, f"TaskProlog {prolog} could not run ({err})", fix)
-    exports = dict(re.findall(r"^export ([A-Za-z_][A-Za-z0-9_]*)=(.*)$", out, re.M))
-    hidden = [name for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES") if exports.get(name, None) == ""]
-    if len(hidden) == 2:
-        return CheckResult(ISOLATION, Status.PASS, f"TaskProlog {prolog} empties CUDA_VISIBLE_DEVICES and "
-                                                   "NVIDIA_VISIBLE_DEVICES for a step without GPUs: it sees none "
-                                                   "(the nodes stay openable: not a security boundary)")
-    return CheckResult(ISOLATION, Status.WARN, f"TaskProlog {prolog} leaves "
-                                               f"{' and '.join(n for n in ('CUDA_VISIBLE_DEVICES', 'NVIDIA_VISIBLE_DEVICES') if n not in hidden)}"
-                                               " set for a step without GPUs: such a job sees every GPU of the node", fix)
+    names = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+    for step, step_env in zip(("a job without GPUs", "a --gres=none step inside a GPU job"),
+                              _steps_without_gpus_envs(ctx.env)):
+        try:
+            out = subprocess.run([prolog], env=step_env, capture_output=True, text=True, timeout=20, check=False).stdout
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return CheckResult(ISOLATION, Status.WARN, f"TaskProlog {prolog} could not run ({err})", fix)
+        exports = dict(re.findall(r"^export ([A-Za-z_][A-Za-z0-9_]*)=(.*)$", out, re.M))
+        shown = [name for name in names if exports.get(name, None) != ""]
+        if shown:
+            return CheckResult(ISOLATION, Status.WARN, f"TaskProlog {prolog} leaves {' and '.join(shown)} set for "
+                                                       f"{step}: such a step sees every GPU of the node", fix)
+    return CheckResult(ISOLATION, Status.PASS, f"TaskProlog {prolog} empties CUDA_VISIBLE_DEVICES and "
+                                               "NVIDIA_VISIBLE_DEVICES for a step without GPUs (a --gres=none step "
+                                               "inside a GPU job included): it sees none (the nodes stay openable: "
+                                               "not a security boundary)")
 
 
 def check_slurm_node(ctx: DoctorContext) -> list[CheckResult]:
