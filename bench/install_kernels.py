@@ -31,6 +31,7 @@ from packaging.utils import canonicalize_name  # noqa: E402
 
 from images.wheelhouse import KERNEL_PACKAGES, kernel_pins, read_lock, wheel_identity  # noqa: E402
 from launch.errors import LaunchError  # noqa: E402
+from toolkit import pyexec  # noqa: E402
 from toolkit.fsutil import atomic_write_text, sha256_file  # noqa: E402
 
 # Installed beside the kernels when the folder has them at the lock's pins (the trainer needs
@@ -55,7 +56,7 @@ def install(lock: Path, wheels: Path, target: Path) -> list[str]:
     if not chosen:
         raise LaunchError(f"no wheel in {wheels} is pinned by {lock.name}")
     target.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+    proc = subprocess.run([*pyexec.python(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                            "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, chosen)],
                           capture_output=True, text=True)
     if proc.returncode != 0:

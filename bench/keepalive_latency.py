@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from launch.keepalive.protocol import request  # noqa: E402
+from toolkit import pyexec  # noqa: E402
 
 
 def _env(root: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -50,7 +51,7 @@ def _env(root: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _start_holder(root: Path, args: argparse.Namespace, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "launch", "keepalive", "run", "--gpus", args.gpus,
+    cmd = [*pyexec.python(), "-m", "launch", "keepalive", "run", "--gpus", args.gpus,
            "--mem-fraction", str(args.mem_fraction)]
     if not args.cuda:
         cmd += ["--devices-dir", str(args.devices_dir)]
@@ -76,7 +77,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 def _hook(hook: str, job: str, gpus: str, env: dict[str, str]) -> float:
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "launch.keepalive.cli", hook],
+    done = subprocess.run([*pyexec.python(), "-m", "launch.keepalive.cli", hook],
                           env={**env, "SLURM_JOB_ID": job, "SLURM_JOB_GPUS": gpus}, capture_output=True)
     elapsed = time.perf_counter() - t0
     if done.returncode != 0:
@@ -113,7 +114,7 @@ def bench_slurm(root: Path, args: argparse.Namespace) -> dict[str, list[float]]:
     from launch.cluster.embedded import EmbeddedCluster
 
     env = _env(root)
-    subprocess.run([sys.executable, "-m", "launch", "keepalive", "hooks", "--dir", str(root / "hooks"),
+    subprocess.run([*pyexec.python(), "-m", "launch", "keepalive", "hooks", "--dir", str(root / "hooks"),
                     "--socket", env["LAUNCH_KEEPALIVE_SOCKET"], "--log", env["LAUNCH_KEEPALIVE_HOOK_LOG"]],
                    env=env, check=True, capture_output=True)
     cluster = EmbeddedCluster(root / "cluster")

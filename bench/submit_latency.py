@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from launch.cluster.embedded import EmbeddedCluster  # noqa: E402
+from toolkit import pyexec  # noqa: E402
 
 FIXTURES = REPO / "tests" / "jobfixtures"
 
@@ -41,7 +42,7 @@ def wait_running(job_id: str, env: dict[str, str], timeout: float = 60) -> float
 
 def one_launch(env: dict[str, str]) -> float:
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "launch", "submit", "fixture", "--preset", "quick"], env=env,
+    out = subprocess.run([*pyexec.python(), "-m", "launch", "submit", "fixture", "--preset", "quick"], env=env,
                          capture_output=True, text=True, check=True, cwd=REPO)
     job_id = out.stdout.splitlines()[0].split()[-1]
     return wait_running(job_id, env) - t0

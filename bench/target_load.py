@@ -30,6 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from toolkit import pyexec  # noqa: E402
+
 LOAD = """
 import sys, time, torch
 sys.path.insert(0, {root!r})
@@ -99,7 +101,7 @@ def make_checkpoint(out: Path, layers: int, shard_gib: float) -> tuple[int, int]
 
 def measure(path: Path, device: str, mode: str) -> tuple[int, int, float]:
     code = LOAD.format(root=str(ROOT), device=device, mode=mode, path=str(path))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    done = subprocess.run([*pyexec.python(), "-c", code], capture_output=True, text=True)
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
     if done.returncode != 0 or not line:
         raise SystemExit(f"load failed (rc {done.returncode}): {(done.stderr.strip().splitlines() or [''])[-1]}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from images.wheelhouse import GPU_LOCKS, REPO, Target, kernel_pins
 from launch.errors import LaunchError
+from toolkit import pyexec
 
 # glibc of the release each lock's Python comes with (Debian 12: 3.11; Ubuntu 24.04: 3.12).
 GLIBC = {"3.11": "2.36", "3.12": "2.39"}
@@ -29,7 +30,7 @@ def dry_run(python: str, lock: Path) -> tuple[bool, str]:
         reqs = Path(tmp) / "kernels.txt"
         reqs.write_text("".join(p.line + "\n" for p in pins))
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--only-binary=:all:",
+            [*pyexec.python(), "-m", "pip", "install", "--dry-run", "--no-deps", "--only-binary=:all:",
              "--ignore-installed", "--progress-bar=off", "--target", str(Path(tmp) / "t"), *target.pip_args(),
              "-r", str(reqs)], capture_output=True, text=True)
     out = proc.stdout + proc.stderr

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from launch.errors import LaunchError
+from toolkit import pyexec
 from toolkit.fsutil import atomic_write_text, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,7 +185,7 @@ def sums_digest(directory: Path) -> str:
 def _pip(argv: list[str], env: dict[str, str] | None = None) -> None:
     # The controller's pip with its own configuration: that is where the index, the local wheel
     # directories and the CA bundle this network needs are set.
-    proc = subprocess.run([sys.executable, "-m", "pip", *argv], capture_output=True, text=True,
+    proc = subprocess.run([*pyexec.python(), "-m", "pip", *argv], capture_output=True, text=True,
                           env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         errors = [line for line in (proc.stderr + proc.stdout).splitlines() if line.startswith("ERROR")]

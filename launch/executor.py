@@ -18,6 +18,7 @@ from pathlib import Path
 from launch import values
 from launch.errors import LaunchError
 from launch.jobspec import ResolvedJob
+from toolkit import pyexec
 
 CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "HF_HOME": "hf", "TORCHINDUCTOR_CACHE_DIR": "inductor",
               "TILELANG_CACHE_DIR": "tilelang"}
@@ -92,7 +93,11 @@ def make_executor(job: ResolvedJob, folder: Path, scratch: str, options: SlurmOp
     options = options or SlurmOptions()
     r = job.resources
     name = values.check_name(options.name or job.spec.name, "job name")
-    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=3)
+    # The job's interpreter never puts the directory `launch submit` ran in on sys.path: submitit
+    # starts it as `python -u -m submitit.core._submit`, and `-m` would import another user's
+    # `submitit/` from a shared working directory (toolkit.pyexec).
+    python = " ".join(shlex.quote(a) for a in pyexec.python())
+    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=3, python=python)
     params: dict = dict(
         job_name=name, time=r.time_minutes, nodes=r.nodes, ntasks_per_node=r.tasks_per_node,
         cpus_per_task=r.cpus_per_task, setup=job_environment(job, folder, scratch, options.env),

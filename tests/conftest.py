@@ -7,6 +7,7 @@ dir, because this machine has no NVIDIA driver. Slurm allocates them exactly as 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -109,3 +110,28 @@ def wait_for_state(job_id: str, env: dict[str, str], states: set[str], timeout: 
                 return seen
         time.sleep(0.5)
     raise AssertionError(f"job {job_id} never reached {states}; last state {seen!r}")
+
+
+
+@pytest.fixture()
+def planted_cwd() -> Iterator[tuple[Path, Path]]:
+    """(directory, marker): a world-writable, sticky directory (as /tmp) where another uid
+    (nobody, 65534, through setpriv: a real second uid writes the files) left packages named
+    `submitit` and `fla` whose import creates `marker`. Nothing the toolkit starts there may
+    import them. Under a world-traversable root (pytest's own is 0700)."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv for a second uid")
+    root = Path(tempfile.mkdtemp(prefix="launch-planted-"))
+    root.chmod(0o755)
+    shared, marker = root / "shared", root / "imported"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    code = "; ".join(f"mkdir {n} && printf %s {shlex.quote(f'open({str(marker)!r}, {chr(34)}a{chr(34)}).write({n!r})')} "
+                     f"> {n}/__init__.py" for n in ("submitit", "fla"))
+    try:
+        subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "sh", "-c", code],
+                       cwd=shared, check=True, timeout=30)
+        assert all((shared / n / "__init__.py").stat().st_uid == 65534 for n in ("submitit", "fla"))
+        yield shared, marker
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -137,6 +137,33 @@ def test_fla_import_error_shows_real_exception_and_fails_for_gpu_job(tmp_path):
     assert "fla/__init__.py:1" in flat  # where it was raised
 
 
+@pytest.mark.parametrize("exit_call", ["os._exit(0)", "sys.exit(0)"])
+def test_an_fla_whose_import_ends_the_process_is_named_in_the_rows(tmp_path, exit_call):
+    """`import fla` that ends the interpreter with status 0: the rows say the probe exited while
+    importing fla, not a bare "not checked"."""
+    fla = write_package(tmp_path / "exits", {"fla/__init__.py": f"import os, sys\n{exit_call}\n"})
+    res = by_check(run_checks(str(write_job(tmp_path, gpus=1)), clean_env(tmp_path, PYTHONPATH=f"{fla}{os.pathsep}{REPO}")))
+    assert res["kernels.fla"].status is Status.FAIL
+    found = res["kernels.fla"].found
+    assert "not checked" not in found and "fla" in found, found
+    assert "exited while importing fla" in found or "SystemExit: 0" in found, found
+
+
+def test_the_kernel_probe_never_imports_from_the_working_directory(tmp_path, planted_cwd):
+    """`launch doctor` run from a world-writable directory holding another uid's `fla/`: its kernel
+    probe (`python -c`) does not import it (the control: a plain `python -c 'import fla'` there does)."""
+    shared, marker = planted_cwd
+    env = clean_env(tmp_path)
+    subprocess.run([sys.executable, "-c", "import fla"], cwd=shared, env=env, check=True, timeout=60)
+    assert marker.read_text() == "fla"  # the control: the planted package is importable from there
+    marker.unlink()
+    out = subprocess.run([sys.executable, "-P", "-m", "launch", "doctor", "--job", str(write_job(tmp_path, gpus=1))],
+                         env=env, capture_output=True, text=True, timeout=180, cwd=shared)
+    fla_row = next(line for line in out.stdout.splitlines() if line.startswith("kernels.fla"))
+    assert "not installed" in fla_row, out.stdout + out.stderr
+    assert not marker.exists(), f"the probe imported the planted {marker.read_text()}"
+
+
 def test_fla_import_error_is_a_warning_on_cpu_without_gpu_job(tmp_path):
     env = clean_env(tmp_path, PYTHONPATH=f"{broken_fla(tmp_path)}{os.pathsep}{REPO}")
     res = by_check(run_checks(env=env))

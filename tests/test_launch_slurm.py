@@ -72,6 +72,19 @@ def test_loader_env_cannot_choose_srun_and_the_job_folder_is_private(launch_env,
     assert cancel.returncode == 0 and cancel.stdout.startswith(f"job {job} had already ended (COMPLETED"), cancel.stdout
 
 
+def test_a_job_never_imports_from_the_directory_launch_submit_ran_in(launch_env, planted_cwd):
+    """`launch submit` from a world-writable directory holding another uid's `submitit/` and
+    `fla/`: the job (root here) starts as `python -P -m submitit.core._submit` in that directory
+    and imports neither; it completes, and the planted code never ran. `python -P -m launch` is
+    the `launch` console script (whose sys.path starts at its bin directory)."""
+    shared, marker = planted_cwd
+    sub = subprocess.run([sys.executable, "-P", "-m", "launch", "submit", "fixture", "--parsable"], env=launch_env,
+                         cwd=shared, capture_output=True, text=True, timeout=120)
+    assert sub.returncode == 0, sub.stderr
+    assert wait_for_state(sub.stdout.strip(), launch_env, {"COMPLETED", "FAILED"}) == "COMPLETED"
+    assert not marker.exists(), f"the job imported the planted {marker.read_text()}"
+
+
 def test_follow_streams_log_and_exit_code(launch_env):
     out = run_launch(["submit", "fixture", "--follow"], launch_env)
     assert out.returncode == 0, out.stderr

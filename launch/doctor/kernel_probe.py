@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import traceback
 
@@ -132,21 +133,27 @@ def main() -> None:
 
     def save() -> None:
         # Written after every step: if a later step crashes the interpreter, what came before survives.
-        with open(args.out, "w") as f:
+        # (beside, then renamed: a probe killed mid-write leaves the last whole report)
+        with open(args.out + ".tmp", "w") as f:
             json.dump(report, f)
+        os.replace(args.out + ".tmp", args.out)
 
-    imports["fla"] = try_import("fla")
-    save()
+    def probe(key: str, module: str, attr: str | None = None) -> None:
+        # What is being imported is saved first: an import that ends the interpreter (os._exit,
+        # a segfault, sys.exit in an atexit-less path) leaves it named for the doctor's rows.
+        report["importing"] = module
+        save()
+        imports[key] = try_import(module, attr)
+        report.pop("importing")
+        save()
+
+    probe("fla", "fla")
     if imports["fla"]["ok"]:
-        imports["fla.gated_delta_rule"] = try_import("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
-        save()
-        imports["fla.causal_conv1d"] = try_import("fla.modules.convolution", "causal_conv1d")
-        save()
-    imports["causal_conv1d"] = try_import("causal_conv1d", "causal_conv1d_fn")
-    save()
+        probe("fla.gated_delta_rule", "fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+        probe("fla.causal_conv1d", "fla.modules.convolution", "causal_conv1d")
+    probe("causal_conv1d", "causal_conv1d", "causal_conv1d_fn")
     if args.tilelang:
-        imports["tilelang"] = try_import("tilelang")
-        save()
+        probe("tilelang", "tilelang")
     if args.torch or "torch" in sys.modules:
         try:
             report["torch"] = torch_facts()
@@ -164,6 +171,9 @@ def main() -> None:
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             report["gdn"] = {"ok": False, "errors": None, "error": f"{type(exc).__name__}: {msg}"}
         save()
+
+    report["done"] = True
+    save()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from packaging.version import InvalidVersion, Version
 from launch.doctor.context import DoctorContext
 from launch.doctor.results import CheckResult, Status
 from launch.doctor.versions import dist_version
+from toolkit import pyexec
 
 PROBE_SOURCE = Path(__file__).with_name("kernel_probe.py")
 
@@ -69,7 +69,7 @@ def run_probe(ctx: DoctorContext, *, gdn: bool, tilelang: bool) -> dict:
     timeout = float(ctx.env.get("LAUNCH_DOCTOR_PROBE_TIMEOUT", "900" if gdn else "180"))
     with tempfile.TemporaryDirectory(prefix="launch-doctor-") as tmp:
         out = Path(tmp) / "probe.json"
-        cmd = [sys.executable, "-c", PROBE_SOURCE.read_text(), "--out", str(out)]
+        cmd = pyexec.python("-c", PROBE_SOURCE.read_text(), "--out", str(out))
         cmd += ["--gdn"] * gdn + ["--tilelang"] * tilelang + ["--torch"] * ctx.has_cuda_gpus
         trainer = trainer_set(ctx)
         if trainer is not None:
@@ -84,6 +84,13 @@ def run_probe(ctx: DoctorContext, *, gdn: bool, tilelang: bool) -> dict:
         except subprocess.TimeoutExpired:
             crash = f"kernel probe did not finish in {timeout:.0f} s (set LAUNCH_DOCTOR_PROBE_TIMEOUT)"
         report = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {"imports": {}}
+    if crash is None and not report.get("done"):
+        # exit status 0 without the probe's last line: something it imported ended the interpreter
+        # (sys.exit or os._exit in a package's import), which the rows must say, not "not checked"
+        during = f" while importing {report['importing']}" if report.get("importing") else ""
+        crash = f"the kernel probe exited{during} before it finished (the package's import ends the process)"
+    elif crash is not None and report.get("importing"):
+        crash += f" (while importing {report['importing']})"
     report["crash"] = crash
     return report
 

@@ -19,12 +19,12 @@ import select
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Protocol
 
 from launch.errors import LaunchError
+from toolkit import pyexec
 
 NVIDIA_MAJOR = 195
 _DEVICE_NAME = re.compile(r"^nvidia(\d+)$")
@@ -113,8 +113,8 @@ class CudaHolder:
                 "CUDA_VISIBLE_DEVICES": str(self.index),
             }
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "launch.keepalive.cuda_worker",
-                 "--mem-fraction", str(self.mem_fraction), "--period", str(self.period_s)],
+                pyexec.python("-m", "launch.keepalive.cuda_worker",
+                              "--mem-fraction", str(self.mem_fraction), "--period", str(self.period_s)),
                 stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
             )
             self._ready = False

@@ -140,6 +140,8 @@ def render_hook_wrapper(hook: str, python: str, socket: Path, timeout: float,
         *(f"export {k}={shlex.quote(v)}" for k, v in exports.items()),
         "# start time, so the hook can log its latency from slurmd's exec to the holder's ack",
         "LAUNCH_KEEPALIVE_HOOK_T0_NS=$(date +%s%N) && export LAUNCH_KEEPALIVE_HOOK_T0_NS",
+        "# a fixed working directory: `python -m` puts the current one first on sys.path",
+        "cd /",
         f"exec {shlex.quote(python)} -m launch.keepalive.cli {hook}",
         "",
     ]

@@ -13,4 +13,6 @@ case "$(basename "$0")" in
   *epilog*) hook=epilog ;;
   *) echo "launch-keepalive hook: name must contain 'prolog' or 'epilog': $0" >&2; exit 2 ;;
 esac
+# a fixed working directory: `python -m` puts the current one first on sys.path
+cd /
 exec "$LAUNCH_KEEPALIVE_PYTHON" -m launch.keepalive.cli "$hook"
