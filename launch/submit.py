@@ -334,6 +334,7 @@ def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: 
     run folder it continues)."""
     parsed = check_entrypoint_args(spec, argv, job.resources.total_tasks)
     folder = job_folder(args, spec)
+    check_run_folder_owner(run_dir or out_of(argv))
     scratch = args.scratch or spec.scratch
     options = SlurmOptions(name=args.name, account=args.account, qos=args.qos, constraint=args.constraint,
                            exclude=args.exclude, dependency=args.dependency, env=dict(args.env))
@@ -416,6 +417,15 @@ def out_of(argv: list[str]) -> Path | None:
         elif item.startswith("--out="):
             out = item.partition("=")[2]
     return Path(os.path.abspath(out)) if out else None
+
+
+def check_run_folder_owner(run_dir: Path | None) -> None:
+    """A run folder (--arg out=) another local user could swap: the trainer would resume from
+    that user's checkpoint (and `launch resume` after it), so it is refused as --runs-dir is."""
+    foreign = foreign_ancestor(run_dir) if run_dir is not None else None
+    if foreign:
+        raise LaunchError(f"run folder {run_dir}: {foreign}, who could swap its checkpoints before the job reads "
+                          "them; choose an --arg out= only you can write; nothing submitted")
 
 
 def check_dependency_jobs(dependency: str, env_extra: dict[str, str]) -> None:

@@ -212,6 +212,12 @@ CASES += [
     Case("cli", "runs-dir-parent-world-writable", ["submit", "fixture", "--runs-dir", "{tmp}/shared/runs", "--dry-run"],
          r"runs directory \S*shared/runs: \S*shared is writable by other users \(mode 777, no sticky bit\), who could "
          r"swap a job folder", setup=_dir("shared", 0o777)),
+    Case("cli", "out-inside-another-uids-dir", [*STAGE1_SUBMIT, "--arg", "out={tmp}/theirs/run"],
+         r"run folder \S*theirs/run: \S*theirs belongs to uid 65534, another user, who could swap its checkpoints",
+         setup=_dir("theirs", 0o755, 65534)),
+    Case("cli", "out-under-a-world-writable-dir", [*STAGE1_SUBMIT, "--arg", "out={tmp}/shared/run"],
+         r"run folder \S*shared/run: \S*shared is writable by other users \(mode 777, no sticky bit\)",
+         setup=_dir("shared", 0o777)),
     Case("cli", "runs-dir-owned-by-another-uid", ["submit", "fixture", "--runs-dir", "{tmp}/theirs", "--dry-run"],
          r"runs directory \S*theirs: \S*theirs belongs to uid 65534, another user", setup=_dir("theirs", 0o755, 65534)),
 ]
