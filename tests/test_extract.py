@@ -281,3 +281,33 @@ def test_overlapped_shard_writes_equal_inline_ones(tmp_path, data, no_lm_head):
     assert {n: (e.samples, e.lengths) for n, e in got.items()} == {n: (e.samples, e.lengths) for n, e in want.items()}
     assert _run(stopped, data, "--overlap", "on", "--stop-after", "2") == 0
     assert len(read_index(stopped)) == 2
+
+
+def test_two_identical_extractions_write_byte_identical_shards(tmp_path, data):
+    """The same data and arguments into two directories: every shard has the same sha256 (safetensors
+    keeps `__metadata__` in a hash map of a per-map order; the shards write it sorted). Encoding the
+    same shard several times in this process (a new map each time) gives the same bytes too."""
+    from toolkit.fsutil import sha256_file
+    from train.extract.shards import encode_shard
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert _run(first, data) == 0 and _run(second, data) == 0
+    names = sorted(p.name for p in first.glob("shard_*.safetensors"))
+    assert names and names == sorted(p.name for p in second.glob("shard_*.safetensors"))
+    assert [sha256_file(first / n) for n in names] == [sha256_file(second / n) for n in names]
+    samples = read_shard(first / names[0])
+    metadata = {f"key{i}": str(i) for i in range(8)}
+    encoded = {encode_shard(samples, metadata) for _ in range(8)}
+    assert len(encoded) == 1
+    assert read_shard_metadata(encoded.pop()) == metadata
+
+
+def read_shard_metadata(data: bytes) -> dict[str, str]:
+    import json
+    import struct
+
+    from safetensors.torch import load
+
+    assert load(data)  # still a safetensors file safetensors itself reads
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n])["__metadata__"]

@@ -53,7 +53,23 @@ def encode_shard(samples: dict[int, dict[str, torch.Tensor]], metadata: dict[str
     from safetensors.torch import save
 
     flat = {f"{i}.{key}": t.contiguous() for i, tensors in samples.items() for key, t in tensors.items()}
-    return save(flat, metadata=metadata)
+    return _metadata_in_fixed_order(save(flat, metadata=metadata))
+
+
+def _metadata_in_fixed_order(data: bytes) -> bytes:
+    """The same safetensors file with its `__metadata__` keys sorted. safetensors keeps the metadata in
+    a hash map whose order changes from one map to the next, so the same tensors and metadata came out
+    as different bytes about half the time; sorted, two identical extractions write identical shards
+    (a sha256 compared across runs means something). The tensors' entries and data are left as written
+    (their offsets are relative to the end of the header), and the header is padded with spaces to a
+    multiple of 8 bytes as safetensors pads it."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n], object_pairs_hook=dict)
+    metadata = header.pop("__metadata__", None)
+    ordered = ({"__metadata__": dict(sorted(metadata.items()))} if metadata else {}) | header
+    text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + n:]
 
 
 def write_shard(path: Path, samples: dict[int, dict[str, torch.Tensor]], metadata: dict[str, str] | None = None
