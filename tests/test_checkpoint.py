@@ -179,6 +179,29 @@ def test_resume_onto_another_tokenizer_is_refused_unless_allowed(tmp_path: Path)
     assert len(said) == 1
 
 
+def test_data_edited_in_place_is_a_change_of_data_and_a_moved_copy_is_not(tmp_path: Path) -> None:
+    """The data is compared by its manifests' sha256: the same path with edited manifests is refused
+    unless --allow-data-change; another path with the same manifests (a run folder moved or backed up
+    with its data) resumes and says so (the corpus's checkpoint:moved-run-* resume real copies)."""
+    from train.stage1.train import _check_source, manifests_digest
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "replay_text.jsonl").write_text('{"id": 1, "text": "a"}\n')
+    saved = {"data_dir": str(data), "manifests": manifests_digest(data), "tokenizer": "aaaa"}
+    (data / "replay_text.jsonl").write_text('{"id": 1, "text": "b"}\n')
+    edited = {**saved, "manifests": manifests_digest(data)}
+    assert edited["manifests"] != saved["manifests"]
+    with pytest.raises(CheckpointError, match=r"was trained with the manifests \(sha256\) of --data-dir [0-9a-f]{16}, "
+                                              r"this run has [0-9a-f]{16} \(edited in place\): .*--allow-data-change"):
+        _check_source(tmp_path, saved, edited, allow=False, next_batch=4, report=print)
+    said: list[str] = []
+    _check_source(tmp_path, saved, {**saved, "data_dir": "/elsewhere"}, allow=False, next_batch=4, report=said.append)
+    assert len(said) == 1 and "--data-dir /elsewhere: the same manifests (sha256) as checkpoint" in said[0]
+    with pytest.raises(CheckpointError, match=r"--data-dir \S+, this run has /elsewhere \(its manifests differ\)"):
+        _check_source(tmp_path, saved, {**edited, "data_dir": "/elsewhere"}, allow=False, next_batch=4, report=print)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_data(tmp_path_factory.mktemp("ckpt-data"))

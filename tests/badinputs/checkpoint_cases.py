@@ -24,6 +24,9 @@ def resume(out: str = "{tmp}/run", *extra: str) -> list[str]:
 
 
 RESUME = resume()
+# The finished run copied elsewhere with its data inside it, resumed there: `launch resume` of a job
+# submitted with --arg out= the copy runs this command line.
+MOVED = [*RUN_ARGS, "--steps", "2", "--out", "{tmp}/moved", "--data-dir", "{tmp}/moved/data"]
 # The newest checkpoint damaged: --steps 1, so the resume from step 1 is all the run does.
 FROM_1 = [*RESUME, "--steps", "1"]
 STEP1, STEP2 = "step_00000001", "step_00000002"
@@ -196,8 +199,24 @@ def _destination_with(files: dict[str, str]) -> Callable[[Path], None]:
 
 
 def _other_data(tmp: Path) -> None:
-    """{tmp}/data2: the same records at another place (a different --data-dir all the same)."""
+    """{tmp}/data2: other data at another place (the records of one manifest in another order)."""
     copy_built("stage1-synthetic", _synthetic, tmp / "data2")
+    manifest = tmp / "data2" / "replay_text.jsonl"
+    manifest.write_text("".join(reversed(manifest.read_text().splitlines(keepends=True))))
+
+
+def moved(*mutations: Callable[[Path], None]) -> Callable[[Path], None]:
+    """{tmp}/moved: the finished run copied with its data inside it (moved/data, a real copy: the
+    same manifests at another path), then `mutations` on its checkpoints."""
+    def setup(tmp: Path) -> None:
+        finished_run(tmp)
+        dest = tmp / "moved"
+        copy_built("stage1-run", _finished_run, dest)
+        copy_built("stage1-synthetic", _synthetic, dest / "data")
+        for mutate in mutations:
+            mutate(dest / "checkpoints")
+
+    return setup
 
 
 SKIPPED = r"# skipping a newer checkpoint that does not verify: "
@@ -222,13 +241,31 @@ CASES = [
          r"step 3/3 ", entry="stage1", outcome="counted", setup=broken()),
     # ---- resume onto other data: refused unless --allow-data-change (then said)
     Case("checkpoint", "resume-other-data-dir", [*RESUME, "--data-dir", "{tmp}/data2"],
-         rf"checkpoint \S*{STEP2} was trained with --data-dir \S+, this run has \S*data2: resume with the same data, "
-         "add --allow-data-change", entry="stage1", setup=lambda tmp: (broken()(tmp), _other_data(tmp))),
+         rf"checkpoint \S*{STEP2} was trained with --data-dir \S+, this run has \S*data2 \(its manifests differ\): "
+         "resume with the same data, add --allow-data-change", entry="stage1",
+         setup=lambda tmp: (broken()(tmp), _other_data(tmp))),
     Case("checkpoint", "resume-other-data-dir-allowed", [*RESUME, "--data-dir", "{tmp}/data2", "--allow-data-change",
                                                         "--steps", "3"],
-         rf"(?s)# --allow-data-change: resuming with --data-dir \S*data2 where checkpoint \S*{STEP2} has \S+: batches "
-         r"from 2 on are drawn from other data.*step 3/3 ", entry="stage1", outcome="counted",
-         setup=lambda tmp: (broken()(tmp), _other_data(tmp))),
+         rf"(?s)# --allow-data-change: resuming with --data-dir \S*data2 \(its manifests differ\) where checkpoint "
+         rf"\S*{STEP2} has \S+: batches from 2 on are drawn from other data.*step 3/3 ", entry="stage1",
+         outcome="counted", setup=lambda tmp: (broken()(tmp), _other_data(tmp))),
+    # ---- a run folder moved or backed up with its data: the same manifests resume, by content
+    Case("checkpoint", "moved-run-resumes", [*MOVED, "--steps", "3"],
+         rf"(?s)# --data-dir \S*moved/data: the same manifests \(sha256\) as checkpoint \S*moved/checkpoints/{STEP2}'s "
+         rf"\S+; resuming on it.*resumed from \S*moved/checkpoints/{STEP2} at step 2.*step 3/3 ", entry="stage1",
+         outcome="counted", setup=moved()),
+    Case("checkpoint", "moved-run-model-truncated", [*MOVED, "--steps", "1"],
+         rf"(?s){SKIPPED}\S*moved/checkpoints/{STEP2}/model\.pt is corrupt.*resumed from \S*moved/checkpoints/{STEP1}",
+         entry="stage1", outcome="counted", setup=moved(truncate(STEP2, "model.pt"))),
+    Case("checkpoint", "moved-run-optim-bit-flipped", [*MOVED, "--steps", "1"],
+         rf"(?s){SKIPPED}\S*moved/checkpoints/{STEP2}/optim\.pt is corrupt.*resumed from \S*moved/checkpoints/{STEP1}",
+         entry="stage1", outcome="counted", setup=moved(flip(STEP2, "optim.pt"))),
+    Case("checkpoint", "moved-run-latest-lost", MOVED,
+         rf"(?s)latest names None; resuming from {STEP2}, the newest that verifies.*resumed from \S*moved/\S*{STEP2}",
+         entry="stage1", outcome="counted", setup=moved(delete(".", "latest"))),
+    Case("checkpoint", "moved-run-newest-deleted", [*MOVED, "--steps", "1"],
+         rf"(?s)latest names '{STEP2}'; resuming from {STEP1}, the newest that verifies.*resumed from \S*moved/\S*{STEP1}",
+         entry="stage1", outcome="counted", setup=moved(lambda c: __import__("shutil").rmtree(c / STEP2))),
     Case("checkpoint", "resume-other-weights", [*RESUME, "--weights", '{"und": 1}'],
          rf"checkpoint \S*{STEP2} was trained with --weights unset, this run has {{\"und\": 1.0}}: resume with the same",
          entry="stage1", setup=broken()),

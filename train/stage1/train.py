@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from toolkit import kernel_cache
+from toolkit.fsutil import sha256_file
 from toolkit.metrics import SCHEMAS, step_records
 from train.common import fastpath, mfu
 from train.common.checkpoint import CheckpointError, load_state, rng_state, set_rng_state
@@ -578,13 +579,25 @@ MODEL_ARGS = ("shape", "vision", "codebook_sizes")
 DATA_ARGS = ("row_len", "batch_rows", "seed", "packing")
 # What the batches are drawn from: a change resumes only with --allow-data-change (a model trained
 # on one dataset and continued on another without a word is a silent mistake).
-SOURCE_FLAGS = {"data_dir": "--data-dir", "weights": "--weights", "asset_lengths": "--asset-lengths",
-                "tokenizer": "the tokenizer"}
+SOURCE_FLAGS = {"data_dir": "--data-dir", "manifests": "the manifests (sha256) of --data-dir",
+                "weights": "--weights", "asset_lengths": "--asset-lengths", "tokenizer": "the tokenizer"}
 
 
 def data_source(cfg: Stage1Config, data_dir: Path, tok: Any) -> dict[str, Any]:
-    return {"data_dir": str(data_dir.resolve()), "weights": cfg.weights, "asset_lengths": cfg.asset_lengths,
-            "tokenizer": tok.fingerprint}
+    return {"data_dir": str(data_dir.resolve()), "manifests": manifests_digest(data_dir), "weights": cfg.weights,
+            "asset_lengths": cfg.asset_lengths, "tokenizer": tok.fingerprint}
+
+
+def manifests_digest(data_dir: Path) -> str:
+    """The data's identity by content: a sha256 over each task's manifest (its name and bytes). A run
+    folder moved or copied with its data resumes on this, not on the path; an edited manifest is a
+    change of data. Only regular files are read (load_manifests refuses the others, named)."""
+    h = hashlib.sha256()
+    for task in TASKS:
+        path = data_dir / f"{task}.jsonl"
+        if path.is_file():
+            h.update(f"{task}\0{sha256_file(path)}\0".encode())
+    return h.hexdigest()
 
 
 def _shown(value: Any) -> str:
@@ -598,10 +611,20 @@ def _shown(value: Any) -> str:
 
 def _check_source(path: Path, saved: dict[str, Any], source: dict[str, Any], allow: bool, next_batch: int,
                   report: Callable[[str], None]) -> None:
+    same_manifests = "manifests" in saved and saved["manifests"] == source.get("manifests")
     for key, flag in SOURCE_FLAGS.items():
         if key not in saved or key not in source or saved[key] == source[key]:
             continue
         was, now = _shown(saved[key]), _shown(source[key])
+        if key == "data_dir" and same_manifests:  # the run folder moved or copied with its data
+            report(f"# --data-dir {now}: the same manifests (sha256) as checkpoint {path}'s {was}; resuming on it")
+            continue
+        if key == "data_dir" and "manifests" in saved:
+            now += " (its manifests differ)"
+        if key == "manifests" and saved.get("data_dir") != source.get("data_dir"):
+            continue  # said with --data-dir
+        if key == "manifests":
+            was, now = was[:16], f"{now[:16]} (edited in place)"
         if not allow:
             raise CheckpointError(f"checkpoint {path} was trained with {flag} {was}, this run has {now}: resume with the "
                                   "same data, add --allow-data-change to continue on this data, or use a new --out "
