@@ -54,6 +54,8 @@ def install_for_job(env: Mapping[str, str] | None = None, log=print) -> str:
             quiet = cpu_only and got.state == "absent"
         except (kernel_cache.ArchiveError, OSError) as exc:
             line = f"error {key}: {exc}; the kernels compile as without an archive"
+        except Exception as exc:  # noqa: BLE001 - never fatal (module docstring): a note, and compiles
+            line = f"error {key}: {type(exc).__name__}: {exc}; the kernels compile as without an archive"
     os.environ[STATUS_VAR] = line
     # A CPU node's absent archive is the normal case (nothing GPU-specific to bake): the trainer's
     # header still says it; the job's log names the archive only where it matters.
@@ -87,11 +89,16 @@ def doctor_check(env: Mapping[str, str], gpus: list | None):  # -> CheckResult
         fields = kernel_cache.key_fields(gpu_arch="cpu", driver="cpu", cuda="cpu")
     key = kernel_cache.archive_key(fields)
     store = store_dir(env)
-    manifest = kernel_cache.find_manifest(store, key)
+    try:
+        kernel_cache.check_store(store)
+        manifest = kernel_cache.find_manifest(store, key)
+    except kernel_cache.ArchiveError as exc:
+        return CheckResult("cache.kernel_archive", Status.WARN, f"{exc}; jobs compile their kernels",
+                           "rebake (launch kernels bake --preset P) or remove the file")
     if manifest is None:
         return CheckResult("cache.kernel_archive", Status.WARN,
                            f"no baked kernel archive for this node's key {key} in {store}: the first job on each "
                            "node compiles its kernels before step 1",
                            "launch kernels bake --preset P (one job; then every job unpacks it at start)")
     return CheckResult("cache.kernel_archive", Status.PASS,
-                       f"{key}: {store / manifest['archive']} ({manifest.get('bytes', 0) / 2**20:.1f} MiB)")
+                       f"{key}: {store / manifest['archive']} ({int(manifest.get('bytes', 0)) / 2**20:.1f} MiB)")

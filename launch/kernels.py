@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 
 from launch.errors import LaunchError
 from launch.kernel_archive import BAKE_ARGS, BAKE_VAR, store_dir
@@ -63,6 +64,10 @@ def bake(args: argparse.Namespace) -> int:
     sub_args = parser.parse_args(argv)
     sub_args.extra = []
     sub_args.verb = "kernels bake"
+    try:  # before the job: a store that is a file, or another user's, would fail its end after all the work
+        kernel_cache.check_store(store_dir())
+    except kernel_cache.ArchiveError as exc:
+        raise LaunchError(f"{exc}; nothing submitted") from None
     print(f"# kernel archive store: {store_dir()}", flush=True)
     return submit.run(sub_args)
 
@@ -73,18 +78,24 @@ def list_archives(as_json: bool) -> int:
         here = kernel_cache.archive_key(kernel_cache.key_fields())
     except Exception as exc:  # noqa: BLE001
         here = f"unknown ({type(exc).__name__})"
-    found = kernel_cache.manifests(store)
+    try:
+        kernel_cache.check_store(store)
+    except kernel_cache.ArchiveError as exc:
+        raise LaunchError(str(exc)) from None
+    found, problems = kernel_cache.manifests_and_problems(store)
     if as_json:
-        print(json.dumps({"store": str(store), "this_machine": here, "archives": found}))
-        return 0
+        print(json.dumps({"store": str(store), "this_machine": here, "archives": found, "problems": problems}))
+        return 1 if problems else 0
     print(f"store: {store}")
     print(f"this machine's key: {here}" + ("" if any(m["key"] == here for m in found) else " (no archive)"))
     for m in found:
         when = datetime.datetime.fromtimestamp(float(m.get("created") or 0), datetime.timezone.utc)
-        files = sum(int(v) for v in (m.get("files") or {}).values())
+        files = sum((m.get("files") or {}).values())
         mark = "*" if m["key"] == here else " "
         print(f"{mark} {m['key']}  {when:%Y-%m-%d %H:%M}Z  {m.get('bytes', 0) / 2**20:8.1f} MiB  {files:6d} files  "
               f"{m.get('note', '')}")
     if not found:
         print("no archives (bake one: launch kernels bake --preset P)")
-    return 0
+    for problem in problems:  # a manifest no job would use: named, and the exit status says so
+        print(f"launch kernels list: {problem}; jobs compile without it", file=sys.stderr)
+    return 1 if problems else 0

@@ -227,3 +227,108 @@ def test_a_bake_job_packs_the_caches_and_the_next_job_unpacks_them(slurm_cluster
     log = Path(job["log"]).read_text()
     assert f"[launch] kernel archive: unpacked {key}" in log, log[-3000:]
     assert f"kernel_archive=unpacked {key}" in log
+
+
+# ------------------------------------------------------------------ issue 47: edited and swapped archives
+def test_a_rebake_under_the_same_key_is_unpacked_and_seeded_again(tmp_path: Path):
+    """The store's manifest names archive B after a re-bake: the node's tree of archive A is not
+    `present`; B is unpacked and a job's caches get B's files."""
+    fields = kc.key_fields(gpu_arch="sm_90", driver="580", cuda="13.0", packages={})
+    store, node = tmp_path / "store", tmp_path / "node"
+    first = kc.pack(store, fields, _fake_caches(tmp_path / "a", n=2))
+    assert kc.unpack(store, first["key"], node, {n: tmp_path / "job1" / n for n in kc.CACHES}).state == "unpacked"
+    second = kc.pack(store, fields, _fake_caches(tmp_path / "b", n=3))
+    assert second["key"] == first["key"] and second["sha256"] != first["sha256"]
+    job = {n: tmp_path / "job2" / n for n in kc.CACHES}
+    got = kc.unpack(store, second["key"], node, job)
+    assert got.state == "unpacked" and (node / second["key"] / ".complete").read_text().strip() == second["sha256"]
+    assert _files(job["triton"]) == _files(tmp_path / "b" / "triton")
+    again = kc.unpack(store, second["key"], node, job)
+    assert again.state == "present" and again.seeded == {}
+
+
+def test_a_tar_bomb_is_refused_before_anything_is_written(tmp_path: Path):
+    """A small archive whose one file unpacks to far more than its manifest allows (or holding
+    more files than it says): refused from the tar headers, nothing left on the node."""
+    big = tmp_path / "bomb" / "triton"
+    big.mkdir(parents=True)
+    with open(big / "zeros", "wb") as f:
+        f.truncate(16 << 20)  # 16 MiB of zeros: about 16 KiB gzipped
+    fields = kc.key_fields(gpu_arch="sm_90", driver="580", cuda="13.0", packages={})
+    store, node = tmp_path / "store", tmp_path / "node"
+    manifest = kc.pack(store, fields, {"triton": big})
+    path = store / f"{manifest['key']}.json"
+    for edit, why in (({"unpacked": 1 << 20}, r"unpacks to 16\.0 MiB, more than the 1\.0 MiB its manifest allows"),
+                      ({"unpacked": None}, r"unpacks to 16\.0 MiB, more than the \d+\.\d MiB its manifest allows"),
+                      ({"files": {"triton": 0}}, r"holds 1 files, its manifest says 0")):
+        data = {**manifest, **edit}
+        data = {k: v for k, v in data.items() if v is not None}
+        path.write_text(json.dumps(data))
+        with pytest.raises(kc.ArchiveError, match=why):
+            kc.unpack(store, manifest["key"], node, {"triton": tmp_path / "job"})
+        assert [p.name for p in node.iterdir()] == [f".{manifest['key']}.lock"]
+
+
+def test_a_broken_manifest_never_fails_the_job_start(tmp_path: Path, monkeypatch):
+    """files a list, counts not integers, archive not a string, a FIFO: the job's start says one
+    line (error <key>: <the manifest's problem>) and goes on, at once."""
+    import signal
+
+    from launch.kernel_archive import install_for_job
+
+    store = tmp_path / "store"
+    store.mkdir()
+    key = kc.archive_key(kc.key_fields())
+    env = {"LAUNCH_KERNEL_ARCHIVES": str(store), "LAUNCH_NODE_SCRATCH": str(tmp_path / "scratch"),
+           **{var: str(tmp_path / "job" / name) for name, var in kc.CACHES.items()}}
+    base = {"key": key, "archive": "a" * 64 + ".tar.gz", "sha256": "a" * 64, "bytes": 1, "files": {}, "created": 0}
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the job start hung on the manifest"))
+    for edit, why in (({"files": ["triton"]}, "'files' is not a mapping"), ({"files": {"triton": 1.5}}, "'files'"),
+                      ({"archive": ["x"]}, "'archive' is not"), (None, "is not a regular file")):
+        (store / f"{key}.json").unlink(missing_ok=True)
+        if edit is None:
+            os.mkfifo(store / f"{key}.json")
+        else:
+            (store / f"{key}.json").write_text(json.dumps({**base, **edit}))
+        signal.alarm(20)
+        try:
+            line = install_for_job(env, log=lambda _: None)
+        finally:
+            signal.alarm(0)
+        assert line.startswith(f"error {key}: kernel archive manifest") and why in line, line
+        assert line.endswith("the kernels compile as without an archive") and "\n" not in line
+
+
+def test_another_uids_store_node_tree_or_lock_link_is_refused(tmp_path: Path):
+    """A second uid (65534) pre-creating the key's tree with a .complete marker, planting a symlink
+    at the key's .lock, or owning a 1777 store: each refused in one line before use; nothing of
+    theirs is seeded into the job's caches and the link's target is never created."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make files of another uid")
+    fields = kc.key_fields(gpu_arch="sm_90", driver="580", cuda="13.0", packages={})
+    store = tmp_path / "store"
+    manifest = kc.pack(store, fields, _fake_caches(tmp_path / "baked", n=1))
+    key, job = manifest["key"], {n: tmp_path / "job" / n for n in kc.CACHES}
+
+    node = tmp_path / "node1"
+    (node / key / "triton").mkdir(parents=True)
+    (node / key / "triton" / "evil.so").write_text("theirs")
+    (node / key / ".complete").write_text(manifest["sha256"] + "\n")
+    for p in (node / key, node / key / "triton", node / key / "triton" / "evil.so", node / key / ".complete"):
+        os.chown(p, 65534, 65534)
+    with pytest.raises(kc.ArchiveError, match=rf"unpacked kernel archive \S+/{key} belongs to uid 65534, another user"):
+        kc.unpack(store, key, node, job)
+    assert not (tmp_path / "job").exists()
+
+    node = tmp_path / "node2"
+    node.mkdir()
+    (node / f".{key}.lock").symlink_to(tmp_path / "target")
+    with pytest.raises(kc.ArchiveError, match=r"lock \S+ cannot be opened .*a symbolic link there is not followed"):
+        kc.unpack(store, key, node, job)
+    assert not (tmp_path / "target").exists() and not (node / key).exists()
+
+    os.chown(store, 65534, 65534)
+    store.chmod(0o1777)
+    with pytest.raises(kc.ArchiveError, match=r"kernel archive store \S+ belongs to uid 65534, another user"):
+        kc.unpack(store, key, tmp_path / "node3", job)
+    assert not (tmp_path / "job").exists()

@@ -35,7 +35,9 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -55,6 +57,7 @@ KERNEL_PACKAGES = ("torch", "triton", "tilelang", "flash-linear-attention", "fla
                    "cut-cross-entropy", "liger-kernel", "apache-tvm-ffi")
 READONLY_FILE, READONLY_DIR = 0o444, 0o555
 SEEDED_MARKER = ".kernel-archive-{key}"
+ARCHIVE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file name in the store, nothing more
 
 
 class ArchiveError(RuntimeError):
@@ -157,11 +160,11 @@ def pack(store: Path, fields: Mapping[str, Any], dirs: Mapping[str, Path], note:
     Entries are sorted and their metadata fixed, so the same caches give the same bytes (the
     archive's name is its sha256). The archive, then the manifest, are written atomically.
     """
-    store.mkdir(parents=True, exist_ok=True)
+    check_store(store, create=True)
     key = archive_key(fields)
     fd, tmp_name = tempfile.mkstemp(dir=store, prefix=f".{key}.", suffix=".tmp")
     tmp = Path(tmp_name)
-    counts = {}
+    counts, unpacked = {}, 0
     try:
         with os.fdopen(fd, "wb") as raw:
             import gzip
@@ -185,6 +188,7 @@ def pack(store: Path, fields: Mapping[str, Any], dirs: Mapping[str, Path], note:
                             with open(path, "rb") as f:
                                 tar.addfile(info, f)
                             counts[name] += 1
+                            unpacked += info.size
                         else:
                             tar.addfile(info)
             raw.flush()
@@ -195,9 +199,23 @@ def pack(store: Path, fields: Mapping[str, Any], dirs: Mapping[str, Path], note:
     finally:
         tmp.unlink(missing_ok=True)
     manifest = {"key": key, "fields": dict(fields), "archive": archive.name, "sha256": digest,
-                "bytes": archive.stat().st_size, "files": counts, "note": note, "created": time.time()}
+                "bytes": archive.stat().st_size, "unpacked": unpacked, "files": counts, "note": note, "created": time.time()}
     atomic_write_text(store / f"{key}.json", json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def check_store(store: Path, create: bool = False) -> None:
+    """The archive store is a directory of ours (or root's) that others cannot write (group
+    members may: a team's shared store); made when ``create``. ArchiveError, one line, otherwise."""
+    if store.exists() and not store.is_dir():
+        raise ArchiveError(f"kernel archive store {store} exists and is not a directory; "
+                           "set LAUNCH_KERNEL_ARCHIVES to a directory")
+    if create:
+        try:
+            store.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ArchiveError(f"kernel archive store {store} cannot be made ({exc.strerror or exc})") from None
+    check_owned(store, "kernel archive store", writable_mask=0o002)
 
 
 def _sha256(path: Path) -> str:
@@ -208,25 +226,119 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+MANIFEST_MAX_BYTES = 1 << 20
+ARCHIVE_NAME = re.compile(r"[0-9a-f]{64}\.tar\.gz")
+HEX64 = re.compile(r"[0-9a-f]{64}")
+# Without the manifest's `unpacked` (archives baked before it was recorded): at most this many
+# times the archive's size (compiler caches compress a few times, not a thousand).
+UNPACKED_RATIO = 100
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_owned(path: Path, what: str, writable_mask: int = 0o022) -> None:
+    """``path`` (lstat: a symlink is not followed) is ours or root's and not writable by others:
+    another local user's manifest, archive or tree would be unpacked into the job's compiler
+    caches (their code, compiled into the job). ArchiveError, one line, otherwise."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ArchiveError(f"{what} {path} cannot be read ({exc.strerror or exc})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ArchiveError(f"{what} {path} is a symbolic link; it is not followed (another user may have put it there)")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise ArchiveError(f"{what} {path} belongs to uid {st.st_uid}, another user; its kernels would run as you")
+    if st.st_mode & writable_mask and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_uid == 0):
+        raise ArchiveError(f"{what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                           "another user could put their kernels in it")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """One manifest, checked: a regular file of ours (never a FIFO or a device: opened without
+    blocking, then fstat), bounded, each field of its type. ArchiveError (one line) otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ArchiveError(f"kernel archive manifest {path} cannot be read ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ArchiveError(f"kernel archive manifest {path} is not a regular file")
+        if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+            raise ArchiveError(f"kernel archive manifest {path} belongs to uid {st.st_uid} or is writable by others "
+                               f"(mode {stat.S_IMODE(st.st_mode):o}); not used")
+        raw = f.read(MANIFEST_MAX_BYTES + 1)
+    if len(raw) > MANIFEST_MAX_BYTES:
+        raise ArchiveError(f"kernel archive manifest {path} is larger than {MANIFEST_MAX_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ArchiveError(f"kernel archive manifest {path} is not JSON ({str(exc).splitlines()[0][:120]})") from None
+    problem = manifest_problem(data)
+    if problem:
+        raise ArchiveError(f"kernel archive manifest {path}: {problem}")
+    return data
+
+
+def manifest_problem(data: object) -> str | None:
+    """Why a parsed manifest cannot be used, or None."""
+    if not isinstance(data, dict):
+        return f"an object is expected, found {type(data).__name__}"
+    if not isinstance(data.get("key"), str):
+        return "'key' is not a string"
+    if not isinstance(data.get("archive"), str) or not ARCHIVE_NAME.fullmatch(data["archive"]):
+        return f"'archive' is not '<sha256>.tar.gz' (found {data.get('archive')!r:.80})"
+    if not isinstance(data.get("sha256"), str) or not HEX64.fullmatch(data["sha256"]):
+        return "'sha256' is not 64 hex digits"
+    files = data.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(k, str) and _is_count(v) for k, v in files.items()):
+        return f"'files' is not a mapping of cache name to a file count (found {type(files).__name__})"
+    for field in ("bytes", "unpacked"):
+        if field in data and not _is_count(data[field]):
+            return f"'{field}' is not a byte count (found {data[field]!r:.40})"
+    created = data.get("created", 0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created < 1e11:
+        return f"'created' is not a time in seconds (found {created!r:.40})"
+    if not isinstance(data.get("note", ""), str):
+        return "'note' is not a string"
+    return None
+
+
 def manifests(store: Path) -> list[dict[str, Any]]:
-    """Every readable manifest in ``store``, newest first."""
-    out = []
+    """Every usable manifest in ``store``, newest first (:func:`manifests_and_problems`)."""
+    return manifests_and_problems(store)[0]
+
+
+def manifests_and_problems(store: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """(usable manifests, newest first; one line per manifest that cannot be used)."""
+    out, problems = [], []
     for path in sorted(store.glob("*.json")) if store.is_dir() else []:
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+            out.append(read_manifest(path))
+        except FileNotFoundError:
             continue
-        if isinstance(data, dict) and {"key", "archive", "sha256"} <= set(data):
-            out.append(data)
-    return sorted(out, key=lambda m: -float(m.get("created") or 0))
+        except ArchiveError as exc:
+            problems.append(str(exc))
+    return sorted(out, key=lambda m: -float(m.get("created") or 0)), problems
 
 
 def find_manifest(store: Path, key: str) -> dict[str, Any] | None:
+    """The manifest of ``key``; None without one; ArchiveError for one that cannot be used."""
+    if not ARCHIVE_KEY.fullmatch(key):
+        raise ArchiveError(f"kernel archive key {key!r} is not a file name")
     try:
-        data = json.loads((store / f"{key}.json").read_text())
-    except (OSError, ValueError):
+        data = read_manifest(store / f"{key}.json")
+    except FileNotFoundError:
         return None
-    return data if isinstance(data, dict) and data.get("key") == key else None
+    if data["key"] != key:
+        raise ArchiveError(f"kernel archive manifest {store / f'{key}.json'} names key {data['key']!r:.80}, not {key}")
+    return data
 
 
 # ------------------------------------------------------------------------------------------- unpack
@@ -252,17 +364,30 @@ class Unpacked:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    # O_NOFOLLOW: a symlink another user planted at the lock's path is not followed (as root, the
+    # O_CREAT would make the file it points to); the lock file itself is then checked as ours.
     try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ArchiveError(f"kernel archive lock {path} cannot be opened ({exc.strerror or exc}; "
+                           "a symbolic link there is not followed)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+            raise ArchiveError(f"kernel archive lock {path} is not a regular file of yours that only you can write; "
+                               "remove it")
         fcntl.flock(fd, fcntl.LOCK_EX)  # released when the fd closes, also when the process dies
         yield
     finally:
         os.close(fd)
 
 
-def _extract(archive: Path, sha256: str, dest: Path) -> int:
-    """Verify and extract ``archive`` into the new directory ``dest``; the files extracted."""
+def _extract(archive: Path, sha256: str, dest: Path, manifest: Mapping[str, Any] | None = None) -> int:
+    """Verify and extract ``archive`` into the new directory ``dest``; the files extracted.
+
+    Its members are counted and sized from the tar headers before anything is written: more
+    files than the manifest says, or more bytes than it says were packed (or than the node's
+    free space), is refused, so a small archive cannot fill the node's scratch (a tar bomb)."""
     try:
         if _sha256(archive) != sha256:
             raise ArchiveError(f"kernel archive {archive} does not match its manifest's sha256 (corrupt or replaced)")
@@ -272,6 +397,7 @@ def _extract(archive: Path, sha256: str, dest: Path) -> int:
     try:
         with tarfile.open(archive, mode="r:gz") as tar:
             members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]
+            _check_bounds(archive, members, manifest or {}, dest)
             tar.extractall(dest, members=members, filter="data")  # no absolute paths, no `..`, no links
             n = sum(1 for m in members if m.isfile())
     except (tarfile.TarError, OSError, EOFError) as exc:
@@ -285,13 +411,33 @@ def _extract(archive: Path, sha256: str, dest: Path) -> int:
     return n
 
 
-def _seed(tree: Path, dirs: Mapping[str, Path], key: str) -> dict[str, int]:
-    """Hard-link (else copy) every file of ``tree/<cache>`` into that cache's directory, once."""
+def _check_bounds(archive: Path, members: list[tarfile.TarInfo], manifest: Mapping[str, Any], dest: Path) -> None:
+    files = [m for m in members if m.isfile()]
+    want_files = sum((manifest.get("files") or {}).values())
+    if len(files) > want_files:
+        raise ArchiveError(f"kernel archive {archive} holds {len(files)} files, its manifest says {want_files}; "
+                           "not unpacked")
+    size = sum(m.size for m in files)
+    limit = manifest.get("unpacked")
+    if limit is None:
+        limit = UNPACKED_RATIO * int(manifest.get("bytes") or archive.stat().st_size)
+    if size > limit:
+        raise ArchiveError(f"kernel archive {archive} unpacks to {size / 2**20:.1f} MiB, more than the "
+                           f"{limit / 2**20:.1f} MiB its manifest allows; not unpacked")
+    free = shutil.disk_usage(dest).free
+    if size > free:
+        raise ArchiveError(f"kernel archive {archive} unpacks to {size / 2**20:.1f} MiB, more than the "
+                           f"{free / 2**20:.1f} MiB free under {dest.parent}; not unpacked")
+
+
+def _seed(tree: Path, dirs: Mapping[str, Path], key: str, sha256: str = "") -> dict[str, int]:
+    """Hard-link (else copy) every file of ``tree/<cache>`` into that cache's directory, once per
+    archive (the marker holds its sha256: a re-bake under the same key is seeded again)."""
     seeded = {}
     for name, target in dirs.items():
         marker = Path(target) / SEEDED_MARKER.format(key=key)
         source = tree / name
-        if marker.exists() or not source.is_dir():
+        if not source.is_dir() or _first_line(marker) in (sha256, key):
             continue
         n = 0
         for root, _, files in os.walk(source):
@@ -306,26 +452,55 @@ def _seed(tree: Path, dirs: Mapping[str, Path], key: str) -> dict[str, int]:
                 except OSError:  # another file system, or links not allowed: a private copy
                     shutil.copy2(os.path.join(root, f), dst)
                 n += 1
-        atomic_write_text(marker, key + "\n")
+        atomic_write_text(marker, (sha256 or key) + "\n")
         seeded[name] = n
     return seeded
 
 
+def _first_line(path: Path) -> str | None:
+    """The first line of a small regular file, None when it is not one (never blocks on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return f.read(4096).decode("utf-8", "replace").strip().split("\n")[0]
+
+
 def unpack(store: Path, key: str, node_root: Path, dirs: Mapping[str, Path]) -> Unpacked:
     """The archive of ``key`` from ``store``, extracted once per node into ``node_root/<key>``
-    and linked into the caches ``dirs``; safe with many processes at once (module docstring)."""
+    and linked into the caches ``dirs``; safe with many processes at once (module docstring).
+
+    The store, the node root, its lock and its tree are checked as the job's user's (or root's)
+    and not writable by others before each is used; a tree extracted from another archive than
+    the store's manifest names now (a re-bake under the same key) is replaced."""
+    check_store(store)
     manifest = find_manifest(store, key)
     if manifest is None:
         return Unpacked(key, "absent", None, {}, 0)
+    check_owned(store / manifest["archive"], "kernel archive")
+    try:
+        node_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ArchiveError(f"kernel archive node root {node_root} cannot be made ({exc.strerror or exc})") from None
+    check_owned(node_root, "kernel archive node root")
+    if not node_root.is_dir():
+        raise ArchiveError(f"kernel archive node root {node_root} is not a directory")
     tree = node_root / key
     with _locked(node_root / f".{key}.lock"):
+        check_owned(tree, "unpacked kernel archive")
         state = "present"
-        if not (tree / ".complete").exists():
-            if tree.exists():  # a tree without its marker cannot be: renamed only when complete
+        if tree.exists() and _first_line(tree / ".complete") != manifest["sha256"]:
+            if (tree / ".complete").exists() or (tree / ".complete").is_symlink():
+                _rmtree(tree)  # extracted from another archive (a re-bake under this key): unpack this one
+            else:  # a tree without its marker cannot be: renamed only when complete
                 raise ArchiveError(f"{tree} exists without its .complete marker; remove it")
+        if not tree.exists():
             tmp = Path(tempfile.mkdtemp(dir=node_root, prefix=f".{key}.tmp."))
             try:
-                _extract(store / manifest["archive"], manifest["sha256"], tmp)
+                _extract(store / manifest["archive"], manifest["sha256"], tmp, manifest)
                 (tmp / ".complete").write_text(manifest["sha256"] + "\n")
                 os.chmod(tmp / ".complete", READONLY_FILE)
                 os.chmod(tmp, READONLY_DIR)
@@ -334,8 +509,8 @@ def unpack(store: Path, key: str, node_root: Path, dirs: Mapping[str, Path]) -> 
                 _rmtree(tmp)
                 raise
             state = "unpacked"
-        seeded = _seed(tree, dirs, key)
-    return Unpacked(key, state, tree, seeded, sum(int(v) for v in (manifest.get("files") or {}).values()))
+        seeded = _seed(tree, dirs, key, manifest["sha256"])
+    return Unpacked(key, state, tree, seeded, sum((manifest.get("files") or {}).values()))
 
 
 def _rmtree(path: Path) -> None:

@@ -221,3 +221,45 @@ CASES += [
     Case("cli", "runs-dir-owned-by-another-uid", ["submit", "fixture", "--runs-dir", "{tmp}/theirs", "--dry-run"],
          r"runs directory \S*theirs: \S*theirs belongs to uid 65534, another user", setup=_dir("theirs", 0o755, 65534)),
 ]
+
+
+# Kernel archives (issue 47): a manifest or store a user can edit or another uid can swap
+KERNEL_MANIFEST = {"key": "sm_90-cuda13.0-0123456789abcdef", "archive": "a" * 64 + ".tar.gz", "sha256": "a" * 64,
+                   "bytes": 10, "files": {"triton": 1}, "note": "", "created": 1.7e9}
+
+
+def _manifest(**fields):  # noqa: ANN202 - a Case.setup
+    def setup(tmp: Path) -> None:
+        import json
+
+        (tmp / "store").mkdir()
+        (tmp / "store" / "sm_90-cuda13.0-0123456789abcdef.json").write_text(json.dumps({**KERNEL_MANIFEST, **fields}))
+    return setup
+
+
+def _fifo_manifest(tmp: Path) -> None:
+    (tmp / "store").mkdir()
+    os.mkfifo(tmp / "store" / "sm_90-cuda13.0-0123456789abcdef.json")
+
+
+STORE_ENV = {"LAUNCH_KERNEL_ARCHIVES": "{tmp}/store"}
+CASES += [
+    Case("cli", f"kernels-list-manifest-{name}", ["kernels", "list"], expect, env=STORE_ENV, setup=_manifest(**fields))
+    for name, fields, expect in [
+        ("files-a-list", {"files": ["triton"]}, r"manifest \S+\.json: 'files' is not a mapping of cache name to a file count"),
+        ("count-not-an-int", {"files": {"triton": "80"}}, r"'files' is not a mapping of cache name to a file count"),
+        ("archive-not-a-string", {"archive": 5}, r"'archive' is not '<sha256>\.tar\.gz' \(found 5\)"),
+        ("archive-a-path", {"archive": "../../etc/passwd"}, r"'archive' is not '<sha256>\.tar\.gz'"),
+        ("created-yesterday", {"created": "yesterday"}, r"'created' is not a time in seconds \(found 'yesterday'\)"),
+        ("bytes-a-string", {"bytes": "10"}, r"'bytes' is not a byte count \(found '10'\)"),
+    ]
+] + [
+    Case("cli", "kernels-list-manifest-fifo", ["kernels", "list"], r"manifest \S+\.json is not a regular file",
+         env=STORE_ENV, setup=_fifo_manifest, entry="launch-process"),
+    Case("cli", "kernels-list-store-another-uids", ["kernels", "list"],
+         r"kernel archive store \S+/store belongs to uid 65534, another user", env=STORE_ENV,
+         setup=_dir("store", 0o1777, 65534)),
+    Case("cli", "kernels-bake-store-a-file", ["kernels", "bake", "--preset", "tiny", "--dry-run"],
+         r"kernel archive store \S+/store exists and is not a directory; set LAUNCH_KERNEL_ARCHIVES to a directory; "
+         r"nothing submitted", env=STORE_ENV, files={"store": "not a directory"}),
+]
