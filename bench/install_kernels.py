@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packaging.utils import canonicalize_name  # noqa: E402
+from packaging.utils import InvalidWheelFilename, canonicalize_name  # noqa: E402
 
 from images.wheelhouse import KERNEL_PACKAGES, kernel_pins, read_lock, wheel_identity  # noqa: E402
 from launch.errors import LaunchError  # noqa: E402
@@ -42,15 +42,23 @@ ALSO_RECORDED = ("transformers", "submitit", "cloudpickle", "deepspeed", "causal
 def install(lock: Path, wheels: Path, target: Path) -> list[str]:
     pins = {p.name: p for p in read_lock(lock)}
     chosen: list[Path] = []
+    if not wheels.is_dir():
+        raise LaunchError(f"--wheels {wheels}: not a directory of wheels")
     for path in sorted(wheels.glob("*.whl")):
-        name, version, _tags = wheel_identity(path.name)
+        try:
+            name, version, _tags = wheel_identity(path.name)
+        except InvalidWheelFilename as exc:
+            raise LaunchError(f"{path.name}: not a wheel's file name ({exc}); remove or rename it") from None
         pin = pins.get(name)
         if pin is None:
             print(f"skipped {path.name}: {lock.name} does not pin {name}")
             continue
         if pin.version != version:
             raise LaunchError(f"{path.name}: {lock.name} pins {name}=={pin.version}, not {version}")
-        if pin.hashes and sha256_file(path) not in pin.hashes:
+        if not pin.hashes:  # a wheel of this name and version with any bytes would do: not a pin
+            raise LaunchError(f"{path.name}: {lock.name} pins {name}=={version} without --hash=sha256:...; "
+                              "a lock this installs from pins each wheel's hash")
+        if sha256_file(path) not in pin.hashes:
             raise LaunchError(f"{path.name}: its sha256 is not the one {lock.name} pins for {name}=={version}")
         chosen.append(path)
     if not chosen:
@@ -95,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="with --check: write the versions table here")
     args = parser.parse_args(argv)
     try:
+        if not args.lock.is_file():
+            raise LaunchError(f"--lock {args.lock}: {'not a file' if args.lock.exists() else 'no such file'}")
+        if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+            raise LaunchError(f"--json {args.json}: {'a directory' if args.json.is_dir() else 'its folder does not exist'}; "
+                              "give a file path")
         if args.wheels is not None:
             names = install(args.lock, args.wheels, args.target)
             print(f"installed at {args.lock.name}'s pins: {', '.join(names)}")
@@ -114,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except LaunchError as exc:
         print(f"install_kernels: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file that vanished or cannot be written between the checks and the work
+        print(f"install_kernels: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 1
 
 

@@ -36,6 +36,34 @@ def test_make_wheelhouse_refuses_a_bad_python_or_a_missing_lock_in_one_line(tmp_
     assert not (tmp_path / "wh").exists()
 
 
+def test_install_kernels_refuses_bad_inputs_and_an_unhashed_pin_in_one_line(tmp_path: Path, capsys) -> None:
+    """bench/install_kernels.py: a wheel of a bad name, a missing lock, a --json that is a
+    directory, a lock pin without --hash (a wheel of that name and version with any bytes would be
+    installed): one line each, exit 1, nothing installed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("install_kernels", Path(__file__).resolve().parents[1] / "bench" / "install_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lock, bad, good, target = tmp_path / "gpu.lock", tmp_path / "bad", tmp_path / "good", tmp_path / "target"
+    lock.write_text("demo-pkg==1.0\n")
+    bad.mkdir()
+    (bad / "not-a-wheel.whl").write_bytes(b"PK")
+    good.mkdir()
+    (good / "demo_pkg-1.0-py3-none-any.whl").write_bytes(b"PK other bytes")
+    (tmp_path / "out.json").mkdir()
+    for argv, said in (
+        (["--lock", str(lock), "--wheels", str(bad)], "not-a-wheel.whl: not a wheel's file name"),
+        (["--lock", str(tmp_path / "nope.lock"), "--wheels", str(good)], f"--lock {tmp_path / 'nope.lock'}: no such file"),
+        (["--lock", str(lock), "--check", "--json", str(tmp_path / "out.json")], f"--json {tmp_path / 'out.json'}: a directory"),
+        (["--lock", str(lock), "--wheels", str(good)], "demo_pkg-1.0-py3-none-any.whl: gpu.lock pins demo-pkg==1.0 "
+                                                       "without --hash=sha256:...")):
+        assert mod.main([*argv, "--target", str(target)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"install_kernels: {said}") and err.count("\n") == 1, err
+    assert not target.exists()
+
+
 def test_a_cache_or_scratch_dir_another_uid_made_is_refused_in_the_job(tmp_path: Path, monkeypatch) -> None:
     """TRITON_CACHE_DIR pre-made by another uid (its compiled kernels would run as the user) and a
     scratch under a world-writable, non-sticky directory: the job's setup refuses each in one line;
