@@ -73,18 +73,19 @@ def install(lock: Path, wheels: Path, target: Path) -> list[str]:
     return [wheel_identity(p.name)[0] for p in chosen]
 
 
-def installed_versions(target: Path) -> dict[str, str]:
-    """name -> version of what `target` holds, then of what the interpreter has beside it."""
+def installed_versions(target: Path, also: tuple[Path, ...] = ()) -> dict[str, str]:
+    """name -> version of what `target` (then each of `also`) holds, then of what the interpreter
+    has beside it."""
     found: dict[str, str] = {}
-    for path in ([str(target)], None):
+    for path in ([str(target)], *([str(a)] for a in also), None):
         for dist in md.distributions(**({"path": path} if path else {})):
             name = canonicalize_name(dist.metadata["Name"] or "")
             found.setdefault(name, dist.version)
     return found
 
 
-def check(lock: Path, target: Path) -> tuple[dict[str, str], list[str]]:
-    versions = installed_versions(target)
+def check(lock: Path, target: Path, also: tuple[Path, ...] = ()) -> tuple[dict[str, str], list[str]]:
+    versions = installed_versions(target, also)
     problems = []
     for pin in kernel_pins(lock):
         have = versions.get(pin.name)
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=Path, required=True, help="the install folder (put it on PYTHONPATH)")
     parser.add_argument("--check", action="store_true", help="verify the whole kernel set is at the lock's pins")
     parser.add_argument("--json", type=Path, help="with --check: write the versions table here")
+    parser.add_argument("--also", type=Path, action="append", default=[],
+                        help="with --check: another install folder that holds part of the set (repeatable)")
     args = parser.parse_args(argv)
     try:
         if not args.lock.is_file():
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             names = install(args.lock, args.wheels, args.target)
             print(f"installed at {args.lock.name}'s pins: {', '.join(names)}")
         if args.check:
-            recorded, problems = check(args.lock, args.target)
+            recorded, problems = check(args.lock, args.target, tuple(args.also))
             width = max(map(len, recorded))
             print(f"{'package':<{width}}  version")
             for name, version in recorded.items():

@@ -50,6 +50,9 @@ BUILT_WHEEL_EPOCH = "315532800"  # 1980-01-01, the earliest a zip entry can carr
 KERNEL_PACKAGES: tuple[str, ...] = (
     "fla-core", "flash-linear-attention", "flash-qla", "tilelang", "apache-tvm-ffi",
     "torch-c-dlpack-ext", "z3-solver", "ml-dtypes", "cut-cross-entropy",
+    # liger-sm90's loss (train/common/liger_sm90.py): Liger and the CUTLASS DSL its Hopper kernel is in
+    "liger-kernel", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",
+    "nvidia-cutlass-dsl-libs-cu12", "protobuf",
 )
 GPU_LOCKS: dict[str, str] = {  # target Python -> the GPU lock that pins its files
     "3.11": "images/trainer/requirements-gpu.lock",

@@ -131,3 +131,53 @@ def test_frozen_weight_is_cast_once_and_again_after_it_changes():
     e16 = torch.randn(4, 8, dtype=torch.float16)
     e_out, c_out = losses.fused_operands(e16, trainable)
     assert e_out.dtype == c_out.dtype == torch.float16 and c_out.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------
+# liger-sm90 (train/common/liger_sm90.py): Liger's Hopper CuTe DSL kernels cannot run here, so the
+# chunked gradient-in-forward autograd around them runs over liger_sm90.torch_primitives, the same
+# four-kernel contract in torch (bf16 logits and dZ, fp32 softmax). What this holds: the chunking,
+# the row padding, the shifted targets, the per-row dX scaling and the summed dW against the full
+# fp32 logits. The kernels themselves are compared on the H200 (bench/loss_head.py).
+
+
+def test_liger_sm90_chunked_path_matches_full_logits_in_loss_and_gradients(monkeypatch):
+    from train.common import liger_sm90
+
+    monkeypatch.setattr(liger_sm90, "liger_primitives", liger_sm90.torch_primitives)
+    monkeypatch.setattr(liger_sm90, "CHUNK_ROWS", 128)
+    torch.manual_seed(0)
+    # 3 x 70 positions: 210 rows, padded to 256 = two 128-row chunks
+    hidden = (torch.randn(3, 70, 256) * 2).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(512, 256) * 0.05).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 512, (3, 70))
+    labels[:, :5] = IGNORE_INDEX
+    labels[2, 40:] = IGNORE_INDEX
+    results = {}
+    for impl in ("logits", "liger-sm90"):
+        hidden.grad = weight.grad = None
+        per_token = token_losses(hidden.float() if impl == "logits" else hidden,
+                                 weight.float() if impl == "logits" else weight, labels, impl)
+        valid = labels[:, 1:] != IGNORE_INDEX
+        (per_token.sum() / valid.sum()).backward()
+        results[impl] = (per_token.detach(), hidden.grad.float(), weight.grad.float())
+    (want, want_h, want_w), (got, got_h, got_w) = results["logits"], results["liger-sm90"]
+    assert got.shape == (3, 69) and got.dtype == torch.float32 and torch.all(got[labels[:, 1:] == IGNORE_INDEX] == 0)
+    # bf16 logits (8 bits of mantissa) against fp32 ones: the kernel's own rounding
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    for g, w in ((got_h, want_h), (got_w, want_w)):
+        assert float((g - w).norm() / w.norm()) < 0.02
+
+
+def test_liger_sm90_refuses_per_row_weights_and_bad_shapes(monkeypatch):
+    from train.common import liger_sm90
+
+    e = torch.randn(130, 256).to(torch.bfloat16).requires_grad_()
+    c = (torch.randn(256, 256) * 0.05).to(torch.bfloat16)
+    targets = torch.randint(0, 256, (130,))
+    out = liger_sm90.linear_cross_entropy(e, c, targets, liger_sm90.torch_primitives())
+    with pytest.raises(RuntimeError, match="weights differ between rows"):
+        (out * torch.linspace(0.5, 1.5, 130)).sum().backward()
+    with pytest.raises(LossImplError, match="vocab 300 is not a multiple of 256"):
+        token_losses(torch.zeros(1, 4, 256, dtype=torch.bfloat16), torch.zeros(300, 256, dtype=torch.bfloat16),
+                     torch.zeros(1, 4, dtype=torch.long), "liger-sm90")

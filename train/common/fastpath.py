@@ -90,6 +90,8 @@ LOCK_PINS = {
     "tilelang": "0.1.15",
     "z3-solver": "4.15.4.0",
     "cut-cross-entropy": "25.1.1",
+    "liger-kernel": "0.8.5",
+    "nvidia-cutlass-dsl": "4.8.1",
 }
 
 # What each fallback cost where it was measured (bench/RESULTS.md, one H200, the 2B shape).

@@ -21,9 +21,13 @@ import torch.nn.functional as F
 
 from train.common.packing import IGNORE_INDEX
 
-IMPLS = ("logits", "cce", "liger")
-# Order of preference for `auto` on CUDA, fastest measured first.
+IMPLS = ("logits", "cce", "liger", "liger-sm90")
+# Order of preference for `auto` on CUDA, fastest measured first. liger-sm90 (Liger's Hopper CuTe
+# DSL kernel, train/common/liger_sm90.py) is a choice until bench/stage1_vlm_h200.sh `loss` shows it
+# faster than cce on the H200.
 CUDA_PREFERENCE = ("cce", "liger")
+# What liger-sm90 imports: Liger's SM90 module, which needs the CUTLASS DSL (nvidia-cutlass-dsl).
+LIGER_SM90_MODULE = "liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90"
 
 
 class LossImplError(RuntimeError):
@@ -32,7 +36,8 @@ class LossImplError(RuntimeError):
 
 def _probe(impl: str) -> str | None:
     """None when `impl` imports, else the import error text."""
-    module = {"cce": "cut_cross_entropy", "liger": "liger_kernel.transformers.functional"}.get(impl)
+    module = {"cce": "cut_cross_entropy", "liger": "liger_kernel.transformers.functional",
+              "liger-sm90": LIGER_SM90_MODULE}.get(impl)
     if module is None:
         return None
     try:
@@ -68,6 +73,8 @@ def select_loss_impl(device: torch.device, requested: str = "auto") -> str:
         err = _probe(requested)
         if err:
             raise LossImplError(f"--loss-impl {requested}: import failed: {err}")
+        if requested == "liger-sm90" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) != (9, 0):
+            raise LossImplError("--loss-impl liger-sm90 needs a Hopper GPU (sm_90): Liger's kernel is written for it alone")
     return requested
 
 
@@ -129,6 +136,23 @@ def _liger(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return liger_fused_linear_cross_entropy(e, c, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
+def _liger_sm90_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             prims: object = None) -> torch.Tensor:
+    """liger-sm90 over all B*T positions (a multiple of the kernel's 128-row tile at 8,192-token rows,
+    and no copy of the hidden states): the last position of each row gets an ignored target, and
+    its loss column is dropped. Gradients are valid for the trainer's sum/count loss only."""
+    from train.common import liger_sm90
+
+    batch, seq = labels.shape
+    targets = torch.cat([labels[:, 1:], labels.new_full((batch, 1), IGNORE_INDEX)], dim=1).reshape(-1)
+    e, c = fused_operands(hidden.reshape(batch * seq, hidden.shape[-1]), weight)
+    try:
+        out = liger_sm90.linear_cross_entropy(e, c, targets, prims)
+    except ValueError as exc:  # a shape the kernel does not take, in one line
+        raise LossImplError(str(exc)) from exc
+    return out.view(batch, seq)[:, :-1]
+
+
 # impl -> kernel(e [N, D], c [V, D], targets [N]) -> per-row loss [N] (0 at IGNORE_INDEX).
 FUSED_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cce": _cce,
@@ -155,6 +179,8 @@ def reference_linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: to
 
 def token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, impl: str) -> torch.Tensor:
     """Per-token next-token loss [B, T-1] (fp32) from final hidden states [B, T, D] and lm_head weight [V, D]."""
+    if impl == "liger-sm90":
+        return _liger_sm90_token_losses(hidden, weight, labels)
     e = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = labels[:, 1:].reshape(-1)
     shape = labels[:, 1:].shape
