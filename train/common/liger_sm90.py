@@ -59,7 +59,10 @@ def liger_primitives() -> Primitives:
     """Liger-Kernel's SM90 CuTe DSL kernels (import errors propagate: the caller probes them)."""
     import cuda.bindings.driver as cuda
     from liger_kernel.ops.cutedsl.ops._fused_linear_cross_entropy_backward_sm90 import flce_dw, flce_dx
-    from liger_kernel.ops.cutedsl.ops._fused_linear_cross_entropy_forward_sm90 import cross_entropy_dz, tile_gemm
+    from liger_kernel.ops.cutedsl.ops._fused_linear_cross_entropy_forward_sm90 import (
+        cross_entropy_dz,
+        tile_gemm,
+    )
     from liger_kernel.ops.cutedsl.ops.utils import ensure_cuda_context
 
     def stream(t: torch.Tensor):
