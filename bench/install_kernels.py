@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="with --check: write the versions table here")
     parser.add_argument("--also", type=Path, action="append", default=[],
                         help="with --check: another install folder that holds part of the set (repeatable)")
+    parser.add_argument("--optional", action="append", default=[], metavar="NAME",
+                        help="with --check: a package of the set whose absence is a warning, not a failure "
+                        "(a bench that measures it says so in its own row; repeatable)")
     args = parser.parse_args(argv)
     try:
         if not args.lock.is_file():
@@ -122,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:<{width}}  {version}")
             if args.json:
                 atomic_write_text(args.json, json.dumps({"lock": args.lock.name, "versions": recorded}, indent=1) + "\n")
+            optional = {canonicalize_name(n) for n in args.optional}
+            for line in (x for x in problems if x.split(":")[0] in optional):
+                print(f"WARNING: optional, not at the lock's pin: {line}", file=sys.stderr)
+            problems = [x for x in problems if x.split(":")[0] not in optional]
             if problems:
                 for line in problems:
                     print(f"not at the lock's pin: {line}", file=sys.stderr)

@@ -2,13 +2,28 @@
 # Stage-1 on one H200 (no network, no Slurm) as the user runs it, through the trainer, with the
 # GPU fast path's kernel packages at exactly the cp312 lock's pins (bench/install_kernels.py:
 # every wheel's version and sha256 checked against the lock; the machine's own torch and triton).
-#   install DIR  install the wheels of DIR that the lock pins (run once per wheel folder: one
-#             upload to the machine is limited in size); `check` then verifies the whole set
+# Every step is bounded by `timeout` (its *_LIMIT, seconds); results go to $OUT (default /tmp/vlm-out).
+#   install DIR  install the wheels of DIR that the lock pins into /tmp/gpuenv (run once per wheel
+#             folder: one upload to the machine is limited in size). A wheel too large for one
+#             upload travels as parts (`split -b 40M W.whl DIR/W.whl.part-`): the parts of each
+#             folder are collected in /tmp/wheel-parts and the wheel is joined and installed once
+#             its sha256 is the lock's
+#   install-loss DIR  the same into /tmp/lossenv: liger-kernel and the CUTLASS DSL (liger-sm90).
+#             Kept off the other steps' PYTHONPATH: the kernel archive's key holds liger-kernel's
+#             version, so an archive baked without it (a carried kstore) still matches those steps
 #   check     every kernel package at the lock's pin (else exit 1), versions into $OUT/versions.json
-#   vlm       the qwen35-2b job preset's defaults (vision on), >= 30 timed steps, cold kernel caches:
-#             on a fresh H200 FlashQLA's TileLang set alone compiles for > 8 minutes (bench/RESULTS.md),
-#             so give this step a whole call (VLM_LIMIT=590)
+#   seed      a carried archive store in /tmp/kstore unpacked into this script's caches (/tmp/kcache),
+#             as the job start does: the following steps start warm if the key matches
+#   warmup    vision on, 3 steps, fills the caches (cold caches on a fresh H200: > 8 minutes, give
+#             it a whole call, WARMUP_LIMIT=590)
+#   vlm       the qwen35-2b job preset's defaults (vision on), 31 steps in a new process, WARM caches
+#             (after seed or warmup): median of steps 2-31 (tower FLOPs counted in the MFU), the
+#             stall detector's verdict for steps 2-30, recompiles after step 1, slowest step / median
 #   text      the same preset text-only: --vision off with the text tasks' reference weights
+#   loss      the loss head side by side in one process (bench/loss_head.py, PYTHONPATH with
+#             /tmp/lossenv): cce, liger, liger-sm90 and full logits, fwd+bwd time and error against
+#             fp32 logits; then LOSS_STEPS (default 11) trainer steps text-only with each of
+#             LOSS_IMPLS (default "cce liger-sm90"), one table
 #   warm      vision on again in a new process, warm caches: the first step's time
 #   bigimg    steps made only of the largest images the preset accepts (1024 x 1024, replay_img
 #             only): the vision budget bounds the step, the peak must stay <= 125 GiB
@@ -19,7 +34,8 @@
 #             step 1` must be 0 each, and `ended N s after the process started` is the time to step 1
 # DATA: a pre-generated `generate_synthetic(DIR, 500, shape="qwen35-2b")` (448-1024 px images);
 # without it the trainer generates the same set in its run directory.
-# Usage: DATA=DIR bench/stage1_vlm_h200.sh install .whl1 install .whl2 check vlm text warm
+# Usage: DATA=DIR bench/stage1_vlm_h200.sh install .whl1 install .whl2 install-loss .whl3 check
+#        DATA=DIR bench/stage1_vlm_h200.sh seed vlm text loss bake fresh
 set -u
 out=${OUT:-/tmp/vlm-out}
 mkdir -p "$out"
@@ -39,23 +55,104 @@ bench() {  # NAME STEPS TIMEOUT TRAINER-ARGS...
   grep -E "^# (kernels|warm-up|mixture|packing|compile|vision|kernel compiles|WARNING)|world=" "/tmp/vlm-bench/$name/stage1-qwen35-2b-1gpu/logs/rank0.log" \
     > "$out/$name-header.txt" 2>/dev/null
 }
+summary() {  # NAME: the verdicts of a run's metrics over steps 2.. (the stall detector's, recompiles)
+  python3 - "$out/$1-metrics.jsonl" "$1" <<'PY'
+import json, statistics, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r and "tok_s" in r]
+if len(rows) < 3:
+    sys.exit(f"{sys.argv[2]}: {len(rows)} steps logged")
+timed = [r for r in rows if r["step"] >= 2]
+ms = [r["data_ms"] + r["compute_ms"] for r in timed]
+med = statistics.median(ms)
+stalls = [(r["step"], r["stall"]) for r in timed if r.get("stall") and r["step"] <= 30]
+recompiles = timed[-1].get("recompiles", 0) - rows[0].get("recompiles", 0)
+useful = [r["mfu_useful"] for r in timed if r.get("mfu_useful") is not None]
+vision = [r.get("vision_flops", 0) for r in timed]
+print(f"{sys.argv[2]}: steps {timed[0]['step']}-{timed[-1]['step']}: median {statistics.median(r['tok_s'] for r in timed):,.0f} tok/s, "
+      f"useful-token MFU median {statistics.median(useful):.1%} (mean {statistics.mean(useful):.1%})" if useful else "", end="")
+print(f", tower FLOPs counted: {'yes' if any(vision) else 'no vision steps'}; slowest step / median "
+      f"{max(ms) / med:.2f} (step {timed[ms.index(max(ms))]['step']}); recompiles after step 1: {recompiles}; "
+      f"stall detector, steps 2-30: {'silent' if not stalls else 'FLAGGED ' + str(stalls)}")
+PY
+}
 LOCK=${LOCK:-images/trainer/requirements-gpu-cp312.lock}
+LOSS_PACKAGES="liger-kernel nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu12 protobuf"
+join_parts() {  # DIR: collect its W.whl.part-* in /tmp/wheel-parts; print a folder of the wheels now whole
+  local dir=$1 w
+  compgen -G "$dir/*.whl.part-*" > /dev/null || return 0
+  mkdir -p /tmp/wheel-parts /tmp/wheel-joined && cp "$dir"/*.whl.part-* /tmp/wheel-parts/ || return 1
+  for w in $(ls /tmp/wheel-parts | sed 's/\.part-.*//' | sort -u); do
+    cat /tmp/wheel-parts/"$w".part-* > /tmp/wheel-joined/"$w.tmp"
+    if python3 -c "import sys, zipfile; sys.exit(zipfile.ZipFile(sys.argv[1]).testzip() is not None)" /tmp/wheel-joined/"$w.tmp" 2>/dev/null; then
+      mv /tmp/wheel-joined/"$w.tmp" /tmp/wheel-joined/"$w"
+    else
+      rm -f /tmp/wheel-joined/"$w.tmp"; echo "$w: parts so far do not make the whole wheel; waiting for the rest" >&2
+    fi
+  done
+  compgen -G "/tmp/wheel-joined/*.whl" > /dev/null && echo /tmp/wheel-joined
+  return 0
+}
 while [ $# -gt 0 ]; do
   step=$1
   shift
   echo "== $step, $(date -u +%FT%TZ)"
   case $step in
-  install)
+  install | install-loss)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 bench/install_kernels.py --lock "$LOCK" --wheels "$1" --target /tmp/gpuenv || exit 1
+    target=/tmp/gpuenv
+    [ "$step" = install-loss ] && target=/tmp/lossenv
+    joined=$(join_parts "$1") || exit 1
+    if compgen -G "$1/*.whl" > /dev/null; then
+      timeout 300 python3 bench/install_kernels.py --lock "$LOCK" --wheels "$1" --target "$target" || exit 1
+    fi
+    if [ -n "$joined" ]; then
+      timeout 300 python3 bench/install_kernels.py --lock "$LOCK" --wheels "$joined" --target "$target" || exit 1
+    fi
     shift
     ;;
   check)
-    python3 bench/install_kernels.py --lock "$LOCK" --target /tmp/gpuenv --check --json "$out/versions.json" || exit 1
+    # the loss step's packages (liger-sm90) only warn here: every other step runs without them
+    timeout 120 python3 bench/install_kernels.py --lock "$LOCK" --target /tmp/gpuenv --also /tmp/lossenv --check \
+      --json "$out/versions.json" $(printf -- "--optional %s " $LOSS_PACKAGES) || exit 1
     python3 -c "import torch, fla, tilelang, flash_qla, cut_cross_entropy, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)" || exit 1
+    PYTHONPATH=/tmp/lossenv:$PYTHONPATH timeout 120 python3 -c "import liger_kernel, cutlass.cute
+from train.common.losses import LIGER_SM90_MODULE; __import__(LIGER_SM90_MODULE); print('liger-sm90 imports')" \
+      || echo "WARNING: liger-sm90 does not import from /tmp/lossenv: the loss step will say so in its row"
     ;;
-  vlm) bench vlm 31 "${VLM_LIMIT:-590}" ;;
-  text) bench text 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS" ;;
+  warmup) bench warmup 3 "${WARMUP_LIMIT:-590}"; summary warmup ;;
+  seed)
+    [ -d /tmp/kstore ] || { echo "seed: no /tmp/kstore"; exit 1; }
+    t0=$(date +%s%N)
+    LAUNCH_KERNEL_ARCHIVES=/tmp/kstore LAUNCH_NODE_SCRATCH=/tmp/knode timeout "${SEED_LIMIT:-120}" python3 -c "from launch.kernel_archive import install_for_job
+print(install_for_job(log=lambda line: None))" || exit 1
+    echo "seed: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+    ;;
+  vlm) bench vlm 31 "${VLM_LIMIT:-400}"; summary vlm ;;
+  text) bench text 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS"; summary text ;;
+  loss)
+    PYTHONPATH=/tmp/lossenv:$PYTHONPATH timeout "${LOSS_LIMIT:-240}" python3 bench/loss_head.py \
+      --impls "${LOSS_HEADS:-cce,liger,liger-sm90,logits}" --jsonl "$out/loss-head.jsonl"
+    echo "loss_head exit $?"
+    for impl in ${LOSS_IMPLS:-cce liger-sm90}; do
+      PYTHONPATH=/tmp/lossenv:$PYTHONPATH bench "loss-$impl" "${LOSS_STEPS:-11}" "${LOSS_STEP_LIMIT:-150}" \
+        --vision off --weights "$TEXT_WEIGHTS" --loss-impl "$impl"
+    done
+    python3 - "$out" ${LOSS_IMPLS:-cce liger-sm90} <<'PY'
+import json, statistics, sys
+from pathlib import Path
+print("| --loss-impl (text, 4 x 8,192) | tok/s (median, steps 2+) | useful-token MFU | peak GiB | last loss |")
+print("|---|---:|---:|---:|---:|")
+for impl in sys.argv[2:]:
+    path = Path(sys.argv[1]) / f"loss-{impl}-metrics.jsonl"
+    rows = [r for r in map(json.loads, open(path)) if "tok_s" in r and r.get("step", 0) >= 2] if path.exists() else []
+    if not rows:
+        print(f"| {impl} | failed: see $OUT/loss-{impl}-header.txt and its rank0.log | | | |")
+        continue
+    mfu = [r["mfu_useful"] for r in rows if r.get("mfu_useful") is not None]
+    peak = max(r.get("peak_mem_mb") or 0 for r in rows) / 1024
+    print(f"| {impl} | {statistics.median(r['tok_s'] for r in rows):,.0f} | {statistics.median(mfu):.1%} | {peak:.1f} | {rows[-1]['loss']:.4f} |")
+PY
+    ;;
   warm) bench warm 3 "${WARM_LIMIT:-150}" ;;
   bigimg)
     python3 -c "import json, numpy as np; from pathlib import Path; from PIL import Image
@@ -85,6 +182,7 @@ print(install_for_job(log=lambda line: None))") || exit 1
     echo "fresh: $LAUNCH_KERNEL_ARCHIVE (unpack $(( ($(date +%s%N) - t0) / 1000000 )) ms)"
     bench fresh 3 "${FRESH_LIMIT:-240}" ${REQUIRE_WARM:+--require-warm-kernels}
     cat "$out/fresh-header.txt"
+    grep -h "kernel compiles by the end of step 1" "$out/fresh-header.txt" | sed 's/^/fresh verdict: /'
     ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -1,0 +1,178 @@
+"""The stage-1 loss head side by side: each `--loss-impl` against full fp32 logits, in one process.
+
+For the lm_head of a model shape (qwen35-2b: hidden 2048, padded vocab 273,152) and one step's
+rows (4 x 8,192 tokens), each implementation of train.common.losses.token_losses runs the
+trainer's loss (sum of the per-token losses / the number of targets) forward and backward on the
+same bf16 hidden states, lm_head weight and labels (~8% ignored, as packing masks them):
+
+  logits       full logits (bf16 GEMM, fp32 cross-entropy): the fallback
+  cce          cut-cross-entropy (the default on CUDA)
+  liger        Liger-Kernel's fused linear cross-entropy (its generic path)
+  liger-sm90   Liger-Kernel's Hopper CuTe DSL kernel, chunked (train/common/liger_sm90.py)
+
+Per implementation: the median fwd+bwd time over --iters (after --warmup), its TFLOP/s (6*N*D*V),
+the peak memory above the inputs, and its error against the reference: the same bf16 operands
+with products, softmax and gradients in fp32 (chunks of rows). The verdict `ok` means the loss
+per token within 0.05 + 2% and both gradients within 2% (relative norm) of it: bf16 tolerance
+(8 mantissa bits on the logits). A kernel that does not import or fails prints its error in its row.
+
+    python3 bench/loss_head.py --jsonl out.jsonl
+    python3 bench/loss_head.py --impls cce,liger-sm90 --rows 2 --iters 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train.common.codebooks import CodebookVocab  # noqa: E402
+from train.common.losses import select_loss_impl, token_losses  # noqa: E402
+from train.common.packing import IGNORE_INDEX  # noqa: E402
+from train.common.shapes import get_shape  # noqa: E402
+
+TOL_LOSS_ABS, TOL_LOSS_REL, TOL_GRAD = 0.05, 0.02, 0.02
+
+
+def make_inputs(rows: int, row_len: int, hidden: int, vocab: int, device: torch.device, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    h = torch.randn(rows, row_len, hidden, generator=g).to(device, torch.bfloat16)  # RMSNorm'd: unit scale
+    w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(device, torch.bfloat16)
+    labels = torch.randint(0, vocab, (rows, row_len), generator=g)
+    labels[torch.rand(rows, row_len, generator=g) < 0.08] = IGNORE_INDEX
+    return h, w, labels.to(device)
+
+
+def reference(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int = 2048):
+    """Per-token loss [B, T-1] and the gradients of sum/count w.r.t. h and w, all in fp32."""
+    rows, seq, dim = h.shape
+    e = h[:, :-1].reshape(-1, dim)
+    t = labels[:, 1:].reshape(-1)
+    valid = t != IGNORE_INDEX
+    count = valid.sum().clamp(min=1).float()
+    wf = w.float()
+    loss = torch.empty(e.shape[0], device=h.device)
+    grad_e = torch.empty(e.shape[0], dim, device=h.device)
+    grad_w = torch.zeros_like(wf)
+    for lo in range(0, e.shape[0], chunk):
+        x, tt, v = e[lo:lo + chunk].float(), t[lo:lo + chunk], valid[lo:lo + chunk]
+        logits = x @ wf.t()
+        loss[lo:lo + chunk] = F.cross_entropy(logits, tt, ignore_index=IGNORE_INDEX, reduction="none")
+        p = torch.softmax(logits, dim=-1)
+        del logits
+        p[torch.arange(p.shape[0], device=p.device)[v], tt[v]] -= 1
+        p *= (v.float() / count)[:, None]
+        grad_e[lo:lo + chunk] = p @ wf
+        grad_w += p.t() @ x
+        del p
+    grad_h = torch.zeros(rows, seq, dim, device=h.device)
+    grad_h[:, :-1] = grad_e.view(rows, seq - 1, dim)
+    return loss.view(rows, seq - 1), grad_h, grad_w
+
+
+def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int) -> dict:
+    device = h.device
+    row: dict = {"impl": impl}
+    try:
+        select_loss_impl(device, impl)
+    except Exception as exc:  # not importable here: say why in its row
+        return {**row, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+    hh = h.detach().clone().requires_grad_()
+    ww = w.detach().clone().requires_grad_()
+    count = (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
+    times = []
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        for i in range(warmup + iters):
+            hh.grad = ww.grad = None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            per_token = token_losses(hh, ww, labels, impl)
+            (per_token.sum() / count).backward()
+            end.record()
+            torch.cuda.synchronize()
+            if i == 0:
+                row["first_s"] = time.perf_counter() - t0  # includes JIT compiles
+            if i >= warmup:
+                times.append(start.elapsed_time(end) / 1000)
+    except Exception as exc:
+        return {**row, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+    ref_loss, ref_gh, ref_gw = ref
+    got = per_token.detach().float()
+    loss_err = (got - ref_loss).abs()
+    row.update({
+        "s": statistics.median(times),
+        "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "loss": float(got.sum() / count), "ref_loss": float(ref_loss.sum() / count),
+        "loss_max_abs_err": float(loss_err.max()),
+        "loss_within": bool((loss_err <= TOL_LOSS_ABS + TOL_LOSS_REL * ref_loss.abs()).all()),
+        "grad_h_rel": float((hh.grad.float() - ref_gh).norm() / ref_gh.norm()),
+        "grad_w_rel": float((ww.grad.float() - ref_gw).norm() / ref_gw.norm()),
+    })
+    row["ok"] = row["loss_within"] and row["grad_h_rel"] < TOL_GRAD and row["grad_w_rel"] < TOL_GRAD
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--impls", default="logits,cce,liger,liger-sm90")
+    p.add_argument("--preset", default="qwen35-2b", help="model shape: hidden size and padded vocab")
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--row-len", type=int, default=8192)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--jsonl", type=Path)
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("loss_head: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    shape = get_shape(a.preset)
+    vocab = CodebookVocab(shape.base_vocab, shape.codebooks).padded_vocab
+    h, w, labels = make_inputs(a.rows, a.row_len, shape.hidden_size, vocab, device)
+    n = a.rows * (a.row_len - 1)
+    flop = 6 * n * shape.hidden_size * vocab
+    print(f"# loss head: {a.rows} x {a.row_len} rows, hidden {shape.hidden_size}, vocab {vocab}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    ref = reference(h, w, labels)
+    torch.cuda.empty_cache()
+    rows = []
+    for impl in a.impls.split(","):
+        row = run_impl(impl, h, w, labels, ref, a.warmup, a.iters)
+        row.update({"rows": a.rows, "row_len": a.row_len, "hidden": shape.hidden_size, "vocab": vocab})
+        if "s" in row:
+            row["tflops"] = flop / row["s"] / 1e12
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+        if a.jsonl:
+            with a.jsonl.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    fastest = min((r["s"] for r in rows if "s" in r), default=None)
+    print(f"\n{'impl':<11} {'fwd+bwd ms':>10} {'vs best':>7} {'TFLOP/s':>8} {'peak+ GiB':>9} {'1st s':>6} "
+          f"{'loss':>8} {'max|dloss|':>10} {'grad h':>7} {'grad w':>7}  verdict")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['impl']:<11} {'-':>10}  {r['error']}")
+            continue
+        print(f"{r['impl']:<11} {r['s'] * 1e3:>10.1f} {r['s'] / fastest:>6.2f}x {r['tflops']:>8.0f} "
+              f"{r['peak_extra_gib']:>9.1f} {r['first_s']:>6.1f} {r['loss']:>8.4f} {r['loss_max_abs_err']:>10.4f} "
+              f"{r['grad_h_rel']:>7.2%} {r['grad_w_rel']:>7.2%}  {'ok' if r['ok'] else 'OUT OF TOLERANCE'}")
+    print(f"(reference: fp32 products of the same bf16 operands; loss {rows[0].get('ref_loss', float('nan')):.4f}; "
+          f"tolerance: loss {TOL_LOSS_ABS} + {TOL_LOSS_REL:.0%}, gradients {TOL_GRAD:.0%} relative norm)")
+    return 0 if all(r.get("ok", False) for r in rows if "error" not in r) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
