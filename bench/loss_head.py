@@ -10,7 +10,8 @@ same bf16 hidden states, lm_head weight and labels (~8% ignored, as packing mask
   liger        Liger-Kernel's fused linear cross-entropy (its generic path)
   liger-sm90   Liger-Kernel's Hopper CuTe DSL kernel, chunked (train/common/liger_sm90.py)
 
-Per implementation: the median fwd+bwd time over --iters (after --warmup), its TFLOP/s (6*N*D*V),
+Per implementation: the median fwd+bwd wall time over --iters (after --warmup; each iteration ends
+in a device sync), its TFLOP/s (6*N*D*V),
 the peak memory above the inputs, and its error against the reference: the same bf16 operands
 with products, softmax and gradients in fp32 (chunks of rows). The verdict `ok` means the loss
 per token within 0.05 + 2% and both gradients within 2% (relative norm) of it: bf16 tolerance
@@ -89,23 +90,23 @@ def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int) -> dict:
     ww = w.detach().clone().requires_grad_()
     count = (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
     times = []
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     try:
         for i in range(warmup + iters):
             hh.grad = ww.grad = None
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
-            start.record()
             per_token = token_losses(hh, ww, labels, impl)
             (per_token.sum() / count).backward()
-            end.record()
-            torch.cuda.synchronize()
+            sync()
             if i == 0:
                 row["first_s"] = time.perf_counter() - t0  # includes JIT compiles
             if i >= warmup:
-                times.append(start.elapsed_time(end) / 1000)
+                times.append(time.perf_counter() - t0)
     except Exception as exc:
         return {**row, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
     ref_loss, ref_gh, ref_gw = ref
@@ -113,7 +114,7 @@ def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int) -> dict:
     loss_err = (got - ref_loss).abs()
     row.update({
         "s": statistics.median(times),
-        "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan"),
         "loss": float(got.sum() / count), "ref_loss": float(ref_loss.sum() / count),
         "loss_max_abs_err": float(loss_err.max()),
         "loss_within": bool((loss_err <= TOL_LOSS_ABS + TOL_LOSS_REL * ref_loss.abs()).all()),
@@ -133,20 +134,22 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--jsonl", type=Path)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (the fused kernels need CUDA)")
     a = p.parse_args()
-    if not torch.cuda.is_available():
-        print("loss_head: needs a CUDA GPU", file=sys.stderr)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("loss_head: needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
+    device = torch.device(a.device)
     shape = get_shape(a.preset)
     vocab = CodebookVocab(shape.base_vocab, shape.codebooks).padded_vocab
     h, w, labels = make_inputs(a.rows, a.row_len, shape.hidden_size, vocab, device)
     n = a.rows * (a.row_len - 1)
     flop = 6 * n * shape.hidden_size * vocab
     print(f"# loss head: {a.rows} x {a.row_len} rows, hidden {shape.hidden_size}, vocab {vocab}, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}", flush=True)
     ref = reference(h, w, labels)
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     rows = []
     for impl in a.impls.split(","):
         row = run_impl(impl, h, w, labels, ref, a.warmup, a.iters)
@@ -155,7 +158,8 @@ def main() -> int:
             row["tflops"] = flop / row["s"] / 1e12
         rows.append(row)
         print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         if a.jsonl:
             with a.jsonl.open("a") as f:
                 f.write(json.dumps(row) + "\n")

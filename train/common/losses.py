@@ -69,7 +69,8 @@ def select_loss_impl(device: torch.device, requested: str = "auto") -> str:
         return "logits"
     if requested != "logits":
         if device.type != "cuda":
-            raise LossImplError(f"--loss-impl {requested} needs a CUDA device (its kernels are Triton)")
+            kind = "CuTe DSL" if requested == "liger-sm90" else "Triton"
+            raise LossImplError(f"--loss-impl {requested} needs a CUDA device (its kernels are {kind})")
         err = _probe(requested)
         if err:
             raise LossImplError(f"--loss-impl {requested}: import failed: {err}")
