@@ -1,9 +1,14 @@
 """DFlash drafter training step, today's dense attention against block-sparse flex_attention, and
 the target's extraction forward, on one GPU. Prints markdown tables (bench/RESULTS.md).
 
-    python bench/dflash_drafter.py drafter [--anchors 4,512] [--impls dense:logits,flex:cce] [--steps 6]
+    python bench/dflash_drafter.py drafter [--anchors 4,512] [--impls auto|dense:logits,flex:cce] [--steps 6]
         [--compile on|off] [--target 2b|27b]   (27b: the Qwen3.6-27B shape and its qwen3.6-27b drafter)
     python bench/dflash_drafter.py extract [--steps 4] [--token-budget 65536]
+    (either: [--first-step-limit S --late warn|fail] [--device cpu --smoke]; bench/dflash_h200.sh runs them)
+
+--impls auto is what the trainer runs by default on the device (CUDA: packed block-sparse flex,
+the fused loss). The header says the compile's cost: the warm-up steps' seconds, the graphs
+dynamo compiled, and when the first step ended after the process start.
 
 Workload: a Qwen3.5-2B-shaped target (hidden 2048, 24 layers, vocab 248,320, the model shape
 `qwen35-2b` without codebook rows), 5 captured layers, the published `qwen3.5` drafter (5 layers,
@@ -26,14 +31,20 @@ the same batch size: the number of target ranks one drafter rank keeps up with.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import sys
 import time
-from pathlib import Path
 
-import numpy as np
-import torch
+PROCESS_START = time.perf_counter()  # before torch's import: "within N s of the process start"
+
+import argparse  # noqa: E402
+import faulthandler  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,12 +67,47 @@ LAYERS = [1, 6, 11, 16, 21]
 K = 16
 
 
+class FirstStep:
+    """The first step's deadline: a LATE line with the main thread's stack when no step has ended
+    `limit` s after the process start (where the time goes: a compile, a hang), and exit 3 with
+    late="fail"; on the first step's end, the time since the process start."""
+
+    def __init__(self, limit: float, late: str) -> None:
+        self.limit, self.late, self.ended = limit, late, None
+        self.timer = None
+        if limit > 0:
+            self.timer = threading.Timer(max(0.0, limit - (time.perf_counter() - PROCESS_START)), self._late)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _late(self) -> None:
+        print(f"# LATE: no step ended within {self.limit:.0f} s of the process start; the stacks now:", flush=True)
+        faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+        sys.stdout.flush()
+        if self.late == "fail":
+            os._exit(3)
+
+    def done(self, what: str) -> None:
+        if self.ended is None:
+            self.ended = time.perf_counter() - PROCESS_START
+            if self.timer is not None:
+                self.timer.cancel()
+            print(f"# first step: {what} ended {self.ended:.1f} s after the process started", flush=True)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo compiled so far in this process (every recompile counts)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
 def conversations(n: int, seed: int) -> np.ndarray:
     return np.clip(long_tail_lengths(n, seed=seed, lo=1024, hi=4096, median=1800.0, sigma=0.5), 1024, 4096)
 
 
 def batches(n_batches: int, budget: int, seed: int) -> list[np.ndarray]:
-    lengths = conversations(4 * n_batches * max(1, budget // 1024), seed)
+    lengths = np.minimum(conversations(4 * n_batches * max(1, budget // 1024), seed), budget)  # a small --smoke budget
     got = BucketedSampler(lengths, budget, seed=seed).batches(0)[:n_batches]
     return [lengths[b] for b in got]
 
@@ -125,6 +171,16 @@ def drafter_bench(args) -> None:
     gen = torch.Generator().manual_seed(0)
     data = [make_batch(lens, dev, gen) for lens in batches(args.batches, args.token_budget, 0)]
     rows, parts_rows = [], []
+    impls = args.impls
+    if impls == "auto":  # the trainer's defaults on this device (train.dflash.train: --attn-impl/--loss-impl auto)
+        from train.common.losses import select_loss_impl
+        from train.dflash.model import default_attn_impl
+
+        impls = f"{default_attn_impl(dev)}:{select_loss_impl(dev)}"
+    watch = FirstStep(args.first_step_limit, args.late)
+    print(f"# drafter {preset} (target {args.target}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"MLP {cfg.intermediate_size}, windows {[cfg.layer_window(i) for i in range(cfg.num_layers)]}, "
+          f"K {K}, vocab {TARGET.vocab_size}; impls {impls}; compile {args.compile}; device {dev}", flush=True)
     for n_anchors in [int(x) for x in args.anchors.split(",")]:
         plans = []
         for i, bt in enumerate(data):
@@ -141,7 +197,7 @@ def drafter_bench(args) -> None:
                                        int((labels != -100).sum()))
             plans.append((bt, anchors.to(dev), blocks.to(dev), labels.to(dev), flops))
         outs = {}
-        for impl in args.impls.split(","):
+        for impl in impls.split(","):
             attn, loss_impl = impl.split(":")
             if attn == "dense" and dev.type == "cuda":  # as the trainer: refused up front, not out of memory
                 rows = max(len(p[0]["lengths"]) for p in plans)
@@ -158,9 +214,15 @@ def drafter_bench(args) -> None:
 
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            graphs0, warm = compiled_graphs(), []
             for _ in range(args.warmup):  # every batch shape once per pass: compiles happen here
                 for bt, anchors, blocks, labels, _f in plans:
-                    step(bt, anchors, blocks, labels, None)
+                    step(bt, anchors, blocks, labels, warm)
+                    watch.done(f"{impl} at {n_anchors} anchors")
+            if warm:
+                print(f"# compile: {impl} at {n_anchors} anchors: warm-up steps "
+                      f"{', '.join(f'{t:.1f}' for t in warm)} s (the first compiles), "
+                      f"{compiled_graphs() - graphs0} graphs compiled", flush=True)
             per_batch = [[] for _ in plans]
             for _ in range(args.steps):
                 for j, (bt, anchors, blocks, labels, _f) in enumerate(plans):
@@ -180,7 +242,8 @@ def drafter_bench(args) -> None:
             rows.append((impl, n_anchors, blocks_n, 1000 * sec, real / sec, flops / 1e12, attn_share,
                          flops / sec / H100_H200_PEAK, mem))
             print("# " + row_line(rows[-1]), flush=True)  # as it lands: a later failure keeps it
-        print("# " + precision_check(drafter, head, plans[0], n_anchors), flush=True)
+        if args.precision == "on":
+            print("# " + precision_check(drafter, head, plans[0], n_anchors), flush=True)
     print(f"\nbatches: {args.batches} of <= {args.token_budget} padded tokens (rows x longest), "
           f"{args.steps} timed passes after {args.warmup} warm-up, median per batch, averaged")
     print(HEADER)
@@ -313,38 +376,46 @@ def extract_bench(args) -> None:
     )
     from train.extract.target import load_target
 
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    watch = FirstStep(args.first_step_limit, args.late)
     t0 = time.perf_counter()
-    target = load_target(None, "qwen35-2b", dev)
-    fastpath.install_kernels(target.base, fastpath.select_kernels(dev))
-    print(f"# target built in {time.perf_counter() - t0:.1f}s, vocab {target.vocab_size}", flush=True)
-    capture = HiddenCapture(target.base, LAYERS)
+    shape = "tiny" if args.smoke else "qwen35-2b"
+    target = load_target(None, shape, dev)
+    if dev.type == "cuda":
+        fastpath.install_kernels(target.base, fastpath.select_kernels(dev))
+    print(f"# target {shape} built in {time.perf_counter() - t0:.1f}s, vocab {target.vocab_size}", flush=True)
+    layers = LAYERS if not args.smoke else [1, 2]
+    capture = HiddenCapture(target.base, layers)
     lengths = conversations(400, 1)
     plan = plan_batches(lengths, args.token_budget)[: args.batches]
     gen = np.random.default_rng(0)
+    if args.smoke:
+        lengths = np.minimum(lengths, 256)
     samples = [gen.integers(0, target.vocab_size, size=int(n)) for n in lengths]
     times = []
     pending = None
     for i in range(args.warmup + args.steps):
         b = plan[i % len(plan)]
         ids, lens = pad_batch([samples[j] for j in b])
-        torch.cuda.synchronize()
+        sync(dev)
         t = time.perf_counter()
         hidden, final = target_forward(target.base, capture, ids.to(dev))
         # what a shard write needs from the GPU: as the extractor copies it (to_host: pinned memory,
         # a side stream); with --overlap on the copy of batch i is waited for only after batch i+1
         host = [to_host(hidden.to(torch.bfloat16)), to_host(final.to(torch.bfloat16))]
-        done = torch.cuda.Event()
-        done.record(copy_stream(dev))
         del hidden, final
-        if args.overlap == "on":
-            if pending is not None:
-                pending[0].synchronize()
-            pending = (done, host)
-        else:
-            done.synchronize()
-        torch.cuda.current_stream(dev).synchronize()
+        if dev.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(copy_stream(dev))
+            if args.overlap == "on":
+                if pending is not None:
+                    pending[0].synchronize()
+                pending = (done, host)
+            else:
+                done.synchronize()
+        sync(dev)
         dt = time.perf_counter() - t
+        watch.done("extraction batch 0")
         print(f"# batch {i}: {len(b)} x {ids.shape[1]} in {dt:.3f}s", flush=True)
         if i >= args.warmup:
             times.append((dt, ids.numel(), sum(lens), ids.shape[1]))
@@ -358,7 +429,7 @@ def extract_bench(args) -> None:
           "| MFU (useful) | s per 16k real tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     samples_s = sum(len(plan[(args.warmup + i) % len(plan)]) for i in range(n)) / sec
-    print(f"| qwen35-2b (random, bf16) | {n} | {padded / n:,.0f} | {sec / n:.3f} | {samples_s:.1f} | "
+    print(f"| {shape} (random, bf16) | {n} | {padded / n:,.0f} | {sec / n:.3f} | {samples_s:.1f} | "
           f"{real / sec:,.0f} | {100 * flops / sec / H100_H200_PEAK:.1f}% | "
           f"{100 * useful / sec / H100_H200_PEAK:.1f}% | {16384 / (real / sec):.3f} |")
     print(f"# k* projection: target s per 16,384 real tokens {16384 / (real / sec):.3f}; "
@@ -369,7 +440,15 @@ def main() -> None:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("what", choices=("drafter", "extract"))
     p.add_argument("--anchors", default="4,512")
-    p.add_argument("--impls", default="dense:logits,flex:cce")
+    p.add_argument("--impls", default="auto",
+                   help="attention:loss pairs, comma-separated (dense|flex : logits|cce|liger); auto: the trainer's "
+                        "defaults on this device")
+    p.add_argument("--precision", choices=("on", "off"), default="on",
+                   help="drafter: dense against flex on batch 0 in fp32 and bf16 (the mask check)")
+    p.add_argument("--first-step-limit", type=float, default=0.0,
+                   help="seconds from the process start to the first step's end; past it a LATE line and the "
+                        "stacks (0: no limit)")
+    p.add_argument("--late", choices=("warn", "fail"), default="warn", help="past --first-step-limit: go on or exit 3")
     p.add_argument("--token-budget", type=int, default=None)
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)

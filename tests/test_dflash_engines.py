@@ -174,6 +174,60 @@ def test_dense_and_flex_agree_in_fp32_with_and_without_sliding_windows(window):
             assert (drafter(near, x, anchors, lengths, attn_impl=impl)[0, 3] - base[0, 3]).abs().max() > 1e-3
 
 
+def _packed_case(k: int, window: int | None):
+    """2 rows of unequal length, one with fewer candidates than anchors (anchor slots -1)."""
+    from train.dflash.model import PackedBlockAttention
+
+    lengths = torch.tensor([300, 40])
+    loss_mask = torch.zeros(2, 300, dtype=torch.bool)
+    loss_mask[0, 30:] = True
+    loss_mask[1, 25:40] = True
+    anchors = sample_anchors(lengths, 40, k, torch.Generator().manual_seed(2), loss_mask)
+    assert (anchors[1] < 0).any() and (anchors[0] >= 0).all()
+    return PackedBlockAttention(anchors, lengths, 300, k), anchors, lengths, loss_mask
+
+
+@pytest.mark.parametrize(("k", "window"), [(16, None), (16, 24), (16, 5), (10, 40)])
+def test_packed_block_mask_tiles_hold_every_visible_key_and_full_tiles_are_whole(k, window):
+    """The flex path's block mask is made from tile ranges, not from its per-element rule: every
+    128 x 128 tile where the rule (the mask's own mask_mod, evaluated on every pair here) sees a
+    key is in the mask, a tile marked full is seen whole (flex skips the rule there), and the
+    listed tiles that see nothing stay few (at most one per query tile: a row boundary)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    packed, *_ = _packed_case(k, window)
+    mask = packed.block_mask(torch.device("cpu"), window)
+    q, kv = packed.q_pad, packed.ctx_pad + packed.q_pad
+    sees = create_mask(mask.mask_mod, 1, 1, q, kv, device="cpu")[0, 0]
+    tiles = sees.view(q // 128, 128, kv // 128, 128)
+    any_seen, all_seen = tiles.any(3).any(1), tiles.all(3).all(1)
+    partial, full = packed.tile_ranges(window)
+    assert not (partial & full).any()
+    assert (any_seen <= (partial | full)).all()
+    assert (full <= all_seen).all() and full.any() == (window is None or window > 128)
+    assert int((partial & ~any_seen).sum()) <= q // 128
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_packed_flex_equals_dense_on_valid_anchors_and_drops_the_rest(window):
+    """Packed flex (the real tokens of both rows and only the valid anchors' blocks) against the
+    dense reference in fp32: equal on every valid anchor's block; the slots of anchors -1 are
+    zeros (no label reads them)."""
+    torch.manual_seed(0)
+    drafter = Drafter(windowed([SLIDING, FULL] if window else [FULL, FULL], window or 1, 16)).eval()
+    packed, anchors, lengths, loss_mask = _packed_case(16, window)
+    blocks, _ = block_inputs(torch.randint(0, 299, (2, 300)), anchors, 16, drafter.cfg.mask_token_id, loss_mask,
+                             lengths)
+    x = torch.nn.Embedding(300, 64)(blocks).detach()
+    hidden = torch.randn(2, 300, 128)
+    with torch.no_grad():
+        dense = drafter(hidden, x, anchors, lengths, attn_impl="dense")
+        flex = drafter(hidden, x, anchors, lengths, attn_impl="flex")
+    valid = anchors >= 0
+    torch.testing.assert_close(flex[valid], dense[valid], atol=2e-5, rtol=1e-4)
+    assert (flex[~valid] == 0).all() and packed.n_blocks == int(valid.sum())
+
+
 def test_layer_types_are_checked():
     with pytest.raises(ValueError, match="sliding_window"):
         windowed([SLIDING, FULL], 0, 4)

@@ -422,13 +422,137 @@ class BlockAttention:
         return out[:, :, :n_q]
 
 
+class PackedBlockAttention:
+    """The flex path: every row's real context tokens one after another ([1, C] keys, no row
+    padding) and the valid anchors' blocks one after another ([1, N*K] queries; anchor slots -1,
+    which have no labels, never reach the layers), one block-sparse flex_attention call per layer.
+
+    Keys are [context C_pad | block slots Q_pad] (both padded to the 128-token tile). Block n
+    (row r, anchor a) sees the context of its row at t < min(a, length) (a sliding layer of window
+    W: t >= a + j - (W - 1) for its slot j) and its own block's slots by BlockAttention.see_block's
+    rule: the same mask as the dense reference, applied to the packed layout.
+
+    The block mask is made from tile ranges, never from a per-element predicate over queries x
+    keys: per 128-query tile, the context keys its slots see form one range per row (anchors are
+    sorted), so its key tiles are [min start, max end) of its slots, with the tiles every slot sees
+    whole marked full (flex skips the mask there), plus the tile(s) of its own blocks. That is
+    O(query tiles x key tiles) tensor ops, once per step and window, shared by the layers."""
+
+    def __init__(self, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int) -> None:
+        dev, k = anchors.device, block_size
+        self.k, self.t, self.bsz = k, ctx_len, anchors.shape[0]
+        lengths = lengths.to(dev).long().clamp(max=ctx_len)
+        self.rows, self.slots = (anchors >= 0).nonzero(as_tuple=True)  # row-major: rows, then anchors in order
+        a = anchors[self.rows, self.slots]
+        row_start = lengths.cumsum(0) - lengths  # where each row's context begins in the packed keys
+        self.tokens = (torch.arange(ctx_len, device=dev)[None] < lengths[:, None]).flatten().nonzero()[:, 0]
+        self.n_ctx, self.n_blocks = int(self.tokens.numel()), int(a.numel())
+        self.ctx_pad = padded_queries(max(1, self.n_ctx))
+        self.q_pad = padded_queries(max(1, self.n_blocks * k))
+        n_blk = -(-self.q_pad // k)  # padding slots belong to padding blocks, which see no context
+
+        def per_block(v: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(n_blk, dtype=torch.long, device=dev)
+            out[: self.n_blocks] = v
+            return out
+
+        self.start = per_block(row_start[self.rows])
+        self.end = per_block(row_start[self.rows] + torch.minimum(a, lengths[self.rows]))
+        self.anchor = per_block(a)
+        offs = torch.arange(k, device=dev)
+        self.pos_q = (self.anchor[:, None] + offs).flatten()[: self.q_pad]
+        self.pos_ctx = F.pad(self.tokens % ctx_len, (0, self.ctx_pad - self.n_ctx))
+        self._block_masks: dict[int | None, Any] = {}
+
+    def pack_context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] -> [1, C_pad, D]: the real tokens of every row, one after another."""
+        flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.tokens)
+        return F.pad(flat, (0, 0, 0, self.ctx_pad - self.n_ctx))[None]
+
+    def pack_blocks(self, block_embeds: torch.Tensor) -> torch.Tensor:
+        """[B, A, K, H] -> [1, Q_pad, H]: the valid anchors' blocks, one after another."""
+        flat = block_embeds[self.rows, self.slots].reshape(-1, block_embeds.shape[-1])
+        return F.pad(flat, (0, 0, 0, self.q_pad - flat.shape[0]))[None]
+
+    def unpack(self, x: torch.Tensor, bsz: int, n_anchor: int) -> torch.Tensor:
+        """[1, Q_pad, H] -> [B, A, K, H]; the slots of anchors -1 are zeros (they carry no label)."""
+        h = x.shape[-1]
+        out = x.new_zeros(bsz, n_anchor, self.k, h)
+        return out.index_put((self.rows, self.slots), x[0, : self.n_blocks * self.k].view(-1, self.k, h))
+
+    def in_block(self, window: int | None) -> torch.Tensor:
+        """[K, K] bool: slot j sees slot j' of its block, BlockAttention.see_block's rule."""
+        rule = BlockAttention(self.anchor[:1, None], self.anchor.new_ones(1), 1, self.k).see_block(window)
+        return torch.ones(self.k, self.k, dtype=torch.bool, device=self.anchor.device) if rule is None else rule
+
+    def tile_ranges(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(partial, full) [query tiles, key tiles] bool: the key tiles each query tile computes
+        with the mask applied, and those that all of its slots see whole (no mask)."""
+        tile, k, dev = FLEX_TILE, self.k, self.anchor.device
+        q = torch.arange(self.q_pad, device=dev)
+        blk, j = q // k, q % k
+        start, end = self.start[blk], self.end[blk]
+        lo = start if window is None else torch.maximum(start, start + self.anchor[blk] + j - (window - 1))
+        sees = end > lo  # padding slots and anchors without context see none
+        big = self.ctx_pad + self.q_pad
+        n_qt = self.q_pad // tile
+        lo_any = torch.where(sees, lo, big).view(n_qt, tile).amin(1)  # the union of the tile's ranges
+        hi_any = torch.where(sees, end, 0).view(n_qt, tile).amax(1)
+        lo_all = torch.where(sees, lo, big).view(n_qt, tile).amax(1)  # the range every slot sees
+        hi_all = torch.where(sees, end, 0).view(n_qt, tile).amin(1)
+        kt = torch.arange((self.ctx_pad + self.q_pad) // tile, device=dev)[None] * tile  # key tile starts
+        first = self.ctx_pad + (torch.arange(n_qt, device=dev) * tile // k) * k  # own blocks' key range
+        last = self.ctx_pad + ((torch.arange(n_qt, device=dev) * tile + tile - 1) // k + 1) * k
+        full = (kt >= lo_all[:, None]) & (kt + tile <= hi_all[:, None])
+        ctx = (kt < hi_any[:, None]) & (kt + tile > lo_any[:, None])
+        own = (kt < last[:, None]) & (kt + tile > first[:, None])
+        return (ctx & ~full) | own, full
+
+    def block_mask(self, device: torch.device, window: int | None = None):
+        """flex_attention's BlockMask for layers of this window, from tile_ranges (once per step)."""
+        if window not in self._block_masks:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            partial, full = self.tile_ranges(window)
+
+            def ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                idx = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True)
+                return m.sum(-1).to(torch.int32)[None, None], idx.to(torch.int32)[None, None]
+
+            k, start, end, anchor, see = self.k, self.start, self.end, self.anchor, self.in_block(window)
+            # tensors, not Python ints: the compiled kernel takes them as inputs, never recompiles on them
+            ctx_pad = torch.tensor(self.ctx_pad, device=device)
+            left = torch.tensor(1 << 40 if window is None else window - 1, device=device)
+
+            def visible(_b, _h, q_idx, kv_idx):
+                blk, j = q_idx // k, q_idx % k
+                ctx_ok = (kv_idx >= start[blk]) & (kv_idx < end[blk]) & (kv_idx - start[blk] >= anchor[blk] + j - left)
+                slot = (kv_idx - ctx_pad).clamp(min=0)
+                blk_ok = (slot // k == blk) & see[j, slot % k]
+                return torch.where(kv_idx < ctx_pad, ctx_ok, blk_ok)
+
+            (num, idx), (full_num, full_idx) = ordered(partial), ordered(full)
+            self._block_masks[window] = BlockMask.from_kv_blocks(
+                num, idx, full_num, full_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=visible,
+                seq_lengths=(self.q_pad, self.ctx_pad + self.q_pad))
+        return self._block_masks[window]
+
+    def __call__(self, q, k_ctx, v_ctx, k_blk, v_blk, window: int | None = None) -> torch.Tensor:
+        """q, k_blk, v_blk [1, heads, Q_pad, d]; k_ctx, v_ctx [1, kv_heads, C_pad, d] -> [1, heads, Q_pad, d]."""
+        k = torch.cat([k_ctx, k_blk], dim=2).to(q.dtype)
+        v = torch.cat([v_ctx, v_blk], dim=2).to(q.dtype)
+        fn = _compiled_flex() if q.device.type == "cuda" else _eager_flex()
+        return fn(q, k, v, block_mask=self.block_mask(q.device, window), scale=q.shape[-1] ** -0.5,
+                  enable_gqa=q.shape[1] != k.shape[1])
+
+
 ATTN_IMPLS = ("dense", "flex")
 FLEX_TILE = 128
 
 
 def padded_queries(n: int) -> int:
     return -(-n // FLEX_TILE) * FLEX_TILE
-_FLEX: dict[str, Any] = {}
+_FLEX: dict[str, Any] = {}  # the compiled flex_attention; "dynamic": its compile's dynamic= (compile_regions)
 
 
 def _eager_flex():
@@ -440,13 +564,13 @@ def _eager_flex():
 def _compiled_flex():
     """flex_attention compiled once per process (its fused kernel; eager flex is a dense reference).
 
-    Default dynamic-shape policy: the first batch shape compiles static, a second one recompiles
-    with dynamic sizes, so the bucketed batches' varying (rows, context, anchors) do not each
-    compile and exhaust the recompile limit (past it dynamo would run the eager, dense flex)."""
+    Dynamic sizes from the first call (the packed context and slots change every step): one graph
+    for forward and one for backward for the whole run, whatever the batch; each new static shape
+    would compile again and, past the recompile limit, dynamo would run the eager, dense flex."""
     if "cuda" not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX["cuda"] = torch.compile(flex_attention)
+        _FLEX["cuda"] = torch.compile(flex_attention, dynamic=_FLEX.get("dynamic", True))
     return _FLEX["cuda"]
 
 
@@ -530,13 +654,19 @@ class Drafter(nn.Module):
         x, ctx, rope_q, rope_ctx, attend = self.prepare(hidden, block_embeds, anchors, lengths, max_scores, attn_impl)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_ctx, attend)
+        if isinstance(attend, PackedBlockAttention):
+            return attend.unpack(self.norm(x), bsz, n_anchor)
         return self.norm(x).view(bsz, n_anchor, k, h)
 
-    def compile_regions(self, backend: str = "inductor") -> None:
+    def compile_regions(self, backend: str = "inductor", dynamic: bool | None = True) -> None:
         """torch.compile each layer's regions around the attention (see _layer_pre). Batch shapes
-        vary (rows, context, anchors): the first shape compiles static, the next recompiles with
-        dynamic sizes once, as the compiled flex does."""
-        regions = (torch.compile(_layer_pre, backend=backend), torch.compile(_layer_post, backend=backend))
+        vary every step (the packed context and block slots of the flex path; rows, context and
+        anchors of the dense one): compiled with dynamic sizes from the first step (dynamic=True),
+        one graph per region for the whole run; None: torch's default (static, then one dynamic
+        recompile at the second shape)."""
+        regions = (torch.compile(_layer_pre, backend=backend, dynamic=dynamic),
+                   torch.compile(_layer_post, backend=backend, dynamic=dynamic))
+        _FLEX["dynamic"] = dynamic
         for layer in self.layers:
             layer.regions = regions
 
@@ -546,12 +676,19 @@ class Drafter(nn.Module):
         tables of both, and the step's attention (its masks built once, shared by the layers)."""
         bsz, n_anchor, k, h = block_embeds.shape
         t = hidden.shape[1]
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else \
+            block_embeds.dtype
+        if attn_impl == "flex":  # packed: real context tokens and valid blocks only
+            attend = PackedBlockAttention(anchors, lengths, t, k)
+            ctx = self.hidden_norm(self.fc(attend.pack_context(hidden)))
+            rope_q = rope_tables(attend.pos_q[None], self.cfg.head_dim, self.cfg.rope_theta, dtype)
+            rope_ctx = rope_tables(attend.pos_ctx[None], self.cfg.head_dim, self.cfg.rope_theta, dtype)
+            return attend.pack_blocks(block_embeds), ctx, rope_q, rope_ctx, attend
         ctx = self.hidden_norm(self.fc(hidden))
         x = block_embeds.reshape(bsz, n_anchor * k, h)
         a = anchors.clamp(min=0)
         pos_q = (a[:, :, None] + torch.arange(k, device=x.device)).reshape(bsz, -1)
         pos_ctx = torch.arange(t, device=x.device).expand(bsz, t)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         rope_q = rope_tables(pos_q, self.cfg.head_dim, self.cfg.rope_theta, dtype)
         rope_ctx = rope_tables(pos_ctx, self.cfg.head_dim, self.cfg.rope_theta, dtype)
         # anchor -1 (none): a position no context precedes, so its slots see only their block
