@@ -152,6 +152,9 @@ CASES += [
     Case("stage1-data", "record-nested-too-deeply", _stage1_strict(),
          r"1 of \d+ records malformed .*first: \S*replay_text\.jsonl:5: invalid JSON \(nested too deeply\)",
          entry="stage1", setup=_stage1_data_with_deep_line),
+    Case("stage1-data", "record-nested-too-deeply-counted", [*_stage1_strict()[:-1], "0.9"],
+         r"malformed record: \S*replay_text\.jsonl:5: invalid JSON \(nested too deeply\)", entry="stage1",
+         outcome="counted", setup=_stage1_data_with_deep_line),
 ]
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import struct
+import zipfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -388,6 +390,54 @@ CASES = [
          setup=hf_copy(*HF_TEXT, lambda d: None)),
     Case("stage1-data", "vision-not-on-off", [*RUN, "--vision", "yes"], r"argument --vision: expected on or off",
          entry="stage1"),
+]
+
+
+
+def fifo_for(task: str, key: str, name: str) -> Callable[[Path], None]:
+    """As one_good_and, with the bad record's file a FIFO: opened, it would block the loader forever."""
+    def mutate(d: Path) -> None:
+        one_good_and(task, key, name, None)(d)
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(d / name)
+
+    return mutate
+
+
+def npz_claiming(count: int) -> bytes:
+    """A good asset whose ss.npy header claims `count` int16 entries over the 8 it holds."""
+    good = zipfile.ZipFile(io.BytesIO(asset()))
+    header = f"{{'descr': '<i2', 'fortran_order': False, 'shape': ({count},), }}".encode()
+    header = header.ljust(-(10 + len(header) + 1) % 64 + len(header)) + b"\n"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name in good.namelist():
+            z.writestr(name, b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + b"\0" * 16
+                       if name == "ss.npy" else good.read(name))
+    return buf.getvalue()
+
+
+# ---- one bad record is named and skipped (within --max-bad-fraction), whatever is wrong with it
+CASES += [
+    Case("stage1-data", "image-a-fifo-counted", [*COUNTED, *IMG],
+         rf"malformed record: \S*{IMG_LINE}: image 'images/pipe\.png': \S*pipe\.png is not a regular file", entry="stage1",
+         outcome="counted", setup=data(fifo_for("replay_img", "image", "images/pipe.png"))),
+    Case("stage1-data", "asset-a-fifo-counted", [*COUNTED, *UND],
+         rf"malformed record: \S*{UND_LINE}: tokens3d 'tokens3d/pipe\.npz': \S*pipe\.npz is not a regular file",
+         entry="stage1", outcome="counted", setup=data(fifo_for("und", "tokens3d", "tokens3d/pipe.npz"))),
+    Case("stage1-data", "text-lone-surrogate-counted", COUNTED,
+         r"malformed record: \S*replay_text\.jsonl:5: 'text' holds a lone surrogate \(U\+D800 at character 4\)",
+         entry="stage1", outcome="counted", setup=data(append_line("replay_text", '{"id": "x", "text": "abc\\ud800"}'))),
+    Case("stage1-data", "image-a-number-on-a-text-task", STRICT,
+         r"1 of \d+ records malformed .*first: \S*replay_text\.jsonl:5: 'image' must be a string, got int",
+         entry="stage1", setup=data(append_line("replay_text", '{"id": "x", "text": "t", "image": 5}'))),
+    Case("stage1-data", "image-path-with-nul-counted", [*COUNTED, *IMG],
+         r"malformed record: \S*replay_img\.jsonl:10: 'image' holds a NUL character", entry="stage1", outcome="counted",
+         setup=data(append_line("replay_img", '{"id": "x", "image": "images/a\\u0000.png", "text": "t"}'))),
+    Case("stage1-data", "asset-npy-header-claims-1e11-counted", [*COUNTED, *UND],
+         rf"malformed record: \S*{UND_LINE}: 3D token file \S*huge\.npz: ss's header claims 100000000000 entries",
+         entry="stage1", outcome="counted",
+         setup=data(one_good_and("und", "tokens3d", "tokens3d/huge.npz", npz_claiming(10**11)))),
 ]
 
 # the data-less refusals need no data; everything else links the synthetic set when it has no setup

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import zipfile
 import zlib
@@ -98,7 +99,18 @@ def _check_record(task: str, rec: Any) -> None:
     for key in ("image", "tokens3d", "text"):
         if key in REQUIRED_KEYS[task] and not (isinstance(rec[key], str) and rec[key]):
             raise MalformedRecord(f"{key!r} must be a non-empty string")
+        if key in rec and not isinstance(rec[key], str):  # a key this task does not read, of the wrong type
+            raise MalformedRecord(f"{key!r} must be a string, got {type(rec[key]).__name__}")
+    for key, value in rec.items():
+        if isinstance(value, str):
+            try:  # JSON's \ud800 escape: a lone surrogate no tokenizer or file system takes
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise MalformedRecord(f"{key!r} holds a lone surrogate (U+{ord(value[exc.start]):04X} at "
+                                      f"character {exc.start + 1})") from None
     for key in ("image", "tokens3d"):
+        if key in rec and "\0" in rec[key]:
+            raise MalformedRecord(f"{key!r} holds a NUL character (no file has that name)")
         if key in rec and (os.path.isabs(rec[key]) or ".." in Path(rec[key]).parts):
             raise MalformedRecord(f"{key!r} must be a path inside the data directory")
 
@@ -152,6 +164,7 @@ def load_asset(path: Path, codebooks: CodebookConfig) -> tuple[np.ndarray, np.nd
                 if size > MAX_NPZ_MEMBER_BYTES:
                     raise MalformedRecord(f"3D token file {path}: {k} is {size} bytes uncompressed, above "
                                           f"{MAX_NPZ_MEMBER_BYTES}")
+                _check_npy_header(path, k, z.zip, size)
             arrays = {k: np.asarray(z[k]) for k in CODEBOOK_NAMES}
     except MalformedRecord:
         raise
@@ -164,6 +177,19 @@ def load_asset(path: Path, codebooks: CodebookConfig) -> tuple[np.ndarray, np.nd
     return arrays["ss"], arrays["shape"], arrays["tex"]
 
 
+def _check_npy_header(path: Path, name: str, archive: zipfile.ZipFile, size: int) -> None:
+    """MalformedRecord when member `name`'s .npy header claims more data than the member holds: numpy
+    allocates what the header says before reading (10^11 int64 entries: 745 GiB)."""
+    with archive.open(f"{name}.npy") as member:
+        version = np.lib.format.read_magic(member)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(member, max_header_size=10000)
+    claimed = math.prod(shape) * dtype.itemsize
+    if claimed > size:
+        raise MalformedRecord(f"3D token file {path}: {name}'s header claims {math.prod(shape)} entries "
+                              f"({claimed} bytes), the file holds {size}")
+
+
 def data_path(root: Path, rec: dict[str, Any], key: str) -> Path:
     """The file a record's `key` names, after following symlinks: MalformedRecord when a link
     loops or leads out of the data directory (a manifest may only read the data it ships)."""
@@ -174,6 +200,8 @@ def data_path(root: Path, rec: dict[str, Any], key: str) -> Path:
         raise MalformedRecord(f"{key} {rec[key]!r}: {path} is a symlink loop ({exc})") from None
     if not real.is_relative_to(root.resolve()):
         raise MalformedRecord(f"{key} {rec[key]!r}: {path} is a symlink out of the data directory (to {real})")
+    if real.exists() and not real.is_file():  # a FIFO would block the loader forever, a directory is no file
+        raise MalformedRecord(f"{key} {rec[key]!r}: {path} is not a regular file")
     return path
 
 
