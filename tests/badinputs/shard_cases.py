@@ -130,6 +130,16 @@ def inf_final_two(tmp: Path) -> None:
     _rewrite(root, 3, _fill("final", float("-inf")))
 
 
+def ids_past_vocab(tmp: Path) -> None:
+    """Shard 2's samples' first token id past the target's vocabulary (its embedding has 4096 rows)."""
+    def change(samples) -> None:
+        for t in samples.values():
+            t["input_ids"] = t["input_ids"].clone()
+            t["input_ids"][0] = 999_999
+
+    _rewrite(_shards(tmp), 2, change)
+
+
 def truncated(tmp: Path) -> None:
     path = _shards(tmp) / shard(1)
     path.write_bytes(path.read_bytes()[:-100])
@@ -404,6 +414,11 @@ CASES: list[Case] = [
            "--max-bad-fraction", "0.3", outcome="counted"),
     dflash("inf-final-above-threshold", inf_final_two, r"non-finite hidden states.*2 of 4 shards bad",
            "--max-bad-fraction", "0.3", "--steps", "6"),
+    dflash("token-ids-past-the-vocabulary", ids_past_vocab,
+           rf"{shard(2)}: \d+\.input_ids holds token ids in \[\d+, 999999\], outside the target's vocabulary \[0, \d+\)"),
+    dflash("token-ids-past-the-vocabulary-within-threshold", ids_past_vocab,
+           rf"skipping \S*{shard(2)}: \d+\.input_ids holds token ids .*outside the target's vocabulary",
+           "--max-bad-fraction", "0.3", outcome="counted"),
     dflash("truncated", truncated, rf"{shard(1)}: corrupt shard"),
     dflash("zero-length", zero_length, rf"{shard(2)}: corrupt shard \(0 bytes"),
     dflash("missing-indexed-shard", missing, rf"{shard(3)}: .*missing"),
@@ -482,6 +497,17 @@ CASES: list[Case] = [
             syn()),
     extract("data-not-utf8", data_file(b'{"id": 1, "input_ids": [40, 41]}\n\xff\xfe\x00garbage\n'),
             r"data\.jsonl:2: .*UTF-8", syn()),
+    # ids and masks are JSON integers that fit: numpy would truncate 1.5 and true to 1, and raise a bare
+    # OverflowError past int64 or for a loss_mask of -1
+    extract("data-token-id-beyond-int64", data_file('{"id": 1, "input_ids": [40, 99999999999999999999999]}\n'),
+            r"data\.jsonl:1: malformed record \(ValueError: input_ids\[1\] is 99999999999999999999999, not in "
+            r"\[-9223372036854775808, 9223372036854775807\]\)", syn()),
+    extract("data-token-id-float", data_file('{"id": 1, "input_ids": [40, 41.5]}\n'),
+            r"data\.jsonl:1: malformed record \(ValueError: input_ids\[1\] is 41\.5, not an integer\)", syn()),
+    extract("data-token-id-bool", data_file('{"id": 1, "input_ids": [true, 41]}\n'),
+            r"data\.jsonl:1: malformed record \(ValueError: input_ids\[0\] is true, not an integer\)", syn()),
+    extract("data-loss-mask-negative", data_file('{"id": 1, "input_ids": [40, 41], "loss_mask": [1, -1]}\n'),
+            r"data\.jsonl:1: malformed record \(ValueError: loss_mask\[1\] is -1, not in \[0, 255\]\)", syn()),
     extract("data-token-out-of-vocab", data_file('{"id": 1, "input_ids": [40, 99999999]}\n'),
             r"data\.jsonl:1: token id out of range", syn()),
     extract("conversation-bad-role", _conversations([json.dumps({"id": 1, "conversations": [

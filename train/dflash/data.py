@@ -92,6 +92,7 @@ class ShardDataset:
         self.report = report
         self.verified: set[Path] = set()
         self.bad: dict[Path, str] = {}
+        self.vocab: int | None = None  # the target's, once head_weights() has read it: ids past it are a bad shard
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -123,6 +124,7 @@ class ShardDataset:
         if widths != {self.hidden_size}:
             raise ShardError(f"{path}: the target head is {max(widths)} wide, meta.json says hidden_size "
                              f"{self.hidden_size}; the directory mixes two extractions")
+        self.vocab = int(embed.shape[0])
         return embed, lm_head
 
     def check_target(self, target: TargetShape) -> None:
@@ -150,6 +152,10 @@ class ShardDataset:
                     return (f"{i}.{key} has shape {list(t[key].shape)}, expected {list(want)} "
                             f"({len(self.layers)} layers x hidden {self.hidden_size}, {n} tokens per meta.json "
                             "and the index)")
+            ids = t["input_ids"]
+            if self.vocab is not None and ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.vocab:
+                return (f"{i}.input_ids holds token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
+                        f"target's vocabulary [0, {self.vocab})")
         theirs = metadata.get("extraction")  # shards written before extraction ids carry none
         if theirs is not None and theirs != self.identity:
             return f"written by another extraction (id {theirs}; meta.json's is {self.identity})"

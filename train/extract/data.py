@@ -129,6 +129,19 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
                                    "a dataset is JSON lines") from None
 
 
+def _int_array(values: Any, key: str, dtype: type) -> np.ndarray:
+    """A JSON list of integers as `dtype`; ValueError naming the first value that is not one or does
+    not fit (numpy would truncate 1.5 and true to 1, and raise a bare OverflowError past the dtype)."""
+    if not isinstance(values, list):
+        raise ValueError(f"{key} must be a list of integers, got {type(values).__name__}")
+    info = np.iinfo(dtype)
+    for i, v in enumerate(values):
+        if type(v) is not int or not info.min <= v <= info.max:
+            what = "an integer" if type(v) is not int else f"in [{info.min}, {info.max}]"
+            raise ValueError(f"{key}[{i}] is {json.dumps(v)[:40]}, not {what}")
+    return np.asarray(values, dtype=dtype)
+
+
 def load_records(path: str | Path, vocab: int, max_len: int | None = None, tokenizer: Any = None) -> TokenData:
     """Samples and their loss masks, in file order; DatasetError naming file:line on a bad record.
 
@@ -151,8 +164,8 @@ def load_records(path: str | Path, vocab: int, max_len: int | None = None, token
                                        "(--tokenizer DIR, the target checkpoint's directory)")
                 ids, mask = tokenize_conversation(tokenizer, turns)
             else:
-                ids = np.asarray(rec["input_ids"], dtype=np.int64)
-                mask = (np.asarray(rec["loss_mask"], dtype=np.uint8) if "loss_mask" in rec
+                ids = _int_array(rec["input_ids"], "input_ids", np.int64)
+                mask = (_int_array(rec["loss_mask"], "loss_mask", np.uint8) if "loss_mask" in rec
                         else np.ones(ids.shape, dtype=np.uint8))
         except DatasetError:
             raise
