@@ -176,6 +176,36 @@ CASES += [
     Case("cli", "buckets-dev-zero", ["buckets", "/dev/zero"], r"/dev/zero: not a regular file", entry="launch-process"),
     Case("cli", "buckets-huge", ["buckets", "{tmp}/l.txt"], r"l\.txt: 4096 MiB, over the 256 MiB a lengths file may have",
          setup=_sparse("l.txt", 4 << 30)),
+    Case("cli", "buckets-length-beyond-int64", ["buckets", "{tmp}/l.txt"],
+         r"l\.txt:2: a length of 23 digits, past the largest a length may be \(9223372036854775807\)",
+         {"l.txt": "5\n99999999999999999999999\n"}),
+    Case("cli", "buckets-npy-float", ["buckets", "{tmp}/l.npy"],
+         r"l\.npy: not a \.npy array of lengths \(it holds float64 values, not integers\)",
+         setup=lambda tmp: _npy(tmp / "l.npy", "<f8", (3,), b"\0" * 24)),
+    Case("cli", "buckets-npy-header-claims-1e11", ["buckets", "{tmp}/l.npy"],
+         r"l\.npy: not a \.npy array of lengths \(its header claims 100000000000 entries \(800000000000 bytes\), the "
+         r"file holds 24 bytes of data\)", setup=lambda tmp: _npy(tmp / "l.npy", "<i8", (10**11,), b"\1" * 24)),
+]
+
+
+def _npy(path: Path, descr: str, shape: tuple[int, ...], data: bytes) -> None:
+    """A .npy file of format 1.0 whose header says `descr` and `shape`, followed by `data`."""
+    import struct
+
+    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape!r}, }}".encode()
+    header = header.ljust(-(10 + len(header) + 1) % 64 + len(header)) + b"\n"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + data)
+
+
+STAGE1_SUBMIT_ARG = ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg"]
+CASES += [
+    Case("cli", "stage1-wandb-project-empty", [*STAGE1_SUBMIT_ARG, "wandb_project="],
+         r"--wandb-project is empty: name the wandb project, or leave the option out"),
+    # a switch: a preset's `vision_ckpt: true` or the trainer's --vision-ckpt (`--arg vision_ckpt=on` is not a switch's
+    # spelling, and is refused as such)
+    Case("cli", "stage1-vision-ckpt-with-vision-off", ["--shape", "tiny", "--steps", "1", "--vision-ckpt", "--vision",
+                                                       "off", "--weights", '{"und": 1}', "--out", "{tmp}/run"],
+         r"--vision-ckpt on checkpoints the vision tower's blocks, and --vision off has no tower", entry="stage1"),
 ]
 
 

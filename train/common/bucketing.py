@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import os
 import stat
 import sys
@@ -248,6 +249,25 @@ def format_table(rows: list[tuple[str, BatchStats, float, str]]) -> str:
 MAX_LENGTHS_BYTES = 256 << 20
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _check_npy_lengths(path: Path, raw: bytes) -> None:
+    """ValueError unless the .npy header describes integers that the file holds: numpy would cast
+    floats to ints without a word, and allocate whatever count the header claims before reading
+    (10^11 entries: 745 GiB)."""
+    buf = io.BytesIO(raw)
+    version = np.lib.format.read_magic(buf)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(buf)
+    if dtype.kind not in "iu":
+        raise ValueError(f"it holds {dtype} values, not integers")
+    count = math.prod(shape)
+    if count * dtype.itemsize > len(raw) - buf.tell():
+        raise ValueError(f"its header claims {count} entries ({count * dtype.itemsize} bytes), the file holds "
+                         f"{len(raw) - buf.tell()} bytes of data")
+
+
 def read_lengths(path: str | Path) -> np.ndarray:
     path = Path(path)
     if not path.exists():
@@ -269,6 +289,7 @@ def read_lengths(path: str | Path) -> np.ndarray:
         raw = f.read(MAX_LENGTHS_BYTES + 1)
     if path.suffix == ".npy":
         try:
+            _check_npy_lengths(path, raw)
             return _as_lengths(np.load(io.BytesIO(raw)))  # allow_pickle stays False: a length file never needs objects
         except (ValueError, OSError) as exc:
             raise ValueError(f"{path}: not a .npy array of lengths ({str(exc).split('. ')[0]})") from None
@@ -283,6 +304,9 @@ def read_lengths(path: str | Path) -> np.ndarray:
                 values.append(int(line))
             except ValueError:
                 raise ValueError(f"{path}:{n}: not an integer length: {line.strip()[:40]!r}") from None
+            if abs(values[-1]) > INT64_MAX:
+                raise ValueError(f"{path}:{n}: a length of {len(line.strip())} digits, past the largest a length may "
+                                 f"be ({INT64_MAX})")
     if not values:  # /dev/null, an empty file, blank lines only
         raise ValueError(f"{path}: empty: no lengths in it (one positive integer per line)")
     return _as_lengths(values)

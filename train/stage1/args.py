@@ -135,6 +135,8 @@ def validate(cfg: Stage1Config) -> None:
     check_init_from(cfg.init_from, model_types=("qwen3_5", "qwen3_5_text"))
     if cfg.tensorboard:
         require_sink("tensorboard")
+    if cfg.wandb_project is not None and not cfg.wandb_project.strip():
+        raise ConfigError("--wandb-project is empty: name the wandb project, or leave the option out")
     if cfg.wandb_project:
         require_sink("wandb")
     if cfg.shape not in SHAPES:
@@ -161,6 +163,9 @@ def validate(cfg: Stage1Config) -> None:
             raise ConfigError(f"--weights: {exc}") from None
     if cfg.vision_budget not in ("auto", "off") and not (cfg.vision_budget.isdigit() and int(cfg.vision_budget) >= 1):
         raise ConfigError(f"--vision-budget must be auto, off or a number of tokens >= 1, got {cfg.vision_budget!r}")
+    if cfg.vision_ckpt and cfg.vision is False:  # a setting that would do nothing, without a word
+        raise ConfigError("--vision-ckpt on checkpoints the vision tower's blocks, and --vision off has no tower: "
+                          "drop --vision-ckpt, or use --vision on")
     if cfg.vision and SHAPES[cfg.shape].vision is None:
         raise ConfigError(f"model shape {cfg.shape!r} has no vision tower; use --vision off")
     if cfg.vision and cfg.init_from and not has_vision_tower(cfg.init_from):
