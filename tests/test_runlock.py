@@ -151,3 +151,50 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing_behind(tmp_pa
     err = [ln for ln in child.stderr.splitlines() if ln.strip() and "it/s]" not in ln]
     assert len(err) == 1 and "Traceback" not in child.stderr, child.stderr
     assert "No space left on device" in err[0] and "nothing written" in err[0], err
+
+
+def test_a_removed_or_fifo_lock_file_neither_frees_the_folder_nor_hangs(held, tmp_path: Path) -> None:
+    """The lock is the run directory's own: `.run.lock` removed under a holder does not let a second
+    trainer in, and a FIFO put in its place answers at once (never opened for reading); once the
+    holder is gone, the FIFO is replaced by the new holder's file."""
+    run, child = held
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the run-folder lock hung on a FIFO"))
+    signal.alarm(30)
+    try:
+        (run / runlock.LOCK).unlink()
+        assert runlock.holder(run) == "another trainer"
+        with pytest.raises(runlock.RunFolderBusy, match=f"run folder {run} is in use by another trainer"):
+            runlock.acquire(run, job="7")
+        os.mkfifo(run / runlock.LOCK)
+        assert runlock.holder(run) == "another trainer"
+        with pytest.raises(runlock.RunFolderBusy):
+            runlock.acquire(run, job="7")
+        child.kill()
+        child.wait()
+        assert runlock.holder(run) is None
+        mine = runlock.acquire(run, job="7")
+    finally:
+        signal.alarm(0)
+    try:
+        assert json.loads((run / runlock.LOCK).read_text())["job"] == "7"
+    finally:
+        runlock.release(mine)
+
+
+def test_a_run_folder_replaced_under_its_trainer_stops_it_before_the_next_write(tmp_path: Path) -> None:
+    """check_held, asked before every checkpoint: the lock file removed while the directory's lock
+    holds is put back (holder names the trainer again); the folder renamed away and a new one made
+    in its place (which another trainer could lock) is one line, RunFolderLost."""
+    run = tmp_path / "run"
+    run.mkdir()
+    held = runlock.acquire(run, job="7")
+    try:
+        (run / runlock.LOCK).unlink()
+        runlock.check_held(held)
+        assert json.loads((run / runlock.LOCK).read_text())["job"] == "7"
+        run.rename(tmp_path / "run.old")
+        run.mkdir()
+        with pytest.raises(runlock.RunFolderLost, match=f"run folder {run} was replaced while this trainer held it"):
+            runlock.check_held(held)
+    finally:
+        runlock.release(held)

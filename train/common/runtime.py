@@ -32,14 +32,14 @@ import torch
 from toolkit.fsutil import atomic_write_text
 from toolkit.metrics import Schema
 from toolkit.outcome import write_outcome
-from toolkit.runlock import RunFolderBusy, acquire, release
+from toolkit.runlock import Held, RunFolderBusy, RunFolderLost, acquire, check_held, release
 from train.common.checkpoint import CheckpointManager
 from train.common.config import ConfigError
 from train.common.distributed import DistInfo, init_distributed, shutdown_distributed
 from train.common.metrics import MetricsLogger
 
 
-def _lock_run_folder(out_dir: Path, dist_info: DistInfo, logger_rank: int) -> int | None:
+def _lock_run_folder(out_dir: Path, dist_info: DistInfo, logger_rank: int) -> Held | None:
     """The logging rank takes the run folder's lock (toolkit.runlock); every rank learns whether
     it could, so a refused job ends at once on all of them with the same line."""
     fd, error = None, None
@@ -92,6 +92,8 @@ class Runtime:
     ckpts: CheckpointManager | None = None
     last_checkpoint: Path | None = None
     extra_outcome: dict[str, Any] = field(default_factory=dict)
+    lock: Held | None = None  # the run folder's lock, on the logger rank (toolkit.runlock)
+    logger_rank: int = 0
 
     @classmethod
     @contextmanager
@@ -121,7 +123,8 @@ class Runtime:
         except BaseException:
             release(lock)
             raise
-        rt = cls(name, schema, device, dist_info, out_dir, log, is_logger, max_bad_steps)
+        rt = cls(name, schema, device, dist_info, out_dir, log, is_logger, max_bad_steps, lock=lock,
+                 logger_rank=logger_rank)
         previous = rt._catch_sigterm()
         try:
             yield rt
@@ -171,12 +174,30 @@ class Runtime:
     def save(self, write: Any, barrier: bool = True) -> Path:
         """Checkpoint the current step: `write(tmp_dir)` on every rank (barrier=False: the logger rank alone)."""
         assert self.ckpts is not None, "call rt.checkpoints() first"
+        self._check_lock(barrier)
         if barrier:
             path = self.ckpts.save(self.step, write, is_main=self.dist.is_main, barrier=self.barrier)
         else:
             path = self.ckpts.save(self.step, write, is_main=True)
         self.last_checkpoint = path
         return path
+
+    def _check_lock(self, collective: bool) -> None:
+        """The run folder is still the one this run locked (toolkit.runlock.check_held), asked
+        before each checkpoint by the rank holding it; with `collective`, every rank learns the
+        answer, so all stop together, before any writes."""
+        error = None
+        if self.lock is not None:
+            try:
+                check_held(self.lock)
+            except (RunFolderLost, RunFolderBusy, OSError) as exc:
+                error = str(exc)
+        if collective and self.dist.world_size > 1 and torch.distributed.is_initialized():
+            shared = [error]
+            torch.distributed.broadcast_object_list(shared, src=self.logger_rank)
+            error = shared[0]
+        if error:
+            raise RunFolderLost(error)
 
     # --- the step policy
 
