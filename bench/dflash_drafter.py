@@ -369,9 +369,11 @@ def extract_bench(args) -> None:
     from train.extract.extract import (
         HiddenCapture,
         copy_stream,
+        pack_batch,
         pad_batch,
         plan_batches,
         target_forward,
+        target_forward_packed,
         to_host,
     )
     from train.extract.target import load_target
@@ -381,8 +383,12 @@ def extract_bench(args) -> None:
     t0 = time.perf_counter()
     shape = "tiny" if args.smoke else "qwen35-2b"
     target = load_target(None, shape, dev)
-    if dev.type == "cuda":
-        fastpath.install_kernels(target.base, fastpath.select_kernels(dev))
+    fastpath.install_kernels(target.base, fastpath.select_kernels(dev))
+    if args.layout == "packed":  # as the extractor runs it (train.extract.extract.write_one)
+        from train.common import varlen_attention
+
+        varlen_attention.use_attention(target.base, "varlen")
+        print(f"# layout packed: {varlen_attention.describe('varlen', dev)}", flush=True)
     print(f"# target {shape} built in {time.perf_counter() - t0:.1f}s, vocab {target.vocab_size}", flush=True)
     layers = LAYERS if not args.smoke else [1, 2]
     capture = HiddenCapture(target.base, layers)
@@ -396,10 +402,16 @@ def extract_bench(args) -> None:
     pending = None
     for i in range(args.warmup + args.steps):
         b = plan[i % len(plan)]
-        ids, lens = pad_batch([samples[j] for j in b])
+        if args.layout == "packed":
+            ids, lens, packing = pack_batch([samples[j] for j in b])
+        else:
+            ids, lens = pad_batch([samples[j] for j in b])
         sync(dev)
         t = time.perf_counter()
-        hidden, final = target_forward(target.base, capture, ids.to(dev))
+        if args.layout == "packed":
+            hidden, final = target_forward_packed(target.base, capture, ids.to(dev), packing)
+        else:
+            hidden, final = target_forward(target.base, capture, ids.to(dev))
         # what a shard write needs from the GPU: as the extractor copies it (to_host: pinned memory,
         # a side stream); with --overlap on the copy of batch i is waited for only after batch i+1
         host = [to_host(hidden.to(torch.bfloat16)), to_host(final.to(torch.bfloat16))]
@@ -418,18 +430,25 @@ def extract_bench(args) -> None:
         watch.done("extraction batch 0")
         print(f"# batch {i}: {len(b)} x {ids.shape[1]} in {dt:.3f}s", flush=True)
         if i >= args.warmup:
-            times.append((dt, ids.numel(), sum(lens), ids.shape[1]))
+            # FLOPs: a padded row attends over its whole width, a packed sample over itself
+            if args.layout == "padded":
+                width = ids.shape[1]
+                done = len(lens) * width * extraction_flops_per_token(target.config, width)
+                useful = sum(n * extraction_flops_per_token(target.config, width) for n in lens)
+            else:
+                done = useful = sum(n * extraction_flops_per_token(target.config, n) for n in lens)
+            times.append((dt, ids.numel(), sum(lens), done, useful))
     sec = sum(t[0] for t in times)
     padded = sum(t[1] for t in times)
     real = sum(t[2] for t in times)
-    flops = sum(t[1] * extraction_flops_per_token(target.config, t[3]) for t in times)
-    useful = sum(t[2] * extraction_flops_per_token(target.config, t[3]) for t in times)
+    flops = sum(t[3] for t in times)
+    useful = sum(t[4] for t in times)
     n = len(times)
     print("\n| target | batches | padded tok/batch | s/batch | samples/s | real tok/s | MFU (all tokens) "
           "| MFU (useful) | s per 16k real tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     samples_s = sum(len(plan[(args.warmup + i) % len(plan)]) for i in range(n)) / sec
-    print(f"| {shape} (random, bf16) | {n} | {padded / n:,.0f} | {sec / n:.3f} | {samples_s:.1f} | "
+    print(f"| {shape} (random, bf16, {args.layout}) | {n} | {padded / n:,.0f} | {sec / n:.3f} | {samples_s:.1f} | "
           f"{real / sec:,.0f} | {100 * flops / sec / H100_H200_PEAK:.1f}% | "
           f"{100 * useful / sec / H100_H200_PEAK:.1f}% | {16384 / (real / sec):.3f} |")
     print(f"# k* projection: target s per 16,384 real tokens {16384 / (real / sec):.3f}; "
@@ -457,6 +476,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     p.add_argument("--compile", choices=("on", "off"), default="on", help="the trainer's regional compile (auto: on)")
     p.add_argument("--target", choices=("2b", "27b"), default="2b")
+    p.add_argument("--layout", choices=("packed", "padded"), default="packed",
+                   help="extract: one varlen stream of the batch's real tokens (the extractor's), or padded rows")
     p.add_argument("--overlap", choices=("on", "off"), default="on",
                    help="extract: the device-to-host copy of a batch overlapped with the next forward")
     args = p.parse_args()

@@ -74,6 +74,37 @@ def test_capture_equals_hidden_states_and_skips_lm_head():
     torch.testing.assert_close(final, full.hidden_states[-1], atol=1e-5, rtol=1e-5)
 
 
+def test_packed_forward_equals_each_sample_alone_through_stock_transformers():
+    """Three samples of unequal length as one varlen stream (the extractor's layout: real tokens
+    only, the varlen attention and the packed GDN kernels) against each sample run alone through
+    the stock model: the same captured layers and final states, in fp32."""
+    import numpy as np
+
+    from train.common import fastpath, varlen_attention
+    from train.stage1.model import build_model
+
+    torch.manual_seed(0)
+    model, _ = build_model("tiny")
+    model.eval()
+    gen = np.random.default_rng(0)
+    samples = [gen.integers(32, 200, size=n) for n in (20, 7, 13)]
+    with torch.no_grad():
+        alone = [model(input_ids=torch.from_numpy(s)[None], output_hidden_states=True).hidden_states
+                 for s in samples]
+    fastpath.install_kernels(model.model, fastpath.select_kernels(torch.device("cpu")))
+    varlen_attention.use_attention(model.model, "varlen")
+    capture = ex.HiddenCapture(model.model, [1, 2])
+    ids, lens, packing = ex.pack_batch(samples)
+    hidden, final = ex.target_forward_packed(model.model, capture, ids, packing)
+    assert hidden.shape == (1, 40, 512) and lens == [20, 7, 13]
+    lo = 0
+    for n, ref in zip(lens, alone, strict=True):
+        torch.testing.assert_close(hidden[0, lo:lo + n, :256], ref[2][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hidden[0, lo:lo + n, 256:], ref[3][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final[0, lo:lo + n], ref[-1][0], atol=1e-5, rtol=1e-5)
+        lo += n
+
+
 def test_crash_and_resume_covers_dataset_exactly_once(tmp_path, data, no_lm_head, capsys):
     out = tmp_path / "x"
     assert _run(out, data, "--stop-after", "3") == 0

@@ -127,6 +127,31 @@ def target_forward(base_model: torch.nn.Module, capture: HiddenCapture, input_id
     return capture.take(), final
 
 
+def pack_batch(samples: list[np.ndarray]) -> tuple[torch.Tensor, list[int], dict[str, torch.Tensor | int]]:
+    """The batch as one flat varlen stream: ids [1, N] (N = the real tokens, no padding), the
+    lengths, and the packing keywords the target takes (positions restarting at every sample,
+    cu_seqlens for the varlen attention and the GDN kernels, the samples' index per token)."""
+    lengths = [len(s) for s in samples]
+    ids = torch.from_numpy(np.concatenate(samples).astype(np.int64))[None]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))[None]
+    return ids, lengths, {"position_ids": pos, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "seq_idx": seq_idx,
+                          "max_length_q": max(lengths), "max_length_k": max(lengths)}
+
+
+def target_forward_packed(base_model: torch.nn.Module, capture: HiddenCapture, ids: torch.Tensor,
+                          packing: dict[str, torch.Tensor | int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_forward over a pack_batch stream: (captured [1, N, n*H], final [1, N, H]); sample r
+    is rows cu[r]:cu[r+1]. Needs the varlen attention (use_attention(model, "varlen")) and the
+    packed GDN layers (fastpath.install_kernels): each sample sees only itself."""
+    dev = ids.device
+    kwargs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in packing.items()}
+    with torch.no_grad():
+        final = base_model(input_ids=ids, use_cache=False, **kwargs).last_hidden_state
+    return capture.take(), final
+
+
 def pad_batch(samples: list[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
     lengths = [len(s) for s in samples]
     ids = torch.zeros(len(samples), max(lengths), dtype=torch.long)
@@ -207,13 +232,14 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
     """The frozen target (no lm_head call), the dataset and its batch plan, meta.json, the index."""
     from safetensors.torch import save
 
-    from train.common import fastpath
+    from train.common import fastpath, varlen_attention
 
     out, dist_info = rt.out, rt.dist
     out.mkdir(parents=True, exist_ok=True)
     kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path)
     target = load_target(cfg.init_from, cfg.preset, rt.device, cfg.target_dtype, cfg.seed)
     fastpath.install_kernels(target.base, kernels)
+    varlen_attention.use_attention(target.base, "varlen")  # batches run packed (write_one)
     text = target.config
     layers = parse_layers(cfg.layers, text.num_hidden_layers, cfg.n_layers)
 
@@ -357,10 +383,14 @@ def write_one(job: Extraction, rt: Runtime, k: int, batch: list[int], writer: Sh
     """Plan batch k through the target; its shard written, indexed, and synced if asked (by
     `writer`'s thread while the next batch runs, or here)."""
     name, path = shard_name(k), rt.out / shard_name(k)
-    ids, lens = pad_batch([job.samples[i] for i in batch])
-    hidden, final = target_forward(job.base, job.capture, ids.to(rt.device))
+    # packed: the forward runs the batch's real tokens only, as one varlen stream
+    ids, lens, packing = pack_batch([job.samples[i] for i in batch])
+    hidden, final = target_forward_packed(job.base, job.capture, ids.to(rt.device), packing)
     store = DTYPES[job.cfg.dtype]
-    rows = [(to_host(hidden[r, :n].to(store)), to_host(final[r, :n].to(store))) for r, n in enumerate(lens)]
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    rows = [(to_host(hidden[0, lo:lo + n].to(store)), to_host(final[0, lo:lo + n].to(store)))
+            for lo, n in zip(starts.tolist(), lens, strict=False)]
+    ids = [ids[0, lo:lo + n] for lo, n in zip(starts.tolist(), lens, strict=False)]
     copied = None
     if hidden.device.type == "cuda":
         copied = torch.cuda.Event()
@@ -371,9 +401,9 @@ def write_one(job: Extraction, rt: Runtime, k: int, batch: list[int], writer: Sh
         if copied is not None:
             copied.synchronize()
         tensors = {
-            idx: {"input_ids": ids[r, :n].to(torch.int32), "loss_mask": torch.from_numpy(job.loss_masks[idx]),
+            idx: {"input_ids": ids[r].to(torch.int32), "loss_mask": torch.from_numpy(job.loss_masks[idx]),
                   "hidden": rows[r][0], "final": rows[r][1]}
-            for r, (idx, n) in enumerate(zip(batch, lens, strict=True))
+            for r, idx in enumerate(batch)
         }
         finish_shard(job, rt, k, batch, lens, name, path, tensors)
 
