@@ -201,11 +201,23 @@ def _vision_block_forward(block: torch.nn.Module, regions: dict[str, Any], hidde
     from train.common.varlen_attention import varlen_attention_forward
 
     attn = block.attn
+    _patches_dynamic(hidden_states, *position_embeddings)
     q, k, v = regions["vision_pre"](block, hidden_states, *position_embeddings)
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, N, D], as transformers passes them
     out, _ = varlen_attention_forward(attn, q, k, v, None, scaling=attn.scaling, cu_seq_lens_q=cu_seqlens,
                                       max_length_q=max_seqlen, is_causal=False)
-    return regions["vision_post"](block, hidden_states, out.reshape(hidden_states.shape[0], -1).contiguous())
+    attn_out = out.reshape(hidden_states.shape[0], -1).contiguous()
+    _patches_dynamic(attn_out)
+    return regions["vision_post"](block, hidden_states, attn_out)
+
+
+def _patches_dynamic(*tensors: torch.Tensor) -> None:
+    """The patch dimension (dim 0: all images of the step, a total that changes every step) is the
+    one symbolic size of the tower's graphs; the feature sizes stay static, so the norms' and the
+    MLP's kernels are generated for their real widths. Marking it on every input also keeps
+    dynamo's duck sizing from tying it to a feature width it happens to equal in the first step."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def apply_vision_regional_compile(model: torch.nn.Module, backend: str = "inductor", **compile_kwargs: Any) -> int:
@@ -214,9 +226,13 @@ def apply_vision_regional_compile(model: torch.nn.Module, backend: str = "induct
     model has no tower, or its tower is not on the varlen kernel, see
     :func:`train.common.varlen_attention.use_vision_varlen`, and keeps transformers' forward).
 
-    ``dynamic=True``: a step's patch count changes with its images, and one shape-generic graph
-    serves them all (a static one would recompile for every new total). The two regions are
-    compiled functions shared by the 27 blocks, as the decoder layers' are.
+    The patch count (all images of a step) changes with every step's images: it alone is marked
+    dynamic (:func:`_patches_dynamic`), so one graph per region serves every image set (a static
+    one would recompile for every new total) while the feature widths stay static. The two
+    regions are compiled functions shared by the 27 blocks, as the decoder layers' are; the first
+    block's input is a view (of the patch embedding) and the others' are not, so each region has
+    two graphs, both made in step 1 (tests/test_regional_compile.py: no graph after step 1 over
+    image sets of varying counts and grids).
     """
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionBlock
 
@@ -225,7 +241,7 @@ def apply_vision_regional_compile(model: torch.nn.Module, backend: str = "induct
     vision = getattr(model.config, "vision_config", None)
     if vision is None or vision._attn_implementation != VISION_VARLEN_IMPL:
         return 0
-    regions = {name: torch.compile(fn, backend=backend, dynamic=True, **compile_kwargs)
+    regions = {name: torch.compile(fn, backend=backend, dynamic=None, **compile_kwargs)
                for name, fn in (("vision_pre", _vision_pre), ("vision_post", _vision_post))}
     blocks = [m for m in model.modules() if isinstance(m, Qwen3_5VisionBlock)]
     for block in blocks:
