@@ -66,12 +66,13 @@ ms = [r["data_ms"] + r["compute_ms"] for r in timed]
 med = statistics.median(ms)
 stalls = [(r["step"], r["stall"]) for r in timed if r.get("stall") and r["step"] <= 30]
 recompiles = timed[-1].get("recompiles", 0) - rows[0].get("recompiles", 0)
+graphs = timed[-1].get("compiles", 0) - rows[0].get("compiles", 0)
 useful = [r["mfu_useful"] for r in timed if r.get("mfu_useful") is not None]
 vision = [r.get("vision_flops", 0) for r in timed]
 print(f"{sys.argv[2]}: steps {timed[0]['step']}-{timed[-1]['step']}: median {statistics.median(r['tok_s'] for r in timed):,.0f} tok/s, "
       f"useful-token MFU median {statistics.median(useful):.1%} (mean {statistics.mean(useful):.1%})" if useful else "", end="")
 print(f", tower FLOPs counted: {'yes' if any(vision) else 'no vision steps'}; slowest step / median "
-      f"{max(ms) / med:.2f} (step {timed[ms.index(max(ms))]['step']}); recompiles after step 1: {recompiles}; "
+      f"{max(ms) / med:.2f} (step {timed[ms.index(max(ms))]['step']}); graphs compiled / recompiles after step 1: {graphs} / {recompiles}; "
       f"stall detector, steps 2-30: {'silent' if not stalls else 'FLAGGED ' + str(stalls)}")
 PY
 }
