@@ -33,6 +33,7 @@ class JobRecord:
     # there, not in this job's own folder) and the job it continues.
     run_dir: str | None = None
     resumes: str | None = None
+    spec: str | None = None  # the spec file it was submitted from (`launch resume` takes this one)
 
     def log(self, task: int | None = None, stream: str = "out") -> Path:
         """submitit's per-task log: <folder>/<id>_<task>_log.out|err."""

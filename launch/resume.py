@@ -14,10 +14,31 @@ from pathlib import Path
 
 from launch import registry, runconfig, submit
 from launch.errors import LaunchError
-from launch.jobspec import find_spec
+from launch.jobspec import JobSpec, find_spec
+from launch.registry import JobRecord
 
 # `launch submit` options that describe a different job, not a continuation of this one
 NOT_FOR_RESUME = ("preset", "list_presets", "runs_dir")
+
+
+def own_spec(rec: JobRecord, run_dir: Path) -> JobSpec:
+    """The spec job `rec` was submitted from (its record says; the registry is the user's own),
+    never one the run folder's config.yaml names, which anyone who can write the folder may edit.
+    A record from before specs were recorded: the spec of its name, or config.yaml's when that
+    spec has the job's own name (a spec given by path)."""
+    if rec.spec and Path(rec.spec).is_file():
+        return find_spec(rec.spec)
+    try:
+        return find_spec(rec.name)
+    except LaunchError:
+        source = (runconfig.read(run_dir) or {}).get("spec")
+        if not (isinstance(source, str) and Path(source).is_file()):
+            raise
+        spec = find_spec(source)
+        if spec.name != rec.name:
+            raise LaunchError(f"job {rec.job_id} ran spec {rec.name!r}, but its run folder's config.yaml names "
+                              f"{source} (spec {spec.name!r}); not resumed with another job's spec") from None
+        return spec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,9 +96,8 @@ def run(args: argparse.Namespace) -> int:
         raise LaunchError(f"job {rec.job_id}'s run is at step {at} (its newest checkpoint): --steps {args.steps} would "
                           f"train nothing; give the new total, above {at} (e.g. `launch resume {rec.job_id} --steps "
                           f"{2 * at}`); nothing submitted")
-    config = runconfig.read(run_dir) or {}
-    source = config.get("spec")
-    spec = find_spec(source if isinstance(source, str) and Path(source).is_file() else rec.name)
+    runconfig.read(run_dir)  # a broken config.yaml (a FIFO, an alias bomb) is named here, before any work
+    spec = own_spec(rec, run_dir)
     job = spec.resolve(rec.preset)
     submit._apply_overrides(job, argparse.Namespace(**{**vars(args), "arg": []}))
     argv = replace_flag(list(rec.argv), "out", str(run_dir))

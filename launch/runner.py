@@ -34,7 +34,7 @@ from launch.doctor.checks import fast_subset
 from launch.errors import LaunchError
 from launch.executor import CACHE_VARS
 from launch.fsutil import foreign_ancestor
-from toolkit import runlock
+from toolkit import outcome, runlock
 from toolkit.fsutil import atomic_write_text
 from toolkit.metrics import step_records
 from toolkit.outcome import OUTCOME, STATES, describe, read_outcome, write_outcome
@@ -189,6 +189,11 @@ class EntrypointRun(submitit.helpers.Checkpointable):
             who = runlock.holder(run_dir)
             if who:  # the trainer will refuse too; the holder's config.yaml stays its own
                 print(f"[launch] config.yaml not written: run folder {run_dir} is in use by {who}", file=sys.stderr,
+                      flush=True)
+                return
+            kind = outcome.run_kind(run_dir)
+            if kind is not None and kind != outcome.kind_of_entrypoint(self.module):  # the trainer refuses too
+                print(f"[launch] config.yaml not written: run folder {run_dir} holds a {kind} run", file=sys.stderr,
                       flush=True)
                 return
             runconfig.write(run_dir, runconfig.build(self.module, self.argv, parsed, getattr(self, "meta", {})))

@@ -35,7 +35,7 @@ from launch.slurmenv import (
     require_cluster,
     slurm_env,
 )
-from toolkit import runlock
+from toolkit import outcome, runlock
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -335,6 +335,7 @@ def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: 
     parsed = check_entrypoint_args(spec, argv, job.resources.total_tasks)
     folder = job_folder(args, spec)
     check_run_folder_owner(run_dir or out_of(argv))
+    check_run_folder_kind(run_dir or out_of(argv), spec)
     scratch = args.scratch or spec.scratch
     options = SlurmOptions(name=args.name, account=args.account, qos=args.qos, constraint=args.constraint,
                            exclude=args.exclude, dependency=args.dependency, env=dict(args.env))
@@ -381,7 +382,8 @@ def submit_job(args: argparse.Namespace, spec: JobSpec, job: ResolvedJob, argv: 
     rec = registry.JobRecord(job_id=job_id, name=spec.name, preset=job.preset, folder=str(folder / job_id),
                              submitted_at=registry.now(), slurm_conf=env_extra.get("SLURM_CONF"), argv=argv,
                              tasks=job.resources.total_tasks, main_task=job.main_task,
-                             run_dir=str(run_dir) if run_dir else None, resumes=resumes)
+                             run_dir=str(run_dir) if run_dir else None, resumes=resumes,
+                             spec=str(spec.source.resolve()))
     registry.record(rec)
     if args.parsable:
         print(job_id)
@@ -426,6 +428,16 @@ def check_run_folder_owner(run_dir: Path | None) -> None:
     if foreign:
         raise LaunchError(f"run folder {run_dir}: {foreign}, who could swap its checkpoints before the job reads "
                           "them; choose an --arg out= only you can write; nothing submitted")
+
+
+def check_run_folder_kind(run_dir: Path | None, spec: JobSpec) -> None:
+    """A run folder belongs to one trainer: another's job there would replace its config,
+    summary and outcome and mix its metrics (toolkit.outcome.run_kind)."""
+    kind = outcome.run_kind(run_dir) if run_dir is not None else None
+    mine = outcome.kind_of_entrypoint(spec.entrypoint)
+    if kind is not None and kind != mine:
+        raise LaunchError(f"run folder {run_dir} holds a {kind} run; {spec.name} ({spec.entrypoint}) would replace its "
+                          "config, summary and outcome: give another --arg out=; nothing submitted")
 
 
 def check_dependency_jobs(dependency: str, env_extra: dict[str, str]) -> None:

@@ -121,3 +121,22 @@ def test_the_rendezvous_store_listens_on_its_address_alone_and_hides_its_keys(mo
     outsider = dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=datetime.timedelta(seconds=5))
     assert not outsider.check(["rank0"])
     assert outsider.check(["job-s3cret/rank0"])  # the oracle: the key is there, under the secret prefix
+
+
+def test_resume_takes_the_jobs_own_spec_not_the_one_its_run_folders_config_names(tmp_path: Path) -> None:
+    """A run folder's config.yaml edited to name another entrypoint's spec (extract's): `launch
+    resume` still takes the spec the job was submitted from (its registry record), or the spec of
+    its name for a record from before specs were recorded."""
+    from launch import runconfig
+    from launch.registry import JobRecord
+    from launch.resume import own_spec
+
+    jobs = Path(__file__).resolve().parents[1] / "launch" / "jobs"
+    run = tmp_path / "run"
+    run.mkdir()
+    runconfig.write(run, {"job": "extract", "spec": str(jobs / "extract.yaml"), "entrypoint": "train.extract"})
+    rec = JobRecord(job_id="5", name="stage1", preset="tiny", folder=str(tmp_path / "5"), submitted_at=0.0,
+                    slurm_conf=None, argv=[], run_dir=str(run), spec=str(jobs / "stage1.yaml"))
+    assert own_spec(rec, run).entrypoint == "train.stage1"
+    rec.spec = None  # a record from before specs were recorded
+    assert own_spec(rec, run).entrypoint == "train.stage1"

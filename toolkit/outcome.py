@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -53,3 +54,37 @@ def describe(outcome: dict[str, Any]) -> str:
     step = outcome.get("step")
     line = outcome["state"] if step is None else f"{outcome['state']} at step {step}"  # None: before step 1
     return f"{line}: {outcome['error']}" if outcome.get("error") and outcome["state"] == "failed" else line
+
+
+def _head(path: Path, limit: int = 1 << 16) -> bytes | None:
+    """The first `limit` bytes of a regular file (never blocks on a FIFO), None otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return f.read(limit)
+
+
+def run_kind(run_dir: str | os.PathLike[str]) -> str | None:
+    """Which trainer's run a folder holds ("stage1", "extract", "dflash"): its outcome.json's
+    `trainer`, else its metrics.jsonl header's; None for a new (or unreadable) folder. A run folder
+    belongs to one trainer: another's metrics, summary and outcome would replace or mix with its own."""
+    for name in (OUTCOME, "metrics.jsonl"):
+        raw = _head(Path(run_dir) / name)
+        if not raw:
+            continue
+        try:
+            rec = json.loads(raw.split(b"\n", 1)[0] if name != OUTCOME else raw)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("trainer"), str):
+            return rec["trainer"]
+    return None
+
+
+def kind_of_entrypoint(entrypoint: str) -> str:
+    """The trainer name a run of `entrypoint` records ("train.stage1" -> "stage1")."""
+    return entrypoint.rsplit(".", 1)[-1]

@@ -296,3 +296,17 @@ CASES += [
          r"kernel archive store \S+/store exists and is not a directory; set LAUNCH_KERNEL_ARCHIVES to a directory; "
          r"nothing submitted", env=STORE_ENV, files={"store": "not a directory"}),
 ]
+
+
+def _stage1_run_folder(tmp: Path) -> None:
+    (tmp / "run").mkdir()
+    (tmp / "run" / "outcome.json").write_text('{"state": "completed", "step": 3, "trainer": "stage1", "job": "7"}')
+
+
+CASES += [
+    # a run folder belongs to one trainer: an extraction there would replace the stage-1 run's files
+    Case("cli", "out-holds-another-trainers-run", ["submit", "extract", "--preset", "tiny", "--dry-run", "--arg",
+                                                   "out={tmp}/run"],
+         r"run folder \S+/run holds a stage1 run; extract \(train\.extract\) would replace its config, summary and "
+         r"outcome: give another --arg out=; nothing submitted", setup=_stage1_run_folder),
+]

@@ -319,6 +319,15 @@ def out_holds_regen(tmp: Path) -> None:
     (tmp / "out" / "part_00000.jsonl").write_text('{"id": "c0"}\n')
 
 
+def out_holds_a_stage1_run(tmp: Path) -> None:
+    """A finished stage-1 run folder: its outcome.json and metrics.jsonl name the trainer."""
+    (tmp / "data.jsonl").write_text(GOOD_IDS)
+    (tmp / "out").mkdir()
+    (tmp / "out" / "outcome.json").write_text(json.dumps({"state": "completed", "step": 3, "error": None,
+                                                          "trainer": "stage1", "time": 0, "job": "7"}))
+    (tmp / "out" / "metrics.jsonl").write_text(json.dumps({"event": "header", "trainer": "stage1"}) + "\n")
+
+
 def out_meta_not_json(tmp: Path) -> None:
     (tmp / "data.jsonl").write_text(GOOD_IDS)
     (tmp / "out").mkdir()
@@ -478,6 +487,9 @@ CASES: list[Case] = [
     extract("resume-over-foreign-unindexed-shard", foreign_unindexed,
             rf"rewriting {shard(1)}: written by another extraction", RESUME, outcome="counted"),
     extract("out-holds-a-regeneration", out_holds_regen, r"out/meta\.json: not an extraction", syn()),
+    extract("out-holds-a-stage1-run", out_holds_a_stage1_run,
+            r"--out \S+/out holds a stage1 run \(its outcome\.json / metrics\.jsonl\); a run folder belongs to one "
+            r"trainer", syn()),
     extract("out-meta-not-json", out_meta_not_json, r"out/meta\.json: not JSON", syn()),
     extract("extract-out-is-a-file", data_file("x", "out"), r"out: .*not a directory", syn()),
     extract("layers-out-of-range", data_file(GOOD_IDS), r"--layers '1,4': .*\[0, 3\]", syn(layers="1,4")),

@@ -31,7 +31,7 @@ import torch
 
 from toolkit.fsutil import atomic_write_text
 from toolkit.metrics import Schema
-from toolkit.outcome import write_outcome
+from toolkit.outcome import run_kind, write_outcome
 from toolkit.runlock import Held, RunFolderBusy, RunFolderLost, acquire, check_held, release
 from train.common.checkpoint import CheckpointManager
 from train.common.config import ConfigError
@@ -39,13 +39,19 @@ from train.common.distributed import DistInfo, init_distributed, shutdown_distri
 from train.common.metrics import MetricsLogger
 
 
-def _lock_run_folder(out_dir: Path, dist_info: DistInfo, logger_rank: int) -> Held | None:
-    """The logging rank takes the run folder's lock (toolkit.runlock); every rank learns whether
-    it could, so a refused job ends at once on all of them with the same line."""
+def _lock_run_folder(out_dir: Path, dist_info: DistInfo, logger_rank: int, trainer: str) -> Held | None:
+    """The logging rank takes the run folder's lock (toolkit.runlock) and checks the folder is not
+    another trainer's run (toolkit.outcome.run_kind); every rank learns whether it could, so a
+    refused job ends at once on all of them with the same line."""
     fd, error = None, None
     if dist_info.rank == logger_rank:
         try:
             fd = acquire(out_dir)
+            kind = run_kind(out_dir)
+            if kind is not None and kind != trainer:
+                error = (f"--out {out_dir} holds a {kind} run (its outcome.json / metrics.jsonl); a run folder "
+                         f"belongs to one trainer, and this {trainer} run would replace its summary, outcome and "
+                         "metrics: give another --out")
         except RunFolderBusy as exc:
             error = str(exc)
         except OSError as exc:
@@ -116,7 +122,7 @@ class Runtime:
         is_logger = dist_info.rank == logger_rank
         # One trainer per run folder, before anything is written in it (metrics, checkpoints,
         # outcome.json): a refused run leaves the holder's files as they are.
-        lock = _lock_run_folder(out_dir, dist_info, logger_rank)
+        lock = _lock_run_folder(out_dir, dist_info, logger_rank, schema.trainer)
         try:
             log = MetricsLogger(out_dir, schema, tasks, enabled=is_logger, tensorboard=tensorboard,
                                 wandb_project=wandb_project)
