@@ -106,9 +106,9 @@ def sglang_window_left(config) -> int | None:
 
 
 def sglang_layer_causal(config, i: int) -> bool:
-    """SGLang: an explicit is_causal for every layer; unset, sliding layers causal, full ones not."""
-    if getattr(config, "is_causal", None) is not None:
-        return bool(config.is_causal)
+    """SGLang (models/dflash.py `_get_dflash_layer_attention_params` at 003b23d): a
+    `sliding_attention` layer is AttentionType.DECODER (causal), a `full_attention` layer and a
+    config without layer_types ENCODER_ONLY (bidirectional); it does not read is_causal."""
     types = getattr(config, "layer_types", None)
     return bool(types) and types[i] == SLIDING
 

@@ -69,7 +69,7 @@ def test_qwen36_27b_preset_is_the_published_layout_and_both_engines_read_its_exp
     assert hf.tie_word_embeddings is False and hf.architectures == ["DFlashDraftModel"]
     assert hf.sliding_window == 2048  # transformers keeps it only with use_sliding_window
 
-    assert [vllm_layer_attention(hf, i, v2_runner=True) for i in range(5)] == [(2048, False)] * 4 + [(None, False)]
+    assert [vllm_layer_attention(hf, i, v2_runner=True) for i in range(5)] == [(2048, True)] * 4 + [(None, False)]
     with pytest.raises(NotImplementedError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
         vllm_layer_attention(hf, 0, v2_runner=False)
     assert "VLLM_USE_V2_MODEL_RUNNER=1" in (out / "README.md").read_text()
@@ -79,14 +79,11 @@ def test_qwen36_27b_preset_is_the_published_layout_and_both_engines_read_its_exp
 
     hf = hf_config(out)
     assert sglang_window_left(hf) == 2047
-    assert [sglang_layer_causal(hf, i) for i in range(5)] == [False] * 5
+    assert [sglang_layer_causal(hf, i) for i in range(5)] == [True] * 4 + [False]
     assert sglang_target_layer_ids(hf, 64) == [1, 16, 31, 46, 61]
     assert (hf.dflash_config["block_size"], hf.dflash_config["mask_token_id"], hf.num_target_layers) == (16, 248070, 64)
-    # what the explicit flags prevent: unset, both engines make the sliding layers causal in the block
-    del hf.is_causal
-    hf.dflash_config.pop("causal")
-    assert [sglang_layer_causal(hf, i) for i in range(5)] == [True] * 4 + [False]
-    assert [vllm_layer_attention(hf, i, True)[1] for i in range(5)] == [True] * 4 + [False]
+    # no key sets one causality for every layer (vLLM would apply it to the full layer too)
+    assert getattr(hf, "is_causal", None) is None and "causal" not in hf.dflash_config
 
 
 def test_full_attention_export_has_no_window_for_either_engine(tmp_path):
@@ -118,7 +115,7 @@ def test_tiny_sliding_window_export_drafts_the_same_block_in_the_engine_loader_a
     out = write_export(drafter, tmp_path / "export", dtype=torch.float32)
     embed, lm_head = torch.randn(300, 64), torch.randn(300, 64)
     serving = ServingDrafter(out, embed, lm_head, engine=engine)
-    assert serving.layouts == [(5, False), (None, False)] and serving.capture == [2, 3]
+    assert serving.layouts == [(5, True), (None, False)] and serving.capture == [2, 3]
     ctx = torch.randn(n, 2 * 64)
     anchor = 17
     hidden = torch.cat([ctx, torch.zeros(1, 128)])[None]  # the anchor's own state: not there yet
@@ -132,6 +129,30 @@ def test_tiny_sliding_window_export_drafts_the_same_block_in_the_engine_loader_a
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     assert (mine[1:] @ lm_head.T).argmax(-1).tolist() == serving.draft(ctx, anchor)
     assert (unwindowed - mine).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["dense", "flex"])
+def test_sliding_layers_are_causal_in_the_block_and_full_layers_are_not(impl):
+    """What the engines serve: in a sliding-window layer (window 24 > K, so only causality narrows
+    the block) perturbing block slot 8's input leaves slots 0..7 bitwise unchanged and moves every
+    later slot; in a full-attention layer it moves all 16 slots. The other anchor's block never
+    moves. Each attention implementation (dense chunked, block-sparse flex: the mask CUDA compiles)."""
+    torch.manual_seed(0)
+    k, n = 16, 40
+    base = drafter_config("tiny", SHAPE, [1, 2], k)
+    for types, first_moved in (([SLIDING], 8), ([FULL], 0)):
+        cfg = DrafterConfig(**{**base.__dict__, "num_layers": 1, "layer_types": types, "sliding_window": 24})
+        drafter = Drafter(cfg).eval()
+        hidden, x = torch.randn(1, n, 128), torch.randn(1, 2, k, 64)
+        anchors, lengths = torch.tensor([[20, 31]]), torch.tensor([n])
+        poked = x.clone()
+        poked[0, 0, 8] += 1.0
+        with torch.no_grad():
+            out = drafter(hidden, x, anchors, lengths, attn_impl=impl)
+            moved = (drafter(hidden, poked, anchors, lengths, attn_impl=impl) - out).abs().amax(-1)[0]
+        assert moved[0, :first_moved].eq(0).all(), (types, moved[0])
+        assert (moved[0, first_moved:] > 1e-4).all(), (types, moved[0])
+        assert moved[1].eq(0).all()
 
 
 @pytest.mark.parametrize("window", [None, 24, 5])

@@ -8,10 +8,14 @@ python/sglang/srt/speculative/dflash_utils.py `parse_dflash_draft_config`) and v
     drafter's shape (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
     head_dim, intermediate_size, rms_norm_eps, rope_parameters, max_position_embeddings,
     vocab_size), `num_target_layers`, and `dflash_config` {target_layer_ids, block_size,
-    mask_token_id, causal: false}; `eagle_aux_hidden_state_layer_ids` (= target_layer_ids + 1, vLLM's
-    capture points: without it vLLM adds the 1 itself) for vLLM versions that read only that field;
-    `is_causal: false`, which both engines apply to every layer (unset, they make sliding-window
-    layers causal inside the block, which is not how this drafter is trained);
+    mask_token_id}; `eagle_aux_hidden_state_layer_ids` (= target_layer_ids + 1, vLLM's capture
+    points: without it vLLM adds the 1 itself) for vLLM versions that read only that field;
+  - causality inside the block: NO `is_causal` and NO `dflash_config.causal` (the published
+    drafters have neither). The trainer runs full layers bidirectional and sliding layers causal
+    in the block; unset, vLLM (`_dflash_layer_causal`) makes exactly the sliding layers causal and
+    SGLang maps `sliding_attention` to a causal decoder layer, `full_attention` to a bidirectional
+    one. Either key would set one causality for EVERY layer in vLLM, which no setting makes right
+    for a mixed layout;
   - sliding-window layers: `layer_types` (per layer "sliding_attention"/"full_attention"), the
     top-level `sliding_window` W with `use_sliding_window: true` (transformers' Qwen3Config drops
     `sliding_window` without it; SGLang reads it as window_left = W - 1), and
@@ -62,7 +66,6 @@ def hf_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "is_causal": False,  # blocks attend bidirectionally, every layer (both engines read this first)
         "layer_types": list(cfg.layer_types or []),
         "sliding_window": cfg.sliding_window if sliding else None,
         "use_sliding_window": sliding,
@@ -72,7 +75,7 @@ def hf_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "num_target_layers": cfg.num_target_layers,
         "block_size": cfg.block_size,
         "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
-                          "mask_token_id": cfg.mask_token_id, "causal": False,
+                          "mask_token_id": cfg.mask_token_id,
                           **({"use_swa": True, "swa_window_size": cfg.sliding_window} if sliding else {})},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         # not read by the engines: which target this drafter was trained for (README.md says it too)
@@ -108,8 +111,9 @@ def sliding_notes(cfg: DrafterConfig) -> list[str]:
     if SLIDING not in (cfg.layer_types or []):
         return []
     notes = [f"- attention: {', '.join(cfg.layer_types or [])}; sliding window {cfg.sliding_window} tokens "
-             "(config.json `sliding_window`; SGLang's window_left is one less); bidirectional inside the "
-             "block in every layer (`is_causal: false`)"]
+             "(config.json `sliding_window`; SGLang's window_left is one less); inside the block the "
+             "sliding layers are causal and the full ones bidirectional, as SGLang and vLLM serve them "
+             "(no `is_causal` key)"]
     if mixes_attention(cfg):
         notes.append("- vLLM: a drafter mixing sliding-window and full-attention layers needs the V2 model "
                      "runner: start vLLM with `VLLM_USE_V2_MODEL_RUNNER=1`")
@@ -118,6 +122,13 @@ def sliding_notes(cfg: DrafterConfig) -> list[str]:
 
 def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
     dflash = data.get("dflash_config") or {}
+    causal = data.get("is_causal", dflash.get("causal"))
+    types = data.get("layer_types") or [FULL] * int(data.get("num_hidden_layers") or 0)
+    if causal is not None and (SLIDING if not causal else FULL) in types:
+        # e.g. an earlier export with bidirectional sliding layers: one causality for every layer
+        # is not this drafter's mask (sliding layers causal in the block, full ones bidirectional)
+        raise ValueError(f"is_causal/dflash_config.causal = {causal} for every layer does not match layer_types "
+                         f"{types} (sliding layers causal in the block, full ones not): re-export it")
     rope = data.get("rope_parameters") or {}
     window = dflash.get("swa_window_size", data.get("sliding_window"))
     return DrafterConfig(

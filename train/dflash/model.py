@@ -7,7 +7,10 @@ a+block_size-1 in ONE parallel pass. Every layer attends, from the block's slots
     layers' hidden states, concatenated and projected to the drafter's width). At inference the
     anchor is the token the target has just sampled and not yet run, so its state does not exist
     (SpecForge's mask is `kv_idx < anchor` for the same reason), and
-  - all slots of its own block (bidirectional: block diffusion, not autoregressive).
+  - the slots of its own block: all of them in a full-attention layer (bidirectional: block
+    diffusion, not autoregressive); in a sliding-window layer only slots j' <= j (causal), within
+    the window, because that is how SGLang and vLLM serve a sliding layer (a causal decoder layer
+    with a left window; see BlockAttention).
 Positions are rotary: context t at t, slot j of anchor a at a+j.
 
 The token embedding and lm_head are the TARGET's, frozen (`TargetHead`). Logits are computed only
@@ -309,10 +312,13 @@ class BlockAttention:
     score parts share one softmax. Queries run in chunks of anchors so that no call holds more
     than `max_scores` scores.
 
-    A sliding-window layer (`window` W) narrows both parts by position: slot j of anchor a sits at
-    a + j and sees context t >= a + j - (W - 1) and the slots j' >= j - (W - 1) of its block (a left
-    bound only, as SpecForge's mask and SGLang's window_left; engines disagree on a right bound
-    for non-causal windows, which never bites while W >= K).
+    A full-attention layer sees its whole block (bidirectional). A sliding-window layer (`window`
+    W) is causal inside the block and narrows both parts by position: slot j of anchor a sits at
+    a + j and sees context t >= a + j - (W - 1) and the slots j - (W - 1) <= j' <= j of its block.
+    That is the mask the engines run: SGLang makes every `sliding_attention` draft layer a causal
+    DECODER layer with window_left W - 1, vLLM's FlashAttention backend gives a sliding decoder
+    layer window_size (W - 1, 0), and SpecForge trains the published sliding layouts so
+    (`kv_block_offset <= q_block_offset`). tests/dflash_serving.py follows the engines' code.
     """
 
     def __init__(self, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int,
@@ -343,16 +349,17 @@ class BlockAttention:
         return see.expand(-1, -1, k, -1).reshape(bsz, (hi - lo) * k, self.t)
 
     def see_block(self, window: int | None) -> torch.Tensor | None:
-        """[K, K] bool: slot j sees slot j' of its block (None: all of them)."""
-        if window is None or window >= self.k:
+        """[K, K] bool: slot j sees slot j' of its block (None: all of them, a full layer). A
+        sliding layer: causal, within the window."""
+        if window is None:
             return None
         j = torch.arange(self.k, device=self.anchors.device)
-        return j[None, :] >= j[:, None] - (window - 1)
+        return (j[None, :] <= j[:, None]) & (j[None, :] >= j[:, None] - (window - 1))
 
     def block_mask(self, device: torch.device, window: int | None = None):
         """flex_attention's block mask over keys [context T | all blocks' slots A*K]: query slot q of
-        block q // K sees context t < min(anchor, length) and the slots of its own block (narrowed by
-        the window, if any). Built once per forward and window and shared by every layer with that
+        block q // K sees context t < min(anchor, length) and the slots of its own block (in a
+        sliding layer the slots up to its own, narrowed by the window). Built once per forward and window and shared by every layer with that
         window; tiles (128 x 128) that no query of theirs sees are skipped, so the work follows the
         real key counts (the context prefix of each anchor, or its last W positions)."""
         if window not in self._block_masks:
@@ -365,10 +372,10 @@ class BlockAttention:
                 blk = torch.clamp(q_idx // k, max=n_anchor - 1)  # padding queries: as the last block
                 ctx_ok = kv_idx < ctx_end[b, blk]
                 blk_ok = (kv_idx - t) // k == blk
-                if window is not None:
-                    j = q_idx % k
+                if window is not None:  # sliding: causal in the block, within the window
+                    j, slot = q_idx % k, (kv_idx - t) % k
                     ctx_ok = ctx_ok & (kv_idx >= anchors[b, blk] + j - (window - 1))
-                    blk_ok = blk_ok & ((kv_idx - t) % k >= j - (window - 1))
+                    blk_ok = blk_ok & (slot <= j) & (slot >= j - (window - 1))
                 return torch.where(kv_idx < t, ctx_ok, blk_ok)
 
             n_kv = t + n_anchor * k
@@ -396,7 +403,7 @@ class BlockAttention:
             qb = qc.view(bsz, heads, a, k, d)
             kb = k_blk[:, :, lo * k: hi * k].view(bsz, heads, a, k, d)
             vb = v_blk[:, :, lo * k: hi * k].view(bsz, heads, a, k, d)
-            s_blk = (qb @ kb.transpose(-1, -2)) * scale  # [B, H, a, K, K]: bidirectional in the block
+            s_blk = (qb @ kb.transpose(-1, -2)) * scale  # [B, H, a, K, K]; see_block masks sliding layers
             if in_block is not None:
                 s_blk = s_blk.masked_fill(~in_block, float("-inf"))
             probs = torch.softmax(torch.cat([s_ctx, s_blk.reshape(bsz, heads, a * k, k)], -1).float(), -1)
