@@ -52,12 +52,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	@touch $@
 
-test: deps  ## the whole test suite (real Slurm, real LXC where available)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+# The tiers (tests/run_tiers.py): unit, slurm, containers; each timed against its own budget.
+# One tier: make test TIERS=slurm; pytest arguments: make test PYTEST_ARGS='-k requeue'.
+test: deps  ## the whole suite by tiers (real Slurm, real LXC where available; ~20 min idle on 2 cores)
+	$(PY) tests/run_tiers.py $(TIERS) $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS))
 
-# The tiers come from markers that tests/tiers.py sets from the fixtures a test uses.
-test-fast: venv  ## unit tests only: no cluster, container or Ansible play (<= 5 min)
-	$(PY) -m pytest -q -m "not slurm and not lxc and not ansible and not slow" $(PYTEST_ARGS)
+test-fast: venv  ## unit tests but the slow ones: no cluster, container or Ansible play (~3 min)
+	$(PY) tests/run_tiers.py fast $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS))
 
 lint: venv  ## ruff + ansible-lint + playbook syntax
 	$(PY) -m ruff check launch train toolkit tests bench images

@@ -9,6 +9,7 @@ so the test container and the test image start from the same tarball.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -80,7 +81,16 @@ def cached_base_rootfs(spec: BaseSpec, cache: Path | None = None,
     tarball = spec.tarball(cache)
     if tarball.exists():
         return tarball
+    # Several builds at once (parallel test workers, two `make image`s) build it once: the first
+    # holds the lock, the others wait for it and then find the tarball.
+    with open(tarball.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if tarball.exists():
+            return tarball
+        return _build_base_rootfs(spec, tarball, cache, run)
 
+
+def _build_base_rootfs(spec: BaseSpec, tarball: Path, cache: Path, run: Callable[..., None] | None) -> Path:
     def quiet(argv: list[str], env: dict[str, str] | None = None) -> None:
         subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
 

@@ -220,12 +220,37 @@ def check_entrypoint_args(spec: JobSpec, argv: list[str], tasks: int | None = No
             raise LaunchError(f"the arguments for {spec.name} ask for help (`python -m {spec.entrypoint} --help`)") from None
         lines = [ln.strip() for ln in err.getvalue().splitlines() if ln.strip()]
         said = next((ln.split(": error: ", 1)[1] for ln in reversed(lines) if ": error: " in ln), lines[-1] if lines else "")
+        said = said.replace("unrecognized arguments:", "unknown argument(s):").replace("argument --", "--")
+        raise LaunchError(f"{spec.name}: {in_arg_terms(said, argv)} (its arguments: `python -m {spec.entrypoint} "
+                          "--help`, each given as --arg KEY=VALUE); nothing submitted") from None
     except (ValueError, TypeError, OSError) as exc:  # a config check (ConfigError is a ValueError)
         said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    else:
-        return parsed
-    raise LaunchError(f"{spec.name} does not accept these arguments: {said} "
-                      f"(see `python -m {spec.entrypoint} --help`); nothing submitted")
+        said = said.replace("unrecognized arguments:", "unknown argument(s):")
+        raise LaunchError(f"{spec.name}: {in_arg_terms(said, argv)}; nothing submitted") from None
+    return parsed
+
+
+_FLAG_AND_NEXT = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)( \S+)?")
+
+
+def in_arg_terms(text: str, argv: list[str]) -> str:
+    """A trainer's message names its own flags (`--data-dir X`); through `launch submit` the user
+    gave them as `--arg data_dir=X`, so say it that way. `argv` is the trainer's command line that
+    the --arg values became: a flag followed by the value given for it becomes KEY=VALUE."""
+    given = {tok: argv[i + 1] for i, tok in enumerate(argv[:-1]) if tok.startswith("--")}
+
+    def as_arg(m: re.Match[str]) -> str:
+        key, rest = m.group(1).replace("-", "_"), m.group(2) or ""
+        if key == "arg":  # already said as launch's own flag
+            return m.group(0)
+        value = given.get(f"--{m.group(1)}")
+        if rest.startswith(" <"):  # a placeholder: --init-from <dir>
+            return f"--arg {key}={rest[1:]}"
+        if value and rest[1:].startswith(value) and rest[1 + len(value):] in ("", ":", ",", ";", ".", ")"):
+            return f"--arg {key}={value}{rest[1 + len(value):]}"
+        return f"--arg {key}{rest}"
+
+    return _FLAG_AND_NEXT.sub(as_arg, text)
 
 
 def check_input_paths(spec: JobSpec, parsed: object | None, embedded: bool) -> None:
@@ -244,14 +269,15 @@ def check_input_paths(spec: JobSpec, parsed: object | None, embedded: bool) -> N
                     check(path)
             except (ValueError, RuntimeError, OSError) as exc:
                 said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise LaunchError(f"{spec.name}: {flag} {path}: {said.removeprefix(f'{flag} {path}: ')}; "
+                said = in_arg_terms(said.removeprefix(f"{flag} {path}: "), [])
+                raise LaunchError(f"{spec.name}: {in_arg_terms(f'{flag} {path}', [flag, path])}: {said}; "
                                   "nothing submitted") from None
         elif embedded:
-            raise LaunchError(f"{spec.name}: {flag} {path} does not exist, and the embedded cluster's jobs run on "
-                              "this machine; nothing submitted")
+            raise LaunchError(f"{spec.name}: {in_arg_terms(f'{flag} {path}', [flag, path])} does not exist, and the "
+                              "embedded cluster's jobs run on this machine; nothing submitted")
         else:
-            print(f"launch submit: warning: {flag} {path} does not exist on this machine; the job reads it on its "
-                  "node(s) and stops at its start if it is not there", file=sys.stderr)
+            print(f"launch submit: warning: {in_arg_terms(f'{flag} {path}', [flag, path])} does not exist on this "
+                  "machine; the job reads it on its node(s) and stops at its start if it is not there", file=sys.stderr)
 
 
 def stand_in_refusal(spec: JobSpec, job: ResolvedJob, parsed: object | None, real_gpus: bool) -> str | None:

@@ -7,6 +7,7 @@ dir, because this machine has no NVIDIA driver. Slurm allocates them exactly as 
 from __future__ import annotations
 
 import os
+import pwd
 import shlex
 import shutil
 import subprocess
@@ -55,6 +56,26 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def other_uid() -> Iterator[pwd.struct_passwd]:
+    """A second local account, one per test worker (parallel workers never share or remove
+    another's), made here if absent and removed after the session."""
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv"):
+        pytest.skip("needs root, useradd and setpriv")
+    name = "launch-probe" + os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
+    made = False
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+        made = True
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        if made:
+            subprocess.run(["userdel", name], check=False)
 
 
 def slurm_available() -> str | None:

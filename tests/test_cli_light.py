@@ -55,12 +55,12 @@ def test_refusals_and_dry_runs_import_no_torch_transformers_or_trainer(tmp_path)
         # each one answered (refused, or a dry run against no Slurm) and loaded nothing heavy
         assert got["rc"] not in (None,), (name, got)
         assert got["heavy"] == [], f"{name}: imported {got['heavy']} ({got['stderr']!r})"
-    assert seen["stage1-unknown-arg"]["rc"] == 2 and "unrecognized arguments: --bogus 1" in seen["stage1-unknown-arg"]["stderr"]
-    assert "--lr must be a positive number" in seen["stage1-bad-value"]["stderr"]
-    assert "carry images but --vision off" in seen["stage1-image-tasks-text-only"]["stderr"]
-    assert "--topology must be 'k-1'" in seen["dflash-bad-topology"]["stderr"]
-    assert "--max-len" in seen["extract-bad-value"]["stderr"]
-    assert "needs --init-from" in seen["regen-no-target"]["stderr"]
+    assert seen["stage1-unknown-arg"]["rc"] == 2 and "unknown argument(s): --arg bogus=1" in seen["stage1-unknown-arg"]["stderr"]
+    assert "--arg lr must be a positive number" in seen["stage1-bad-value"]["stderr"]
+    assert "carry images but --arg vision=off" in seen["stage1-image-tasks-text-only"]["stderr"]
+    assert "--arg topology must be 'k-1'" in seen["dflash-bad-topology"]["stderr"]
+    assert "--arg max_len must be" in seen["extract-bad-value"]["stderr"]
+    assert "regen: needs --arg init_from=" in seen["regen-no-target"]["stderr"]
 
 
 def test_status_with_slurmctld_down_asks_scontrol_ping_not_squeue(tmp_path):
@@ -106,15 +106,15 @@ def test_a_data_dir_absent_here_is_refused_for_the_embedded_cluster_and_named_fo
     from launch.jobspec import find_spec
     from launch.submit import check_entrypoint_args, check_input_paths
 
-    for job, argv, flag in (("stage1", ["--data-dir", str(tmp_path / "nowhere")], "--data-dir"),
-                            ("dflash", ["--data", str(tmp_path / "nowhere")], "--data")):
+    for job, argv, flag in (("stage1", ["--data-dir", str(tmp_path / "nowhere")], "--arg data_dir="),
+                            ("dflash", ["--data", str(tmp_path / "nowhere")], "--arg data=")):
         spec = find_spec(job)
         parsed = check_entrypoint_args(spec, argv)
-        with pytest.raises(LaunchError, match=rf"{job}: {flag} \S+/nowhere does not exist, and the embedded "
+        with pytest.raises(LaunchError, match=rf"{job}: {flag}\S+/nowhere does not exist, and the embedded "
                                               r"cluster's jobs run on this machine; nothing submitted"):
             check_input_paths(spec, parsed, embedded=True)
         check_input_paths(spec, parsed, embedded=False)
-        assert f"warning: {flag} {tmp_path}/nowhere does not exist on this machine" in capsys.readouterr().err
+        assert f"warning: {flag}{tmp_path}/nowhere does not exist on this machine" in capsys.readouterr().err
 
 
 def test_gpu_presets_on_stand_in_gpus_are_refused_with_the_real_reason():

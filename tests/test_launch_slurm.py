@@ -225,8 +225,8 @@ def test_bogus_arg_is_refused_before_submit(launch_env):
     out = run_launch(["submit", "fixture", "--arg", "bogus=1"], launch_env)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "launch submit: error: fixture does not accept these arguments: unrecognized arguments: --bogus 1 "
-        "(see `python -m fixture_entry --help`); nothing submitted"]
+        "launch submit: error: fixture: unknown argument(s): --arg bogus=1 "
+        "(its arguments: `python -m fixture_entry --help`, each given as --arg KEY=VALUE); nothing submitted"]
     assert run_launch(["list"], launch_env).stdout.startswith("no jobs")
 
 

@@ -25,27 +25,6 @@ from launch.cluster.embedded import EmbeddedCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-OTHER = "launch-probe"
-
-
-@pytest.fixture(scope="module")
-def other_uid() -> Iterator[pwd.struct_passwd]:
-    """A second local account (made here if this machine has none of that name; removed after)."""
-    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv"):
-        pytest.skip("needs root, useradd and setpriv")
-    made = False
-    try:
-        pwd.getpwnam(OTHER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER], check=True)
-        made = True
-    try:
-        yield pwd.getpwnam(OTHER)
-    finally:
-        if made:
-            subprocess.run(["userdel", OTHER], check=False)
-
-
 @pytest.fixture(scope="module")
 def open_root() -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="launch-private-"))
@@ -105,7 +84,7 @@ def test_a_second_uid_can_neither_submit_nor_see_nor_cancel_nor_read(other_uid, 
         assert as_other(other_uid, ["cat", str(folder / f"{job}_submission.sh")], env).returncode != 0
         # nothing of the other uid's reached the accounting (root sees all users' jobs)
         users = subprocess.run(["sacct", "-a", "-X", "-n", "-P", "-o", "User"], capture_output=True, text=True, env=env)
-        assert OTHER not in users.stdout, users.stdout
+        assert other_uid.pw_name not in users.stdout, users.stdout
         # a dependency on a job Slurm does not know would be satisfied at once: refused
         dep = run_launch(["submit", "fixture", "--dependency", "afterok:999999", "--parsable"], env)
         assert dep.returncode != 0 and dep.stdout == "", dep.stdout + dep.stderr

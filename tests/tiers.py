@@ -25,7 +25,6 @@ import inspect
 import os
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -141,13 +140,17 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     _current.append(item)
-    t0 = time.monotonic()
     try:
         return (yield)
     finally:
         _current.pop()
-        path = item.nodeid.split("::", 1)[0]
-        _file_seconds[path] = _file_seconds.get(path, 0.0) + time.monotonic() - t0
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each phase's time (a module fixture's set-up counts in its first test's). Under xdist the
+    controller gets every worker's reports, so the summary covers the whole run."""
+    path = report.nodeid.split("::", 1)[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
 
 
 @pytest.hookimpl(trylast=True)
@@ -162,6 +165,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if len(_file_seconds) < 2 or config.get_verbosity() < -1:
         return
     slowest = sorted(_file_seconds.items(), key=lambda kv: kv[1], reverse=True)[:SLOWEST_FILES]
-    terminalreporter.write_sep("-", f"slowest {len(slowest)} files (wall s, setup to teardown)")
+    terminalreporter.write_sep("-", f"slowest {len(slowest)} files (s of test time, set-up to teardown)")
     for path, seconds in slowest:
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")

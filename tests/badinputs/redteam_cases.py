@@ -108,24 +108,24 @@ def _half_a_checkpoint(tmp: Path) -> None:
 
 CASES += [
     Case("cli", "stage1-min-lr-ratio-negative", [*STAGE1_SUBMIT, "--arg", "min_lr_ratio=-0.5"],
-         r"--min-lr-ratio must be between 0 and 1 \(a fraction of --lr\), got -0\.5"),
+         r"--arg min_lr_ratio must be between 0 and 1 \(a fraction of --arg lr\), got -0\.5"),
     Case("cli", "stage1-min-lr-ratio-above-one", [*STAGE1_SUBMIT, "--arg", "min_lr_ratio=1.5"],
-         r"--min-lr-ratio must be between 0 and 1"),
+         r"--arg min_lr_ratio must be between 0 and 1"),
     Case("cli", "init-from-truncated-safetensors-at-submit", [*STAGE1_SUBMIT, "--arg", "init_from={tmp}/ckpt"],
-         r"--init-from \S*ckpt: model\.safetensors is damaged or truncated \(SafetensorError: .*nothing submitted",
+         r"--arg init_from=\S*ckpt: model\.safetensors is damaged or truncated \(SafetensorError: .*nothing submitted",
          setup=_truncated_checkpoint),
     Case("cli", "init-from-another-architecture-at-submit", [*STAGE1_SUBMIT, "--arg", "init_from={tmp}/ckpt"],
-         r"--init-from \S*ckpt: a 'llama' model \(no architectures\), not 'qwen3_5' or 'qwen3_5_text': this trainer "
+         r"--arg init_from=\S*ckpt: a 'llama' model \(no architectures\), not 'qwen3_5' or 'qwen3_5_text': this trainer "
          r"cannot start from it", {"ckpt/config.json": '{"model_type": "llama"}'}),
     Case("cli", "init-from-index-names-an-absent-shard", [*STAGE1_SUBMIT, "--arg", "init_from={tmp}/ckpt"],
-         r"--init-from \S*ckpt: model\.safetensors\.index\.json names model-00002-of-00002\.safetensors, which is not "
+         r"--arg init_from=\S*ckpt: model\.safetensors\.index\.json names model-00002-of-00002\.safetensors, which is not "
          r"there", {"ckpt/config.json": '{"model_type": "qwen3_5_text"}', "ckpt/model.safetensors.index.json":
                     '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}',
                     "ckpt/model-00001-of-00002.safetensors": b""}),
     Case("checkpoint", "init-from-missing-half-its-weights",
          ["--shape", "tiny", "--batch-rows", "1", "--row-len", "128", "--num-workers", "0", "--steps", "1",
           "--export", "off", "--out", "{tmp}/run", "--data-dir", "{tmp}/data", "--init-from", "{tmp}/ckpt"],
-         r"--init-from \S*ckpt: \d+ of the model's weights are not in the checkpoint or do not fit it "
+         r"--arg init_from=\S*ckpt: \d+ of the model's weights are not in the checkpoint or do not fit it "
          r"\(e\.g\. \S*linear_attn\S*\); they would start from random init", entry="stage1", setup=_half_a_checkpoint),
     Case("cli", "dflash-mask-token-negative", ["--mask-token", "-1", "--data", "{tmp}/x"],
          r"--mask-token -1: id -1 is not a row of an embedding \(ids are >= 0\)", entry="dflash"),
