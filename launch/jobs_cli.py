@@ -181,9 +181,11 @@ def run_status(args: argparse.Namespace) -> int:
     row["config"] = config
     run_jobs = registry.jobs_of_run(rec.run_folder)
     row["run_jobs"] = [j.job_id for j in run_jobs]
+    # Exit 1 is a failed job; a cancel (the user's, or a preemption's) is how it was asked to end.
+    code = 1 if failed and not (st["state"] == "CANCELLED" and (outcome or {}).get("state", "cancelled") == "cancelled") else 0
     if args.json:
         print(json.dumps(row))
-        return 1 if failed else 0
+        return code
     print(HEADER)
     print(_line(row))
     if "pending" in row:
@@ -206,7 +208,7 @@ def run_status(args: argparse.Namespace) -> int:
         if row["error"]:
             print(f"  {'outcome' if outcome else 'error'}: {row['error']}")
         print(f"  see: launch logs {rec.job_id}" + (" --all" if rec.tasks > 1 else ""))
-        return 1
+        return code
     if outcome and st["state"] == "COMPLETED" and outcome.get("step") is not None:
         print(f"  outcome: {describe(outcome)}")
     return 0
@@ -346,6 +348,16 @@ def _log_paths(rec: JobRecord, task: int | None, all_tasks: bool, stderr_only: b
     return [(rec.log(t, s), f"[task {t}] " if all_tasks else "") for t in tasks for s in streams]
 
 
+TRACEBACK_FOLDED = "  (traceback in the log)"
+TRACEBACK_HOLD_S = 30.0
+
+
+def _folded_text(line: str) -> str:
+    """A folded traceback line's exception text, without a task prefix or the fold's note."""
+    body = line.split("] ", 1)[1] if line.startswith("[task ") else line
+    return body.removesuffix(TRACEBACK_FOLDED).strip()
+
+
 def _tracebacks_folded(lines: list[str], state: dict) -> list[str]:
     """While following: a traceback becomes one line (its last); the log keeps all of it."""
     out = []
@@ -359,7 +371,7 @@ def _tracebacks_folded(lines: list[str], state: dict) -> list[str]:
                     or body.startswith("The above exception"):
                 continue
             state["in_tb"] = False
-            out.append(f"{line}  (traceback in the log)")
+            out.append(f"{line}{TRACEBACK_FOLDED}")
             continue
         out.append(line)
     return out
@@ -379,6 +391,9 @@ def follow(rec: JobRecord, out: TextIO, poll_s: float = 1.0, from_start: bool = 
              for path, prefix in _log_paths(rec, task, all_tasks, stderr_only)]
     said, said_at, unknown_since, tb = "", 0.0, None, {}
     quiet = None if verbose else QuietFilter()
+    # Folded traceback lines wait up to TRACEBACK_HOLD_S: the exception that ends the job is said
+    # once, in the closing line; a caught one, or another task's, is shown when the wait is over.
+    held: list[tuple[float, str]] = []
     while True:
         st = job_state(rec.job_id, env)
         now = time.monotonic()
@@ -395,7 +410,15 @@ def follow(rec: JobRecord, out: TextIO, poll_s: float = 1.0, from_start: bool = 
             time.sleep(poll_s)  # the last lines may land just after the state flips
         lines = [ln for t in tails for ln in t.read(final=terminal)]
         shown = _tracebacks_folded(lines, tb)
-        for line in quiet.feed(shown) if quiet is not None else shown:
+        shown = quiet.feed(shown) if quiet is not None else shown
+        if quiet is not None:
+            held += [(now, ln) for ln in shown if ln.endswith(TRACEBACK_FOLDED)]
+            shown = [ln for ln in shown if not ln.endswith(TRACEBACK_FOLDED)]
+            err = job_error(rec, st["state"]) if terminal and st["state"] != "COMPLETED" else None
+            due = [ln for t, ln in held if terminal or now - t >= TRACEBACK_HOLD_S]
+            held = [(t, ln) for t, ln in held if not (terminal or now - t >= TRACEBACK_HOLD_S)]
+            shown += [ln for ln in due if not (err and err.endswith(_folded_text(ln)))]
+        for line in shown:
             out.write(line + "\n")
         if terminal:
             if st["state"] == "COMPLETED":
@@ -574,7 +597,8 @@ def run_logs(args: argparse.Namespace) -> int:
             with open(path, "rb") as f:
                 lines = (ln.decode(errors="replace").rstrip("\n") for ln in f)
                 if not args.verbose:  # the tail is the last lines worth reading, not submitit's exit lines
-                    lines = (shown for ln in lines for shown in quiet.feed([ln]))
+                    tb: dict = {}  # a traceback is its last line here; --verbose (or the file) has it whole
+                    lines = (shown for ln in lines for shown in quiet.feed(_tracebacks_folded([ln], tb)))
                 for line in (deque(lines, maxlen=args.tail) if args.tail else lines):
                     print(prefix + line)
         except BrokenPipeError:  # the reader left (`| head`): launch.cli ends quietly

@@ -2,7 +2,9 @@
 
 The log files keep every line; the terminal gets the run. Left out of the terminal:
 - submitit's INFO and WARNING lines (job environment, pickles, "Bypassing signal SIGCONT",
-  "Job completed successfully"), and srun's "got SIGCONT"; submitit's ERROR lines stay;
+  "Job completed successfully"), and srun's "got SIGCONT"; submitit's ERROR lines stay, but for
+  its "Submitted job triggered an exception" and srun's "task N: Exited with exit code N" (the
+  exception itself is the traceback's last line, and the launcher's closing line says it);
 - progress bars (tqdm's `NN%|###| k/n [...]`, often several joined by carriage returns);
 - the preflight table, when every row PASSed or was SKIPped: one `[launch] preflight:` line
   instead; a WARN or FAIL row is shown whole, with the table's header;
@@ -19,6 +21,7 @@ from __future__ import annotations
 import re
 
 _TQDM = re.compile(r"\d+%\|.*\|\s*\d+/\d+")
+_SRUN_EXIT = re.compile(r"^srun: error: \S+: tasks? [\d,-]+: Exited with exit code \d+$")
 _TABLE_HEAD = re.compile(r"^check\s+\| status \| found")
 _TABLE_RULE = re.compile(r"^-+\+-+")
 _TABLE_ROW = re.compile(r"^(\S*)\s*\| (PASS|WARN|FAIL|SKIP)\s*\|")
@@ -72,6 +75,11 @@ class QuietFilter:
             self.table, self.table_bad, self.stepped = [body], False, False
             return []
         if body.startswith(("submitit INFO", "submitit WARNING", "srun: got SIGCONT")) or _TQDM.search(body):
+            return []
+        # A failed task's echoes: submitit's "Submitted job triggered an exception" (its exception is
+        # the traceback's last line, which stays) and srun's "task N: Exited with exit code N".
+        if (body.startswith("submitit ERROR") and body.endswith("Submitted job triggered an exception")) \
+                or _SRUN_EXIT.match(body):
             return []
         if body.startswith("[launch] running "):
             self.stepped = False

@@ -119,6 +119,7 @@ def test_cancel_reads_cancelled_at_step_without_traceback(launch_env, preset):
     assert outcome["trainer"] == ("fixture" if preset == "counting-own" else None)
     status = run_launch(["status", job], launch_env)
     assert f"outcome: cancelled at step {outcome['step']}" in status.stdout, status.stdout
+    assert status.returncode == 0, "a cancelled job is how it was asked to end: exit 1 is for a failed one"
     assert "Traceback" not in status.stdout + status.stderr
     assert "DataLoader" not in status.stdout and "RuntimeError" not in status.stdout
 
@@ -140,6 +141,14 @@ def test_failed_job_error_reaches_logs_and_status(launch_env):
     assert "Traceback (most recent call last)" in (job_dir / f"{job}_0_log.err").read_text()
     logs = run_launch(["logs", job], launch_env)
     assert "fixture failure: shard 7 is corrupt" in logs.stdout
+    # The terminal gets the traceback's last line; --verbose (and the file) the whole of it.
+    assert "Traceback" not in logs.stdout and "(traceback in the log)" in logs.stdout, logs.stdout
+    assert "Traceback (most recent call last)" in run_launch(["logs", job, "--verbose"], launch_env).stdout
+    # Followed to its end, the reason is said once, in the launcher's closing line.
+    followed = run_launch(["submit", "fixture", "--preset", "crash", "--follow"], launch_env)
+    assert followed.returncode == 1
+    assert followed.stdout.count("shard 7 is corrupt") == 1, followed.stdout
+    assert "ended FAILED: failed: ValueError: fixture failure: shard 7 is corrupt" in followed.stdout, followed.stdout
 
 
 def test_failed_preflight_is_the_outcome_for_a_spec_given_by_path(launch_env, tmp_path):

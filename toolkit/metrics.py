@@ -303,7 +303,8 @@ def dflash_step_line(record: dict[str, Any]) -> str:
 
 
 DFLASH_LEGEND = ("step line: step n/N, loss, acc1 (first slot's accuracy), tau (accepted tokens per block), "
-                 "real tok/s, compute+data ms, eta; STALL(cause) on a stalled step")
+                 "real tok/s, compute+data ms, eta; STALL(cause) on a stalled step: compile, allocator, data, or "
+                 "unknown (none of those moved)")
 
 
 def step_line(schema: Schema, record: dict[str, Any], tasks: tuple[str, ...] = ()) -> str:

@@ -347,7 +347,8 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
 
 STEP_LINE_LEGEND = ("step line: step n/N, loss (per task: gi gen_img, gt gen_txt, un und, ri replay_img, "
                     "rt replay_text), tok/s, useful-token MFU, compute+data ms, peak GiB, eta; STALL(cause) on a "
-                    "step > 2x the running median (and >= 0.5 s over it): compile, allocator, data or images")
+                    "step > 2x the running median (and >= 0.5 s over it): compile, allocator, data, images, or "
+                    "unknown (none of those moved)")
 
 
 def check_kernel_compiles(run: Stage1Run, rt: Runtime) -> dict[str, Any]:
