@@ -16,7 +16,7 @@ from launch.fsutil import launch_home
 from toolkit import kernel_cache
 
 STORE_VAR = "LAUNCH_KERNEL_ARCHIVES"
-BAKE_VAR = "LAUNCH_KERNEL_BAKE"  # set in a bake job: its main task packs the caches at the end
+BAKE_VAR = kernel_cache.BAKE_VAR  # set in a bake job: its main task packs the caches at the end
 STATUS_VAR = "LAUNCH_KERNEL_ARCHIVE"  # what the job's start found, for the trainer's header
 BAKE_ARGS = ("steps=3", "ckpt_every=0", "export=off")
 
@@ -68,6 +68,8 @@ def bake_at_end(env: Mapping[str, str] | None = None, log=print) -> Path:
     """The end of a bake job's main task: pack this job's caches under this node's key."""
     env = os.environ if env is None else env
     fields = kernel_cache.key_fields()
+    # the trainer (this process) saved torch's artifacts already; a trainer that did not gets them here
+    kernel_cache.save_torch_artifacts(kernel_cache.cache_dirs(env))
     manifest = kernel_cache.pack(store_dir(env), fields, kernel_cache.cache_dirs(env), note=env.get(BAKE_VAR, ""))
     path = store_dir(env) / manifest["archive"]
     log(f"[launch] kernel archive baked: {manifest['key']} -> {path} ({manifest['bytes'] / 2**20:.1f} MiB, "

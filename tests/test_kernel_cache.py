@@ -332,3 +332,63 @@ def test_another_uids_store_node_tree_or_lock_link_is_refused(tmp_path: Path):
     with pytest.raises(kc.ArchiveError, match=r"kernel archive store \S+ belongs to uid 65534, another user"):
         kc.unpack(store, key, tmp_path / "node3", job)
     assert not (tmp_path / "job").exists()
+
+
+# A process that compiles with Inductor (CPU: C++ kernels) a forward and its backward, after
+# loading whatever torch cache artifacts its inductor cache holds; with `bake`, it then saves its
+# artifacts and packs the caches as a bake job's end does. Prints what it loaded and its cache hits.
+_COMPILE_AND_MAYBE_BAKE = r"""
+import json, sys
+from pathlib import Path
+import torch
+from toolkit import kernel_cache as kc
+dirs = kc.cache_dirs()
+loaded = kc.load_torch_artifacts(dirs)
+f = torch.compile(lambda x, w: torch.nn.functional.gelu(x @ w).square().sum(), backend="inductor")
+x, w = torch.randn(8, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+f(x, w).backward()
+if sys.argv[1] == "bake":
+    kc.save_torch_artifacts(dirs)
+    kc.pack(Path(sys.argv[2]), kc.key_fields(), dirs)
+print(json.dumps({"loaded": loaded, "hits": kc.torch_cache_hits()}))
+"""
+
+
+@pytest.mark.slow  # two processes compiling with Inductor (C++ kernels): 245 s here under a load average of 20
+def test_torch_artifacts_ride_in_the_archive_and_a_fresh_process_hits_its_caches(tmp_path: Path):
+    """A bake saves torch's cache artifacts beside the compiled kernels; a fresh process whose
+    caches hold only what the archive's unpack seeded, and of Inductor's cache only the artifact
+    files, loads them before compiling, and its Inductor FX-graph and AOTAutograd lookups all hit."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+
+    def run(mode: str, caches: Path) -> dict:
+        env = {**os.environ, "PYTHONPATH": str(repo), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+               "TRITON_CACHE_DIR": str(caches / "triton"), "TILELANG_CACHE_DIR": str(caches / "tilelang")}
+        proc = subprocess.run([sys.executable, "-c", _COMPILE_AND_MAYBE_BAKE, mode, str(tmp_path / "store")],
+                              env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    baked = run("bake", tmp_path / "bake")
+    assert baked["loaded"] == {} and baked["hits"]["fxgraph_miss"] >= 2  # forward and backward compiled
+    assert baked["hits"]["fxgraph_hit"] == 0
+
+    fresh = tmp_path / "fresh"
+    dirs = {name: fresh / name for name in kc.CACHES}
+    (manifest,) = kc.manifests(tmp_path / "store")
+    got = kc.unpack(tmp_path / "store", manifest["key"], tmp_path / "node", dirs)
+    assert got.state == "unpacked"
+    artifacts = sorted(p.name for p in kc.torch_artifacts_dir(dirs).glob("*.bin"))
+    assert len(artifacts) == 1
+    for path in sorted(dirs["inductor"].iterdir()):  # Inductor's own on-disk caches gone: the artifacts alone
+        if path.name != kc.TORCH_ARTIFACTS and not path.name.startswith(".kernel-archive-"):
+            kc._rmtree(path) if path.is_dir() else path.unlink()
+
+    again = run("fresh", fresh)
+    assert again["loaded"]["files"] == 1 and sum(v for k, v in again["loaded"].items() if k != "files") >= 2
+    hits = again["hits"]
+    assert hits["fxgraph_miss"] == 0 and hits["fxgraph_hit"] == baked["hits"]["fxgraph_miss"]
+    assert hits["aot_autograd_miss"] == 0 and hits["aot_autograd_hit"] >= 1

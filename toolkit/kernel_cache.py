@@ -24,6 +24,15 @@ together share one extraction, and a rank killed mid-way leaves no half tree beh
 compilers find every baked kernel and can still add new ones beside them.
 
 The key's GPU fields read ``cpu`` on a machine without a CUDA device.
+
+torch's own cache artifacts ride in the same archive: at the end of a bake the baking process's
+``torch.compiler.save_cache_artifacts()`` (Inductor's FX graphs, AOTAutograd's forward/backward
+graphs, autotuning results, dynamic-shape profiles: everything this process compiled or loaded)
+is written under the Inductor cache as ``torch-artifacts/<sha256>.bin`` (:func:`save_torch_artifacts`),
+and a job's trainer loads every such file of its seeded cache before it compiles
+(:func:`load_torch_artifacts`), so AOTAutograd and Inductor hit their caches instead of running
+again. Each bake adds its own file (named by content): an archive baked for several presets
+carries each one's artifacts.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.fsutil import atomic_write_text
+from toolkit.fsutil import atomic_write_bytes, atomic_write_text
 
 # The caches an archive holds: name -> the variable that points the compiler at its directory.
 CACHES = {"triton": "TRITON_CACHE_DIR", "tilelang": "TILELANG_CACHE_DIR", "inductor": "TORCHINDUCTOR_CACHE_DIR"}
@@ -135,6 +144,73 @@ def count_entries(dirs: Mapping[str, Path]) -> dict[str, int]:
             n += sum(1 for f in files if not f.startswith(".kernel-archive-"))
         out[name] = n
     return out
+
+
+# ------------------------------------------------------------------------- torch's cache artifacts
+
+TORCH_ARTIFACTS = "torch-artifacts"
+BAKE_VAR = "LAUNCH_KERNEL_BAKE"  # set in a bake job (launch kernels bake): its trainer saves the artifacts  # under the inductor cache: files <sha256 prefix>.bin
+
+
+def torch_artifacts_dir(dirs: Mapping[str, Path]) -> Path:
+    return Path(dirs["inductor"]) / TORCH_ARTIFACTS
+
+
+def save_torch_artifacts(dirs: Mapping[str, Path]) -> Path | None:
+    """This process's torch cache artifacts, written atomically under the inductor cache (the
+    archive then carries them); None when torch was not imported or compiled nothing."""
+    if "torch" not in sys.modules:
+        return None
+    import torch
+
+    save = getattr(torch.compiler, "save_cache_artifacts", None)
+    result = save() if save is not None else None
+    if not result:
+        return None
+    data = result[0]
+    path = torch_artifacts_dir(dirs) / f"{hashlib.sha256(data).hexdigest()[:32]}.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        atomic_write_bytes(path, data)
+    return path
+
+
+def load_torch_artifacts(dirs: Mapping[str, Path]) -> dict[str, int]:
+    """Load every torch cache artifact file of the inductor cache into this process's caches,
+    before anything compiles; counts per artifact kind plus ``files`` (empty: none there). A file
+    that is not this user's, or that torch refuses, is skipped and counted in ``skipped``: it is
+    deserialized by torch, so only files of the user's own archive are read."""
+    root = torch_artifacts_dir(dirs)
+    if not root.is_dir():
+        return {}
+    import torch
+
+    load = getattr(torch.compiler, "load_cache_artifacts", None)
+    counts: dict[str, int] = {"files": 0}
+    for path in sorted(root.glob("*.bin")):
+        try:
+            check_owned(path, "torch cache artifact")
+            info = load(path.read_bytes()) if load is not None else None
+        except Exception:  # noqa: BLE001 - an unusable file means compiles, never a failed job
+            counts["skipped"] = counts.get("skipped", 0) + 1
+            continue
+        counts["files"] += 1
+        for kind, keys in (getattr(info, "artifacts", None) or {}).items():
+            name = getattr(kind, "value", None) or str(kind)
+            counts[name] = counts.get(name, 0) + len(keys)
+    return counts
+
+
+def torch_cache_hits() -> dict[str, int]:
+    """This process's Inductor FX-graph and AOTAutograd cache hits and misses so far."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import counters
+
+    return {"fxgraph_hit": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
+            "fxgraph_miss": int(counters["inductor"].get("fxgraph_cache_miss", 0)),
+            "aot_autograd_hit": int(counters["aot_autograd"].get("autograd_cache_hit", 0)),
+            "aot_autograd_miss": int(counters["aot_autograd"].get("autograd_cache_miss", 0))}
 
 
 # --------------------------------------------------------------------------------------------- pack

@@ -33,7 +33,7 @@ import torch
 from toolkit import kernel_cache
 from toolkit.fsutil import sha256_file
 from toolkit.metrics import SCHEMAS, step_records
-from train.common import fastpath, mfu
+from train.common import fastpath, mfu, regional_compile
 from train.common.checkpoint import CheckpointError, load_state, rng_state, set_rng_state
 from train.common.config import ConfigError
 from train.common.distributed import DistInfo, slurm_layout
@@ -227,9 +227,14 @@ def train(cfg: Stage1Config) -> int:
     with Runtime.start(ENTRYPOINT, SCHEMAS["stage1"], cfg.out, tasks=TASKS, force_group=ds,
                        max_bad_steps=cfg.max_bad_steps, tensorboard=cfg.tensorboard,
                        wandb_project=cfg.wandb_project) as rt:
+        regional_compile.configure_cache_dir()  # the caches where this run's compilers will look
+        fastpath.configure_tilelang_cache()
         entries = kernel_cache.count_entries(kernel_cache.cache_dirs())  # before anything compiles
+        artifacts = kernel_cache.load_torch_artifacts(kernel_cache.cache_dirs())  # a baked archive's
         run = setup(cfg, rt, ds)
         run.kernel_entries = entries
+        rt.print("# torch cache artifacts: " + (", ".join(f"{k} {v}" for k, v in artifacts.items()) + " loaded"
+                                              if artifacts else "none in the inductor cache"))
         first_step = rt.step + 1
         while rt.step < cfg.steps:
             run.prof.start_step()
@@ -250,6 +255,9 @@ def train(cfg: Stage1Config) -> int:
                 rt.log.log_step({**step_record(run, rt, batch, result, timing), **progress, **compiled})
             if cfg.ckpt_every and (rt.step % cfg.ckpt_every == 0 or rt.step == cfg.steps):
                 save_checkpoint(run, rt)
+        if os.environ.get(kernel_cache.BAKE_VAR):  # a bake: torch's artifacts of this process go into the archive
+            saved = kernel_cache.save_torch_artifacts(kernel_cache.cache_dirs())
+            rt.print(f"# torch cache artifacts saved: {saved or 'none (nothing compiled)'}")
         finish(run, rt)
     return 0
 
@@ -361,8 +369,11 @@ def check_kernel_compiles(run: Stage1Run, rt: Runtime) -> dict[str, Any]:
     archive = os.environ.get(KERNEL_ARCHIVE_VAR, "")
     had_archive = archive.startswith(("unpacked ", "present "))
     age = process_age_s()
+    hits = kernel_cache.torch_cache_hits()
     rt.print(f"# kernel compiles by the end of step {rt.step}: " + ", ".join(f"{k} {v}" for k, v in new.items())
              + f" (archive: {archive.split(':')[0] if archive else 'none looked for'})"
+             + (f"; torch caches (hit/miss): fx graph {hits['fxgraph_hit']}/{hits['fxgraph_miss']}, "
+                f"aot_autograd {hits['aot_autograd_hit']}/{hits['aot_autograd_miss']}" if hits else "")
              + (f"; step {rt.step} ended {age:.1f} s after the process started" if age is not None else ""))
     if had_archive and sum(new.values()):
         message = (f"the baked kernel archive ({archive.split(':')[0]}) was unpacked, yet "
@@ -371,7 +382,7 @@ def check_kernel_compiles(run: Stage1Run, rt: Runtime) -> dict[str, Any]:
         if run.cfg.require_warm_kernels:
             raise FastPathError(message)
         rt.print(f"# WARNING: {message}")
-    return {"kernel_compiles": new, "since_start_s": age}
+    return {"kernel_compiles": new, "since_start_s": age, **({"torch_cache": hits} if hits else {})}
 
 
 def process_age_s() -> float | None:
