@@ -31,7 +31,9 @@
 #             the end of `launch kernels bake --preset qwen35-2b` does on a cluster), with its time
 #   fresh     a node that has only the archive: empty kernel caches, the archive unpacked into them
 #             at start (launch's job start), vision on, 3 steps; `kernel compiles by the end of
-#             step 1` must be 0 each, and `ended N s after the process started` is the time to step 1
+#             step 1` must be 0 each, `ended N s after the process started` is the time to step 1,
+#             and the torch cache artifacts the archive carried are loaded (FX-graph and AOTAutograd
+#             cache hits/misses on the same line)
 # DATA: a pre-generated `generate_synthetic(DIR, 500, shape="qwen35-2b")` (448-1024 px images);
 # without it the trainer generates the same set in its run directory.
 # Usage: DATA=DIR bench/stage1_vlm_h200.sh install .whl1 install .whl2 install-loss .whl3 check
@@ -43,6 +45,9 @@ export PYTHONPATH=/tmp/gpuenv:$PWD LD_LIBRARY_PATH=/tmp/gpuenv/z3/lib PYTHONUNBU
 export TRITON_CACHE_DIR=/tmp/kcache/triton TORCHINDUCTOR_CACHE_DIR=/tmp/kcache/inductor
 export TILELANG_CACHE_DIR=/tmp/kcache/tilelang HF_HOME=/tmp/kcache/hf
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}  # as the stage1 job spec sets it
+# as in a `launch kernels bake` job: each run's trainer saves torch's cache artifacts (Inductor,
+# AOTAutograd) under the inductor cache at its end, so `bake` packs them with the kernels
+export LAUNCH_KERNEL_BAKE=${LAUNCH_KERNEL_BAKE-bench:qwen35-2b}
 data=()
 [ -n "${DATA:-}" ] && data=(--data-dir "$DATA")
 TEXT_WEIGHTS='{"gen_txt": 293000, "und": 293000, "replay_text": 150000}'
@@ -52,7 +57,7 @@ bench() {  # NAME STEPS TIMEOUT TRAINER-ARGS...
   timeout "$limit" python3 bench/multigpu.py stage1 --gpus 1 --deepspeed off --preset qwen35-2b --steps "$steps" \
     --skip 1 --timeout "$((limit - 10))" --work "/tmp/vlm-bench/$name" --jsonl "$out/$name.jsonl" -- "${data[@]}" "$@"
   cp "/tmp/vlm-bench/$name/stage1-qwen35-2b-1gpu/metrics.jsonl" "$out/$name-metrics.jsonl" 2>/dev/null
-  grep -E "^# (kernels|warm-up|mixture|packing|compile|vision|kernel compiles|WARNING)|world=" "/tmp/vlm-bench/$name/stage1-qwen35-2b-1gpu/logs/rank0.log" \
+  grep -E "^# (kernels|warm-up|mixture|packing|compile|vision|kernel compiles|torch cache|WARNING)|world=" "/tmp/vlm-bench/$name/stage1-qwen35-2b-1gpu/logs/rank0.log" \
     > "$out/$name-header.txt" 2>/dev/null
 }
 summary() {  # NAME: the verdicts of a run's metrics over steps 2.. (the stall detector's, recompiles)
@@ -183,7 +188,7 @@ print(install_for_job(log=lambda line: None))") || exit 1
     echo "fresh: $LAUNCH_KERNEL_ARCHIVE (unpack $(( ($(date +%s%N) - t0) / 1000000 )) ms)"
     bench fresh 3 "${FRESH_LIMIT:-240}" ${REQUIRE_WARM:+--require-warm-kernels}
     cat "$out/fresh-header.txt"
-    grep -h "kernel compiles by the end of step 1" "$out/fresh-header.txt" | sed 's/^/fresh verdict: /'
+    grep -h "kernel compiles by the end of step 1\|torch cache artifacts:" "$out/fresh-header.txt" | sed 's/^/fresh verdict: /'
     ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
