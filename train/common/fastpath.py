@@ -21,8 +21,9 @@ Policy (:func:`select_kernels`):
   ``flash-qla`` package is installed (the gpu extra has it; ~5% faster steps on an H200), else
   fla's Triton kernels.
 * The job's other kernels, when it names them: the loss (``loss``: a fused cross-entropy kernel on
-  CUDA, :func:`train.common.losses.select_loss_impl`) and the full attention (``attention``: torch's
-  varlen kernel, :mod:`train.common.varlen_attention`).
+  CUDA, :func:`train.common.losses.select_loss_impl`: cut-cross-entropy by default, Liger's
+  Hopper kernel as ``liger-sm90``, both pinned in the GPU locks) and the full attention
+  (``attention``: torch's varlen kernel, :mod:`train.common.varlen_attention`).
 * Every choice that falls back from what the GPU locks provide (fla's GDN, the FlashQLA backend on
   the GPUs it serves, a varlen conv, a fused loss, varlen attention) is a :class:`Fallback`, and a
   CUDA start with any is refused in one line naming the missing package and its install command
