@@ -249,6 +249,37 @@ def test_packed_flex_equals_dense_on_valid_anchors_and_drops_the_rest(window):
     assert (flex[~valid] == 0).all() and packed.n_blocks == int(valid.sum())
 
 
+def test_compiled_regions_and_flex_are_three_graphs_whatever_the_batch(monkeypatch):
+    """The compile is bounded: the layer regions (compile_regions) and flex_attention, compiled with
+    dynamic sizes, trace once each (dynamo's eager backend here: the graph count, not the kernels)
+    over batches of other rows, lengths and anchor counts and over sliding and full layers; no
+    batch shape, window or per-step mask recompiles them."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from train.dflash import model as dflash_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    drafter = Drafter(windowed([SLIDING, FULL], 24, 16)).eval()
+    drafter.compile_regions(backend="eager")
+    flex = torch.compile(flex_attention, dynamic=True, backend="eager")
+    monkeypatch.setattr(dflash_model, "_eager_flex", lambda: flex)
+    graphs = []
+    for i, (lens, n_anchors) in enumerate([((200, 90), 24), ((150,), 6), ((300, 120, 60), 30)]):
+        lengths = torch.tensor(lens)
+        loss_mask = torch.arange(max(lens))[None] >= (lengths[:, None] // 4)
+        anchors = sample_anchors(lengths, n_anchors, 16, torch.Generator().manual_seed(i), loss_mask)
+        with torch.no_grad():
+            drafter(torch.randn(len(lens), max(lens), 128), torch.randn(*anchors.shape, 16, 64), anchors, lengths,
+                    attn_impl="flex")
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    torch._dynamo.reset()
+    assert graphs == [3, 3, 3]
+
+
 def test_layer_types_are_checked():
     with pytest.raises(ValueError, match="sliding_window"):
         windowed([SLIDING, FULL], 0, 4)

@@ -303,8 +303,9 @@ def _layer_post(layer: DrafterLayer, x: torch.Tensor, attn_out: torch.Tensor) ->
 
 
 class BlockAttention:
-    """Attention of every block's slots to (context t < anchor) + (its own block), all blocks of
-    all rows in one call per layer.
+    """The dense reference (attn_impl "dense", the CPU's default): attention of every block's
+    slots to (context t < anchor) + (its own block), all blocks of all rows in one call per layer.
+    PackedBlockAttention (flex, CUDA's default) computes the same on the packed layout.
 
     Each query's keys are the T context positions and the K slots of its own block, never the
     other blocks': scores are [queries x (T + K)], linear in the number of anchors (a dense mask
@@ -328,7 +329,6 @@ class BlockAttention:
         if impl not in ATTN_IMPLS:
             raise ValueError(f"unknown drafter attention {impl!r} ({', '.join(ATTN_IMPLS)})")
         self.impl = impl
-        self._block_masks: dict[int | None, Any] = {}  # one per window, shared by the layers that have it
         # [B, A]: context t is visible to anchor a's block iff t < a (and t is a real token)
         self.ctx_end = torch.minimum(anchors, lengths.to(anchors.device)[:, None])
 
@@ -356,38 +356,8 @@ class BlockAttention:
         j = torch.arange(self.k, device=self.anchors.device)
         return (j[None, :] <= j[:, None]) & (j[None, :] >= j[:, None] - (window - 1))
 
-    def block_mask(self, device: torch.device, window: int | None = None):
-        """flex_attention's block mask over keys [context T | all blocks' slots A*K]: query slot q of
-        block q // K sees context t < min(anchor, length) and the slots of its own block (in a
-        sliding layer the slots up to its own, narrowed by the window). Built once per forward and window and shared by every layer with that
-        window; tiles (128 x 128) that no query of theirs sees are skipped, so the work follows the
-        real key counts (the context prefix of each anchor, or its last W positions)."""
-        if window not in self._block_masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            k, t, n_anchor = self.k, self.t, self.anchors.shape[1]
-            ctx_end, anchors = self.ctx_end.to(device), self.anchors.to(device)
-
-            def visible(b, _h, q_idx, kv_idx):
-                blk = torch.clamp(q_idx // k, max=n_anchor - 1)  # padding queries: as the last block
-                ctx_ok = kv_idx < ctx_end[b, blk]
-                blk_ok = (kv_idx - t) // k == blk
-                if window is not None:  # sliding: causal in the block, within the window
-                    j, slot = q_idx % k, (kv_idx - t) % k
-                    ctx_ok = ctx_ok & (kv_idx >= anchors[b, blk] + j - (window - 1))
-                    blk_ok = blk_ok & (slot <= j) & (slot >= j - (window - 1))
-                return torch.where(kv_idx < t, ctx_ok, blk_ok)
-
-            n_kv = t + n_anchor * k
-            self._block_masks[window] = create_block_mask(
-                visible, self.anchors.shape[0], None, padded_queries(n_anchor * k), n_kv, device=str(device),
-                _compile=device.type == "cuda")
-        return self._block_masks[window]
-
     def __call__(self, q, k_ctx, v_ctx, k_blk, v_blk, window: int | None = None) -> torch.Tensor:
         """q, k_blk, v_blk [B, heads, A*K, d]; k_ctx, v_ctx [B, kv_heads, T, d] -> [B, heads, A*K, d]."""
-        if self.impl == "flex":
-            return self._flex(q, k_ctx, v_ctx, k_blk, v_blk, window)
         bsz, heads, _, d = q.shape
         groups = heads // k_ctx.shape[1]
         if groups > 1:  # GQA: each key/value head serves `groups` query heads
@@ -412,21 +382,6 @@ class BlockAttention:
                 bsz, heads, a * k, d)
             outs.append(out)
         return torch.cat(outs, dim=2)
-
-    def _flex(self, q, k_ctx, v_ctx, k_blk, v_blk, window: int | None) -> torch.Tensor:
-        """One block-sparse flex_attention call over [context | blocks] keys (compiled on CUDA)."""
-        k = torch.cat([k_ctx, k_blk], dim=2)
-        v = torch.cat([v_ctx, v_blk], dim=2)
-        n_q = q.shape[2]
-        if n_q == 0:
-            return q
-        # Queries padded to a multiple of 128: flex's decoding kernel, which it picks for short
-        # query lengths (4 anchors x 16 = 64), has no variant for these GQA shapes.
-        qp = F.pad(q, (0, 0, 0, padded_queries(n_q) - n_q))
-        fn = _compiled_flex() if q.device.type == "cuda" else _eager_flex()
-        out = fn(qp, k.to(q.dtype), v.to(q.dtype), block_mask=self.block_mask(q.device, window),
-                 scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1])
-        return out[:, :, :n_q]
 
 
 class PackedBlockAttention:
@@ -455,7 +410,9 @@ class PackedBlockAttention:
         self.tokens = (torch.arange(ctx_len, device=dev)[None] < lengths[:, None]).flatten().nonzero()[:, 0]
         self.n_ctx, self.n_blocks = int(self.tokens.numel()), int(a.numel())
         self.ctx_pad = padded_queries(max(1, self.n_ctx))
-        self.q_pad = padded_queries(max(1, self.n_blocks * k))
+        # at least two query tiles: one tile would be a size-1 dimension of the block mask, which the
+        # compiled flex specialises on (a second graph for the smallest batches)
+        self.q_pad = padded_queries(max(2 * FLEX_TILE, self.n_blocks * k))
         n_blk = -(-self.q_pad // k)  # padding slots belong to padding blocks, which see no context
 
         def per_block(v: torch.Tensor) -> torch.Tensor:
@@ -474,12 +431,14 @@ class PackedBlockAttention:
     def pack_context(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, D] -> [1, C_pad, D]: the real tokens of every row, one after another."""
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.tokens)
-        return F.pad(flat, (0, 0, 0, self.ctx_pad - self.n_ctx))[None]
+        return F.pad(flat[None], (0, 0, 0, self.ctx_pad - self.n_ctx))  # not a view: see pack_blocks
 
     def pack_blocks(self, block_embeds: torch.Tensor) -> torch.Tensor:
         """[B, A, K, H] -> [1, Q_pad, H]: the valid anchors' blocks, one after another."""
-        flat = block_embeds[self.rows, self.slots].reshape(-1, block_embeds.shape[-1])
-        return F.pad(flat, (0, 0, 0, self.q_pad - flat.shape[0]))[None]
+        flat = block_embeds[self.rows, self.slots].reshape(1, -1, block_embeds.shape[-1])
+        # a tensor of its own, not a view: the compiled regions guard on whether x has a base, and
+        # the layers after the first get fresh tensors (a view here would compile the region twice)
+        return F.pad(flat, (0, 0, 0, self.q_pad - flat.shape[1]))
 
     def unpack(self, x: torch.Tensor, bsz: int, n_anchor: int) -> torch.Tensor:
         """[1, Q_pad, H] -> [B, A, K, H]; the slots of anchors -1 are zeros (they carry no label)."""
