@@ -18,7 +18,13 @@ from toolkit import kernel_cache
 STORE_VAR = "LAUNCH_KERNEL_ARCHIVES"
 BAKE_VAR = kernel_cache.BAKE_VAR  # set in a bake job: its main task packs the caches at the end
 STATUS_VAR = "LAUNCH_KERNEL_ARCHIVE"  # what the job's start found, for the trainer's header
-BAKE_ARGS = ("steps=3", "ckpt_every=0", "export=off")
+# What a bake job runs, per job spec: a few steps (every kernel a step selects compiles), nothing
+# else (no checkpoint, no export). A spec not named here is baked with its own arguments.
+BAKE_ARGS: dict[str, tuple[str, ...]] = {
+    "stage1": ("steps=3", "ckpt_every=0", "export=off"),
+    "dflash": ("steps=3",),
+    "extract": ("stop_after=2",),  # two shards: the forward's kernels, the copy and write path
+}
 
 
 def store_dir(env: Mapping[str, str] | None = None) -> Path:

@@ -5,6 +5,9 @@
                                                the preset can select; at the end the main task packs
                                                the TileLang, Triton and Inductor caches into the
                                                archive store, under the node's key
+    launch kernels bake --job dflash --preset offline --arg data=DIR
+    launch kernels bake --job extract          the DFlash drafter's (3 steps) and the extraction's
+                                               (2 shards) kernels, into the same store
     launch kernels list                        the store's archives, and this machine's key
 
 How jobs use the archives: launch/kernel_archive.py and toolkit/kernel_cache.py.
@@ -29,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bake.add_argument("--preset", help="the job's preset (default: the spec's default preset)")
     bake.add_argument("--partition")
     bake.add_argument("--constraint", help="nodes of the GPU kind to bake for")
+    bake.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                      help="a job argument on top of the bake's own (e.g. data=DIR for dflash offline)")
     bake.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
     bake.add_argument("--follow", "-f", action="store_true", help="stream the job's log until it ends")
     lst = sub.add_parser("list", help="the archive store's archives, and this machine's key")
@@ -54,7 +59,7 @@ def bake(args: argparse.Namespace) -> int:
     argv = [args.job, "--nodes", "1", "--name", "kernels-bake",
             "--env", f"{BAKE_VAR}={args.job}:{preset or 'default'}"]
     argv += ["--preset", preset] if preset else []
-    for arg in BAKE_ARGS:
+    for arg in (*BAKE_ARGS.get(args.job, ()), *args.arg):
         argv += ["--arg", arg]
     for flag in ("partition", "constraint"):
         if getattr(args, flag):

@@ -142,6 +142,22 @@ def job_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     return paths
 
 
+@pytest.mark.parametrize(("job", "preset", "want"), [
+    ("stage1", "tiny", "--steps 3 --ckpt-every 0 --export off"),
+    ("dflash", "online-6-1", "--steps 3"),
+    ("extract", "tiny", "--stop-after 2"),
+])
+def test_launch_kernels_bake_takes_each_jobs_own_short_run(job_env, capsys, job, preset, want):
+    """`launch kernels bake --job J`: each job spec's trainer gets arguments it knows (a short run,
+    no checkpoint or export where it has them), and the bake variable; a dry run submits nothing."""
+    from launch.cli import main
+
+    assert main(["kernels", "bake", "--job", job, "--preset", preset, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    entry = next(line for line in out.splitlines() if line.startswith("# entrypoint:"))
+    assert entry.endswith(want) and f"LAUNCH_KERNEL_BAKE={job}:{preset}" in out
+
+
 def test_launch_kernels_list_and_doctor_name_the_missing_and_the_baked_archive(job_env, tmp_path: Path, capsys):
     from launch.cli import main
     from launch.doctor.results import Status
