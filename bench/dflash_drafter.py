@@ -122,6 +122,23 @@ def make_batch(lens: np.ndarray, dev: torch.device, gen: torch.Generator) -> dic
             "hidden": torch.randn(b, t, len(LAYERS) * TARGET.hidden_size, generator=gen).to(dev)}
 
 
+def real_keys(cfg, anchors: torch.Tensor, lengths: torch.Tensor) -> int:
+    """The keys the valid anchors' slots attend, summed over slots, averaged over the layers
+    (drafter_step_flops' key_count): a full layer's slot sees the context before its anchor and
+    its whole block; slot j of a sliding layer (window W) at most W - 1 - j context positions and
+    the slots 0..j of its block (causal there, as the engines serve it)."""
+    ctx = torch.minimum(anchors, lengths[:, None]).clamp(min=0)[anchors >= 0][:, None]  # [N, 1]
+    j = torch.arange(cfg.block_size)
+    total = 0
+    for i in range(cfg.num_layers):
+        w = cfg.layer_window(i)
+        if w is None:
+            total += int(((ctx + cfg.block_size) * cfg.block_size).sum())
+        else:
+            total += int((torch.minimum(ctx, (w - 1 - j).clamp(min=0)) + j + 1).sum())
+    return total // cfg.num_layers
+
+
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -188,11 +205,7 @@ def drafter_bench(args) -> None:
             blocks, labels = block_inputs(bt["input_ids"], anchors, K, cfg.mask_token_id, bt["loss_mask"],
                                           bt["lengths"])
             valid = anchors >= 0
-            ctx_keys = torch.minimum(anchors, bt["lengths"][:, None]).clamp(min=0)
-            # the real key counts, averaged over the layers: a sliding layer's context is at most W - 1
-            per_layer = [(ctx_keys if w is None else ctx_keys.clamp(max=w - 1)) for w in
-                         (cfg.layer_window(i) for i in range(cfg.num_layers))]
-            keys = int(sum(int(((c + K) * valid).sum()) for c in per_layer) * K / cfg.num_layers)
+            keys = real_keys(cfg, anchors, bt["lengths"])
             flops = drafter_step_flops(cfg, TARGET.vocab_size, int(bt["lengths"].sum()), int(valid.sum()) * K, keys,
                                        int((labels != -100).sum()))
             plans.append((bt, anchors.to(dev), blocks.to(dev), labels.to(dev), flops))
@@ -249,14 +262,15 @@ def drafter_bench(args) -> None:
     print(HEADER)
     for r in rows:
         print(row_line(r))
-    print("\nper-step breakdown on batch 0 (each part timed alone, forward + backward; other = the step minus "
-          "the parts: fc/norms/embedding, launch gaps):")
-    print("| attention:loss | anchors/seq | step ms | data ms | attention ms | MLP ms | loss ms | optimizer ms "
-          "| other ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\nper-step breakdown on batch 0 (each part timed alone, forward + backward; mask: the flex path's "
+          "packing and block masks; data is not in the step (prefetched); other = the step minus the parts: "
+          "fc/norms/embedding, packing, launch gaps):")
+    print("| attention:loss | anchors/seq | step ms | data ms | mask ms | attention ms | MLP ms | loss ms "
+          "| optimizer ms | other ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for impl, n_anchors, step_ms, p in parts_rows:
-        other = step_ms - sum(p[k] for k in ("attention", "mlp", "loss", "optimizer"))
-        print(f"| {impl} | {n_anchors} | {step_ms:.1f} | {p['data']:.1f} | {p['attention']:.1f} | {p['mlp']:.1f} "
-              f"| {p['loss']:.1f} | {p['optimizer']:.1f} | {other:.1f} |")
+        other = step_ms - sum(p[k] for k in ("mask", "attention", "mlp", "loss", "optimizer"))
+        print(f"| {impl} | {n_anchors} | {step_ms:.1f} | {p['data']:.1f} | {p['mask']:.1f} | {p['attention']:.1f} "
+              f"| {p['mlp']:.1f} | {p['loss']:.1f} | {p['optimizer']:.1f} | {other:.1f} |")
     sys.stdout.flush()
 
 
@@ -291,6 +305,16 @@ def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_i
         host.to(dev, non_blocking=True)
 
     parts = {"data": timed(data, dev)}
+
+    def mask() -> None:  # the step's masks, once per window kind, as prepare builds them
+        if attn == "flex":
+            from train.dflash.model import PackedBlockAttention
+
+            packed = PackedBlockAttention(anchors, lengths, bt["hidden"].shape[1], K)
+            for w in {cfg.layer_window(i) for i in range(cfg.num_layers)}:
+                packed.block_mask(dev, w)
+
+    parts["mask"] = timed(mask, dev)
     with torch.autocast(dev.type, dtype=torch.bfloat16):
         with torch.no_grad():
             x, ctx, rope_q, rope_ctx, attend = drafter.prepare(bt["hidden"], head.embed_tokens(blocks), anchors,
