@@ -127,7 +127,7 @@ class _ChunkedFusedLinearCE(torch.autograd.Function):
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         nll = torch.empty(rows, device=e.device, dtype=torch.float32)
         dx = torch.empty_like(e) if want_dx else None
-        dw = torch.zeros(c.shape, device=c.device, dtype=torch.float32) if want_dw else None
+        dw = None  # fp32 sum of the chunks' bf16 dW (the first chunk's is taken as it is)
         step = max(ROW_TILE, chunk_rows // ROW_TILE * ROW_TILE)
         for lo in range(0, rows, step):
             x = e[lo:lo + step]
@@ -136,8 +136,9 @@ class _ChunkedFusedLinearCE(torch.autograd.Function):
             prims.ce_dz(z, targets[lo:lo + step], nll[lo:lo + step])
             if dx is not None:
                 dx[lo:lo + step] = prims.dx(z, c)
-            if dw is not None:
-                dw += prims.dw(z, x)
+            if want_dw:
+                part = prims.dw(z, x)
+                dw = part.float() if dw is None else dw.add_(part)
             del z
         ctx.c_dtype = c.dtype
         ctx.save_for_backward(dx[:n] if dx is not None else None, dw, targets[:n] != IGNORE_INDEX)

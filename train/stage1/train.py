@@ -229,8 +229,10 @@ def train(cfg: Stage1Config) -> int:
                        wandb_project=cfg.wandb_project) as rt:
         regional_compile.configure_cache_dir()  # the caches where this run's compilers will look
         fastpath.configure_tilelang_cache()
-        entries = kernel_cache.count_entries(kernel_cache.cache_dirs())  # before anything compiles
-        artifacts = kernel_cache.load_torch_artifacts(kernel_cache.cache_dirs())  # a baked archive's
+        # a baked archive's torch artifacts, written into the caches before anything compiles; the
+        # cache files counted after them, so what they put there is not taken for a compile
+        artifacts = kernel_cache.load_torch_artifacts(kernel_cache.cache_dirs())
+        entries = kernel_cache.count_entries(kernel_cache.cache_dirs())
         run = setup(cfg, rt, ds)
         run.kernel_entries = entries
         rt.print("# torch cache artifacts: " + (", ".join(f"{k} {v}" for k, v in artifacts.items()) + " loaded"
