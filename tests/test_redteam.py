@@ -140,3 +140,76 @@ def test_resume_takes_the_jobs_own_spec_not_the_one_its_run_folders_config_names
     assert own_spec(rec, run).entrypoint == "train.stage1"
     rec.spec = None  # a record from before specs were recorded
     assert own_spec(rec, run).entrypoint == "train.stage1"
+
+
+RANK = """
+import sys, torch, torch.distributed as dist
+from train.common.distributed import init_distributed, shutdown_distributed
+info = init_distributed(torch.device("cpu"))
+t = torch.tensor([float(info.rank + 1)])
+dist.all_reduce(t)
+print("sum", int(t.item()), flush=True)
+shutdown_distributed(info)
+"""
+
+
+def test_a_two_rank_jobs_rendezvous_is_a_private_file_no_port_another_uid_can_take(tmp_path: Path) -> None:
+    """Two ranks of a `launch` job meet through a file store in the job's 0700 folder, named by
+    the job's secret: a listener already on the port the rendezvous used to derive from the job
+    id changes nothing (both ranks finish, at once), and a second uid (nobody) cannot open the
+    store's file. Outside `launch` (no job folder, no MASTER_PORT) a 2-rank start is one line."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import pytest
+
+    from train.common.distributed import PORT_BASE, PORT_SPAN, RendezvousError, init_distributed
+
+    job = tmp_path / "job"
+    job.mkdir(mode=0o700)
+    token = os.urandom(16).hex()
+    squatter = socket.socket()
+    try:
+        squatter.bind(("127.0.0.1", PORT_BASE + 4242 % PORT_SPAN))
+        squatter.listen(4)
+    except OSError:
+        pass  # the port is taken already: the same test, by someone else
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), SLURM_JOB_ID="4242", SLURM_NTASKS="2",
+               SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", LAUNCH_JOB_DIR=str(job),
+               LAUNCH_RENDEZVOUS_TOKEN=token)
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", RANK], env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        squatter.close()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all("sum 3" in out for out in outputs), outputs
+    store = job / f".rendezvous-{token}"
+    if store.exists():  # torch removes it when the last rank lets go
+        assert store.stat().st_mode & 0o077 == 0
+    if os.geteuid() == 0:
+        store.touch(mode=0o600)  # the file a running job holds
+        other = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "cat", str(store)],
+                               capture_output=True, text=True, timeout=30)
+        assert other.returncode != 0 and "Permission denied" in other.stderr, other
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_", "LAUNCH_"))]:
+            mp.delenv(key)
+        mp.setenv("SLURM_JOB_ID", "4242")
+        mp.setenv("SLURM_NTASKS", "2")
+        mp.setenv("SLURM_PROCID", "1")
+        mp.setenv("SLURM_JOB_NODELIST", "localhost")
+        with pytest.raises(RendezvousError, match=r"a 2-rank job outside `launch` has no private folder for its "
+                                                  r"rendezvous"):
+            init_distributed(torch_device_cpu())
+
+
+def torch_device_cpu():  # noqa: ANN201 - torch imported late: collection stays light
+    import torch
+
+    return torch.device("cpu")

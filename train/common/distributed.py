@@ -5,13 +5,17 @@ SLURM_LOCALID and the node rank SLURM_NODEID, as `submitit`'s Slurm job environm
 them. Without SLURM_PROCID (a batch script that did not go through srun) the rank follows
 from SLURM_NODEID, SLURM_LOCALID and SLURM_TASKS_PER_NODE, Slurm's block distribution.
 
-Rendezvous, one per job: a TCP store on the job's first node (the first host of
-SLURM_JOB_NODELIST), on a port derived from the job id, so every rank of one job agrees
-without talking first and two jobs on one node never collide. The first node's address is
-the NodeAddr Slurm itself reaches it at (`scontrol show node`), else its host name; on a
-single node it is 127.0.0.1. MASTER_ADDR / MASTER_PORT override both. A real cluster's
-firewall must let the nodes of a job reach each other on that port (20000-31999) and on the
-ports the collective backend opens (gloo on CPU, NCCL on GPUs).
+Rendezvous, one per job start: a file store (torch's FileStore) in the job's own folder
+($LAUNCH_JOB_DIR, 0700, which every node of a job already shares: submitit reads its pickles
+there), named by the secret the job's script makes at each start ($LAUNCH_RENDEZVOUS_TOKEN). Only
+the job's user can open it, so no other local user can read the ranks' addresses or set a key,
+and there is no port to learn in advance or to take first. A folder whose file system has no
+file locks cannot hold it: a multi-rank job there stops in one line. An explicit MASTER_PORT
+(a harness outside `launch`) keeps torch's TCP store on the job's first node (the first host of
+SLURM_JOB_NODELIST, at the NodeAddr Slurm reaches it at, else its host name; 127.0.0.1 on one
+node; MASTER_ADDR overrides it), which any local user can connect to. The collective backend
+opens its own ports (gloo on CPU, NCCL on GPUs), which a real cluster's firewall must let the
+nodes of a job reach.
 
 Outside Slurm (tests of the trainer internals) it is world size 1 and, by default, no
 process group at all.
@@ -20,15 +24,18 @@ process group at all.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import functools
 import ipaddress
 import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -164,11 +171,48 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, nodes: int = 1
     return dist.PrefixStore(f"job-{token}", store)  # keys: job-<token>/<key>
 
 
+class RendezvousError(RuntimeError):
+    """The job's rendezvous cannot be had as it must be (one line)."""
+
+
+def file_rendezvous(rank: int, world: int, timeout_s: float = 600) -> dist.Store | None:
+    """The job's authenticated rendezvous: a FileStore at $LAUNCH_JOB_DIR/.rendezvous-<token>,
+    created 0600 in the job's 0700 folder; None outside a `launch` job (no folder or token)."""
+    job_dir, token = os.environ.get("LAUNCH_JOB_DIR"), os.environ.get("LAUNCH_RENDEZVOUS_TOKEN")
+    if not job_dir or not token:
+        return None
+    if not re.fullmatch(r"[0-9a-f]{16,64}", token):
+        raise RendezvousError("LAUNCH_RENDEZVOUS_TOKEN is not the job's hex secret; the rendezvous is not made")
+    folder = Path(job_dir)
+    try:
+        st = folder.stat()
+    except OSError as exc:
+        raise RendezvousError(f"the job folder {folder} cannot hold the rendezvous ({exc.strerror})") from None
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise RendezvousError(f"the job folder {folder} is not private (mode {stat.S_IMODE(st.st_mode):o}, uid "
+                              f"{st.st_uid}); the rendezvous would be open to other users")
+    path = folder / f".rendezvous-{token}"
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        with open(path, "rb") as f:  # the store's own lock: a file system without flock cannot hold it
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    except BlockingIOError:
+        pass  # another rank holds it this instant: locks work
+    except OSError as exc:
+        raise RendezvousError(f"the job folder {folder} cannot hold the rendezvous file ({exc.strerror}; a file "
+                              "system without file locks): a multi-rank job needs one; set --runs-dir elsewhere") from None
+    store = dist.FileStore(str(path), world)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
 def init_distributed(device: torch.device, force_group: bool = False) -> DistInfo:
     """Initialise torch.distributed (gloo on CPU, nccl on CUDA) if world size > 1 or forced.
 
     `force_group` makes a 1-rank group, which DeepSpeed needs even for one process.
     """
+    explicit_port = bool(os.environ.get("MASTER_PORT"))
     rank, world, local_rank, addr, port = slurm_layout()
     node_rank, num_nodes = node_layout()
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -183,8 +227,17 @@ def init_distributed(device: torch.device, force_group: bool = False) -> DistInf
     )
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, store=rendezvous_store(addr, port, rank, world, num_nodes), rank=rank,
-                            world_size=world)
+    if world == 1:  # DeepSpeed's group of one process: nothing to meet, no file, no port
+        store = dist.HashStore()
+    else:
+        store = None if explicit_port else file_rendezvous(rank, world)
+    if store is None and not explicit_port:
+        raise RendezvousError(f"a {world}-rank job outside `launch` has no private folder for its rendezvous "
+                              "(LAUNCH_JOB_DIR, LAUNCH_RENDEZVOUS_TOKEN); submit it with `launch submit`, or set "
+                              "MASTER_PORT for torch's TCP store (any local user can reach it)")
+    if store is None:
+        store = rendezvous_store(addr, port, rank, world, num_nodes)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
     return DistInfo(rank, world, local_rank, addr, port, backend, True, node_rank, num_nodes)
 
 

@@ -10,12 +10,14 @@ from typing import TypeVar
 from toolkit.runlock import RunFolderLost
 from train.common.checkpoint import CheckpointError
 from train.common.config import ConfigError
+from train.common.distributed import RendezvousError
 from train.common.runtime import Cancelled, NonFiniteStep
 
 C = TypeVar("C")
 # What every trainer reports as one line: a bad flag, a checkpoint it cannot trust, a run stopped
 # by a non-finite loss. A trainer adds its own (data errors, fast-path refusals).
-COMMON_RUN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, NonFiniteStep, RunFolderLost)
+COMMON_RUN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, NonFiniteStep, RunFolderLost,
+                                                      RendezvousError)
 
 
 def run_entrypoint(name: str, argv: Sequence[str] | None, *, parse: Callable[[list[str] | None], C],
