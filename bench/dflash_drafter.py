@@ -413,6 +413,10 @@ def extract_bench(args) -> None:
 
         varlen_attention.use_attention(target.base, "varlen")
         print(f"# layout packed: {varlen_attention.describe('varlen', dev)}", flush=True)
+    if args.compile == "on":  # as the extractor on CUDA (--compile auto)
+        from train.common.regional_compile import apply_regional_compile
+
+        apply_regional_compile(target.base, dynamic=args.layout == "packed")
     print(f"# target {shape} built in {time.perf_counter() - t0:.1f}s, vocab {target.vocab_size}", flush=True)
     layers = LAYERS if not args.smoke else [1, 2]
     capture = HiddenCapture(target.base, layers)

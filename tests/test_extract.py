@@ -103,6 +103,25 @@ def test_packed_forward_equals_each_sample_alone_through_stock_transformers():
         torch.testing.assert_close(hidden[0, lo:lo + n, 256:], ref[3][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(final[0, lo:lo + n], ref[-1][0], atol=1e-5, rtol=1e-5)
         lo += n
+    # the extractor's regional compile (dynamic sizes; dynamo's eager backend here): the same
+    # states, and a batch of another length compiles no new graph
+    from torch._dynamo import reset
+    from torch._dynamo.utils import counters
+
+    from train.common.regional_compile import apply_regional_compile
+
+    reset()
+    counters.clear()
+    apply_regional_compile(model.model, backend="eager", dynamic=True)
+    again, again_final = ex.target_forward_packed(model.model, capture, ids, packing)
+    torch.testing.assert_close(again, hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(again_final, final, atol=1e-5, rtol=1e-5)
+    graphs = int(counters["stats"]["unique_graphs"])
+    assert graphs >= 4  # norm, MLP, the attention and GDN regions
+    ids2, _, packing2 = ex.pack_batch(samples[:2] + [gen.integers(32, 200, size=9)])
+    ex.target_forward_packed(model.model, capture, ids2, packing2)
+    assert int(counters["stats"]["unique_graphs"]) == graphs
+    reset()
 
 
 def test_crash_and_resume_covers_dataset_exactly_once(tmp_path, data, no_lm_head, capsys):

@@ -140,8 +140,12 @@ def _decoder_forward(layer: torch.nn.Module, regions: dict[str, Any], hidden_sta
     return regions["mlp_block"](layer, residual, mixed)
 
 
-def apply_regional_compile(model: torch.nn.Module, backend: str = "inductor", **compile_kwargs: Any) -> int:
-    """Compile the regions of every Qwen3.5 decoder layer of ``model`` in place; returns the layer count.
+def apply_regional_compile(model: torch.nn.Module, backend: str = "inductor", dynamic: bool | None = False,
+                           **compile_kwargs: Any) -> int:
+    """Compile the regions of every Qwen3.5 decoder layer of ``model`` (a causal LM, or its base
+    text model as extraction holds it) in place; returns the layer count. ``dynamic``: False for
+    stage-1's fixed [B, T] rows; True where the token count changes every batch (extraction's
+    packed stream), one graph per region for all of them.
 
     Call after :func:`train.common.fastpath.install_kernels` (the GDN regions are those of
     :class:`~train.common.packed_gdn.PackedGatedDeltaNet`; a stock GDN layer keeps its forward).
@@ -152,7 +156,7 @@ def apply_regional_compile(model: torch.nn.Module, backend: str = "inductor", **
     from train.common.packed_gdn import PackedGatedDeltaNet
 
     def compiled(fn):
-        return torch.compile(fn, backend=backend, dynamic=False, **compile_kwargs)
+        return torch.compile(fn, backend=backend, dynamic=dynamic, **compile_kwargs)
 
     regions = {name: compiled(fn) for name, fn in (
         ("norm", _norm), ("mlp_block", _mlp_block), ("attn_pre", _attention_pre), ("attn_post", _attention_post),
@@ -169,7 +173,8 @@ def apply_regional_compile(model: torch.nn.Module, backend: str = "inductor", **
                 gdn._out = functools.partial(regions["gdn_out"], gdn)
         else:
             layer.self_attn.forward = functools.partial(_attention_forward, layer.self_attn, regions)
-    text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    text = getattr(model, "model", model)  # a causal LM's base model, or the base model itself
+    text = text.language_model if hasattr(text, "language_model") else text
     final_norm = text.norm
     final_norm.forward = functools.partial(regions["norm"], final_norm)
     return len(layers)

@@ -43,6 +43,9 @@ class ExtractConfig:
                        help="write each shard (device-to-host copy into pinned memory, checks, write, index, "
                             "sync) on a background thread while the next batch runs through the target; "
                             "auto: on CUDA")
+    compile: str = opt("auto", choices=("auto", "on", "off"),
+                       help="torch.compile the target's layer regions (norms, MLP, projections; dynamic sizes: "
+                            "one graph per region for every batch); auto: on CUDA")
     allow_slow_path: bool = opt(False)
 
 

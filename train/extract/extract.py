@@ -233,6 +233,7 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
     from safetensors.torch import save
 
     from train.common import fastpath, varlen_attention
+    from train.common.regional_compile import apply_regional_compile, compile_enabled
 
     out, dist_info = rt.out, rt.dist
     out.mkdir(parents=True, exist_ok=True)
@@ -240,6 +241,8 @@ def setup(cfg: ExtractConfig, rt: Runtime) -> Extraction:
     target = load_target(cfg.init_from, cfg.preset, rt.device, cfg.target_dtype, cfg.seed)
     fastpath.install_kernels(target.base, kernels)
     varlen_attention.use_attention(target.base, "varlen")  # batches run packed (write_one)
+    if compile_enabled(cfg.compile, rt.device):
+        apply_regional_compile(target.base, dynamic=True)  # the packed stream's length changes every batch
     text = target.config
     layers = parse_layers(cfg.layers, text.num_hidden_layers, cfg.n_layers)
 
