@@ -180,7 +180,7 @@ def drafter_bench(args) -> None:
     torch.manual_seed(0)
     drafter = Drafter(cfg).to(dev)
     if args.compile == "on":
-        drafter.compile_regions()
+        drafter.compile_regions(dynamic=True if args.dynamic == "on" else None)
     head = TargetHead(torch.randn(TARGET.vocab_size, TARGET.hidden_size) * 0.02,
                       torch.randn(TARGET.vocab_size, TARGET.hidden_size) * 0.02).to(dev)
     drafter.match_output_scale(head.lm_head.weight)
@@ -197,7 +197,8 @@ def drafter_bench(args) -> None:
     watch = FirstStep(args.first_step_limit, args.late)
     print(f"# drafter {preset} (target {args.target}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"MLP {cfg.intermediate_size}, windows {[cfg.layer_window(i) for i in range(cfg.num_layers)]}, "
-          f"K {K}, vocab {TARGET.vocab_size}; impls {impls}; compile {args.compile}; device {dev}", flush=True)
+          f"K {K}, vocab {TARGET.vocab_size}; impls {impls}; compile {args.compile} (dynamic {args.dynamic}); "
+          f"device {dev}", flush=True)
     for n_anchors in [int(x) for x in args.anchors.split(",")]:
         plans = []
         for i, bt in enumerate(data):
@@ -503,6 +504,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     p.add_argument("--compile", choices=("on", "off"), default="on", help="the trainer's regional compile (auto: on)")
+    p.add_argument("--dynamic", choices=("on", "off"), default="on",
+                   help="drafter: compile with dynamic sizes from the first step (the trainer's); off: torch's "
+                        "default (static first, one dynamic recompile at the second shape)")
     p.add_argument("--target", choices=("2b", "27b"), default="2b")
     p.add_argument("--layout", choices=("packed", "padded"), default="packed",
                    help="extract: one varlen stream of the batch's real tokens (the extractor's), or padded rows")

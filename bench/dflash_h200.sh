@@ -41,6 +41,7 @@ run() {  # NAME LIMIT ARGS...: the bench under timeout, its log in $OUT/NAME.txt
   timeout -k 10 "$limit" "$PY" bench/dflash_drafter.py "$@" --first-step-limit "$first" ${EXTRA:-} >"$out/$name.txt" 2>&1
   rc=$?
   grep -E "^(\||# )" "$out/$name.txt" | grep -vE "^# batch [0-9]+:"
+  grep -q "^# LATE" "$out/$name.txt" && grep -A 30 -m 1 "^# LATE" "$out/$name.txt" | grep -E "^(Thread|Current thread|  File)" | head -30
   [ $rc -eq 124 ] && echo "FAILED $name: killed by timeout after $limit s (last lines:)" && tail -n 5 "$out/$name.txt"
   [ $rc -ne 0 ] && [ $rc -ne 124 ] && echo "FAILED $name: exit $rc (last lines:)" && tail -n 15 "$out/$name.txt"
   echo "$name: exit $rc in $(( $(date +%s) - t0 )) s"
