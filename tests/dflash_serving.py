@@ -19,29 +19,38 @@ Drafting one block: the target runs the prompt; its captured layers (layer i's o
 hidden_states[i + 1], as the engines capture them) for the prompt tokens are the context, projected
 by fc and hidden_norm; the block is [sampled token, mask x (K-1)] at positions n .. n+K-1; every
 layer's queries are the block's, its keys and values the projected context's (positions 0..n-1)
-followed by the block's own, non-causal; the final norm, then the target's lm_head, give the K-1
+followed by the block's own, masked as the engine's attention call masks them; the final norm, then the target's lm_head, give the K-1
 draft tokens. What this does not model: KV caches, tensor parallelism, verification.
 
-Each engine's reading of the attention layout (full or sliding window, causal or not inside the
-block, which target layers feed fc) is written out below from its parsing code, on the config as
-transformers parses it (both engines read the AutoConfig object, not the raw JSON):
-  - vLLM (qwen3_dflash.py `_resolve_layer_attention`, `_dflash_layer_causal`;
-    v1/worker/gpu/spec_decode/eagle/eagle3_utils.py `get_eagle3_aux_layers_from_config`);
-  - SGLang (speculative/dflash_utils.py `parse_dflash_draft_config`,
-    `get_dflash_attention_sliding_window_size`; its per-layer causality as SpecForge's
-    `resolve_dflash_is_causal` restates it for training).
+Each engine's reading of the attention layout (which target hidden states feed fc; per layer, the
+flash-attn call it makes: `causal` and `window_size` (left, right), -1 = unbounded) comes from its
+own code, on the config as transformers parses it (both engines read the AutoConfig object):
+  - SGLang: its released code, executed (tests/engine_code.py: `_get_dflash_layer_attention_params`,
+    the FlashAttention backend's `causal`/`window_size` statements, `parse_dflash_draft_config`,
+    `set_dflash_layers_to_capture`);
+  - vLLM: followed at commit 036a00d (vllm/model_executor/models/qwen3_dflash.py) and its
+    FlashAttention backend at 5704f34 (vllm/v1/attention/backends/flash_attn.py), the lines quoted
+    at each function below: its release cannot be had small (tests/README.md).
+The mask a flash-attn call runs is flash-attn's documented one: the queries are the LAST K
+positions of the keys; a query at position q sees a key at k iff k <= q when causal, and
+q - left <= k <= q + right for each bound that is not -1 (`flash_mask`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
 SLIDING = "sliding_attention"
+VLLM_COMMIT = "036a00d1f5d00d449d02dce9babdd15a5b4d06c9"  # qwen3_dflash.py
+VLLM_FA_COMMIT = "5704f34f361c6c59a9c092c4e1e96730cc6dc14d"  # v1/attention/backends/flash_attn.py
+
+Layout = tuple[bool, tuple[int, int]]  # (causal, window_size) of one draft layer's flash-attn call
 
 
 def hf_config(export_dir: Path):
@@ -51,7 +60,14 @@ def hf_config(export_dir: Path):
 
 
 def vllm_layer_causal(config, i: int) -> bool:
-    """vLLM: top-level is_causal, else dflash_config.causal, else causal exactly on sliding layers."""
+    """qwen3_dflash.py@036a00d:58-67 `_dflash_layer_causal`:
+        is_causal = getattr(config, "is_causal", None)
+        if is_causal is not None: return bool(is_causal)
+        override = (getattr(config, "dflash_config", None) or {}).get("causal")
+        if override is not None: return bool(override)
+        layer_types = getattr(config, "layer_types", None)
+        return bool(layer_types) and layer_types[layer_idx] == _SLIDING_ATTENTION
+    """
     if getattr(config, "is_causal", None) is not None:
         return bool(config.is_causal)
     override = (getattr(config, "dflash_config", None) or {}).get("causal")
@@ -62,9 +78,15 @@ def vllm_layer_causal(config, i: int) -> bool:
 
 
 def vllm_layer_attention(config, i: int, v2_runner: bool) -> tuple[int | None, bool]:
-    """vLLM: (sliding window or None, causal) of draft layer i. Mixed sliding/full layers need the
-    V2 model runner (NotImplementedError otherwise); use_swa makes every layer sliding only when
-    layer_types has none; the window is dflash_config.swa_window_size, else the top-level one."""
+    """qwen3_dflash.py@036a00d:89-149 `_resolve_layer_attention` -> (sliding_window, causal):
+        use_swa = dflash_config.get("use_swa", False)                              # :115
+        if 0 < num_sliding < len(layer_types) and not ...use_v2_model_runner:      # :122-125
+            raise NotImplementedError("... relaunch with VLLM_USE_V2_MODEL_RUNNER=1.")
+        if layer_types is None or (use_swa and not any_sliding): is_sliding = use_swa   # :133-134
+        else: is_sliding = layer_types[layer_idx] == _SLIDING_ATTENTION            # :136
+        sliding_window = dflash_config.get("swa_window_size", getattr(config, "sliding_window", None))  # :140-142
+        return sliding_window, _dflash_layer_causal(config, layer_idx)            # :149
+    """
     dflash = getattr(config, "dflash_config", None) or {}
     types = getattr(config, "layer_types", None)
     use_swa = dflash.get("use_swa", False)
@@ -84,61 +106,82 @@ def vllm_layer_attention(config, i: int, v2_runner: bool) -> tuple[int | None, b
     return window, vllm_layer_causal(config, i)
 
 
+def vllm_flash_window(sliding_window: int | None) -> tuple[int, int]:
+    """flash_attn.py@5704f34 `FlashAttentionImpl.__init__`, for the attn_type a DFlash layer has
+    (qwen3_dflash.py@036a00d `DFlashQwen3DecoderLayer.__init__`: `attn_type = AttentionType.DECODER`):
+        if sliding_window is None: self.sliding_window = (-1, -1)
+        elif attn_type == AttentionType.ENCODER_ONLY: self.sliding_window = (sliding_window - 1, sliding_window - 1)
+        else: self.sliding_window = (sliding_window - 1, 0)
+    passed as `window_size`, with `causal=attn_metadata.causal`, the layer's
+    `get_draft_attn_causal()` entry (= `self_attn.causal`)."""
+    return (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
+
+
 def vllm_capture_layers(config) -> list[int]:
-    """vLLM: the target's aux hidden-state ids (hidden_states[id], the output of layer id - 1):
-    eagle_aux_hidden_state_layer_ids, else dflash_config.target_layer_ids + 1."""
+    """vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py `get_eagle3_aux_layers_from_config` (as
+    qwen3_dflash.py@036a00d imports it): the target's aux hidden-state ids, hidden_states[id]:
+        layer_ids = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None)
+        if not layer_ids: ... layer_ids = [i + 1 for i in (dflash_config.get("target_layer_ids") or [])]
+    """
     ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None)
     if not ids:
         ids = [i + 1 for i in ((getattr(config, "dflash_config", None) or {}).get("target_layer_ids") or [])]
     return [int(i) for i in ids]
 
 
-def sglang_window_left(config) -> int | None:
-    """SGLang: None without sliding layers; else the top-level sliding_window minus one (HF windows
-    count the query itself), an error if it is missing."""
-    types = getattr(config, "layer_types", None)
-    if types is None or SLIDING not in types:
-        return None
-    window = getattr(config, "sliding_window", None)
-    if window is None:
-        raise ValueError("DFLASH sliding_attention layers require config.sliding_window.")
-    return int(window) - 1
+def vllm_layouts(config, v2_runner: bool = True) -> list[Layout]:
+    layers = [vllm_layer_attention(config, i, v2_runner) for i in range(int(config.num_hidden_layers))]
+    return [(causal, vllm_flash_window(window)) for window, causal in layers]
 
 
-def sglang_layer_causal(config, i: int) -> bool:
-    """SGLang (models/dflash.py `_get_dflash_layer_attention_params` at 003b23d): a
-    `sliding_attention` layer is AttentionType.DECODER (causal), a `full_attention` layer and a
-    config without layer_types ENCODER_ONLY (bidirectional); it does not read is_causal."""
-    types = getattr(config, "layer_types", None)
-    return bool(types) and types[i] == SLIDING
+def sglang_layouts(config, sglang: Any) -> list[Layout]:
+    """SGLang's own code (an engine_code.SGLangCode): the layer's (window_left, AttentionType),
+    then its FlashAttention backend's causal and window_size; extend and decode agree."""
+    out = []
+    for i in range(int(config.num_hidden_layers)):
+        window_left, attn_type = sglang.layer_attention(config, i)
+        extend = sglang.flash_window(window_left, attn_type, "forward_extend")
+        if sglang.flash_window(window_left, attn_type, "forward_decode") != extend:
+            raise AssertionError(f"SGLang's extend and decode paths differ for layer {i}")
+        out.append(extend)
+    return out
 
 
-def sglang_target_layer_ids(config, target_num_layers: int) -> list[int]:
-    """SGLang: dflash_config.target_layer_ids (0-based, each in range); its hook captures layer i's
-    output, hidden_states[i + 1]."""
-    ids = (getattr(config, "dflash_config", None) or {}).get("target_layer_ids")
-    if ids is None:
-        ids = getattr(config, "target_layer_ids", None)
-    ids = [int(i) for i in ids]
-    if not ids or any(not 0 <= i < target_num_layers for i in ids):
-        raise ValueError(f"target_layer_ids {ids} out of range for {target_num_layers} target layers")
-    return ids
+def sglang_capture_layers(config, sglang: Any, target_num_layers: int) -> list[int]:
+    """hidden_states indices SGLang feeds fc: parse_dflash_draft_config's target_layer_ids, captured
+    by the target "before layer id + 1" (set_dflash_layers_to_capture), i.e. hidden_states[id + 1]."""
+    ids = sglang.draft_config(config).resolve_target_layer_ids(target_num_layers=target_num_layers,
+                                                              draft_num_layers=int(config.num_hidden_layers))
+    return sglang.target_capture(ids)
 
 
-def layer_layouts(export_dir: Path, engine: str, target_num_layers: int) -> tuple[list[tuple[int | None, bool]],
-                                                                                  list[int]]:
-    """Per layer (window_left or None, causal), and the hidden_states indices fc reads, as `engine` has them."""
+def layer_layouts(export_dir: Path, engine: str, target_num_layers: int, sglang: Any = None
+                  ) -> tuple[list[Layout], list[int]]:
+    """Per layer (causal, window_size), and the hidden_states indices fc reads, as `engine` has them."""
     config = hf_config(export_dir)
-    n = int(config.num_hidden_layers)
     if engine == "vllm":
-        layers = [vllm_layer_attention(config, i, v2_runner=True) for i in range(n)]
-        return [(w - 1 if w is not None else None, c) for w, c in layers], vllm_capture_layers(config)
+        return vllm_layouts(config), vllm_capture_layers(config)
     if engine == "sglang":
-        left = sglang_window_left(config)
-        types = config.layer_types or []
-        return ([(left if types and types[i] == SLIDING else None, sglang_layer_causal(config, i)) for i in range(n)],
-                [i + 1 for i in sglang_target_layer_ids(config, target_num_layers)])
+        if sglang is None:
+            raise ValueError("engine 'sglang' runs SGLang's own code: pass an engine_code.SGLangCode")
+        return sglang_layouts(config, sglang), sglang_capture_layers(config, sglang, target_num_layers)
     raise ValueError(f"unknown engine {engine!r}")
+
+
+def flash_mask(layout: Layout, n_ctx: int, k: int) -> torch.Tensor:
+    """[k, n_ctx + k] bool: the keys each of the k block queries sees in one flash-attn call over the
+    n_ctx context keys followed by the block's own (queries = the last k key positions)."""
+    causal, (left, right) = layout
+    q = torch.arange(n_ctx, n_ctx + k)[:, None]
+    key = torch.arange(n_ctx + k)[None]
+    allowed = torch.ones(k, n_ctx + k, dtype=torch.bool)
+    if causal:
+        allowed &= key <= q
+    if left >= 0:
+        allowed &= key >= q - left
+    if right >= 0:
+        allowed &= key <= q + right
+    return allowed
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,7 +206,7 @@ class ServingDrafter:
              "mlp.down_proj.weight")
 
     def __init__(self, export_dir: Path, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
-                 engine: str = "sglang") -> None:
+                 engine: str = "vllm", sglang: Any = None) -> None:
         c = json.loads((Path(export_dir) / "config.json").read_text())
         dflash = c.get("dflash_config") or {}
         self.h, self.n_layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
@@ -175,7 +218,7 @@ class ServingDrafter:
         self.theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
         self.layer_ids = [int(i) for i in dflash["target_layer_ids"]]
         self.num_target_layers = int(c.get("num_target_layers", self.n_layers))
-        self.layouts, self.capture = layer_layouts(Path(export_dir), engine, self.num_target_layers)
+        self.layouts, self.capture = layer_layouts(Path(export_dir), engine, self.num_target_layers, sglang)
         self.block_size = int(dflash.get("block_size", c.get("block_size", 16)))
         self.mask_id = dflash.get("mask_token_id")
         if self.mask_id is None or not 0 <= int(self.mask_id) < target_embed.shape[0]:
@@ -203,14 +246,8 @@ class ServingDrafter:
         ctx = rms(ctx_feats @ w["fc.weight"].T, w["hidden_norm.weight"], self.eps)  # [n, h]
         x = self.embed[torch.tensor([anchor_token] + [self.mask_id] * (k - 1))]  # [K, h]
         pos_ctx, pos_blk = torch.arange(n), torch.arange(n, n + k)
-        pos_keys = torch.cat([pos_ctx, pos_blk])
         for i in range(self.n_layers):
-            window_left, causal = self.layouts[i]
-            allowed = torch.ones(k, n + k, dtype=torch.bool)  # [query, key] by position
-            if causal:
-                allowed &= pos_keys[None] <= pos_blk[:, None]
-            if window_left is not None:
-                allowed &= pos_keys[None] >= pos_blk[:, None] - window_left
+            allowed = flash_mask(self.layouts[i], n, k)  # [query, key] by position
             p = f"layers.{i}."
             y = rms(x, w[p + "input_layernorm.weight"], self.eps)
 

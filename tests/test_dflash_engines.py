@@ -1,7 +1,9 @@
-"""The published Qwen3.6-27B drafter layout (sliding-window layers) as a preset, its export as vLLM
-and SGLang read it (tests/dflash_serving.py restates their parsing), a tiny sliding-window
-drafter drafting the same block in an engine-style loader as in the trainer, and the window in
-both attention paths (dense chunked and block-sparse flex) against each other and the mask's rule."""
+"""The DFlash export against the serving engines' own code: SGLang's released parsing code executed
+(tests/engine_code.py), vLLM's followed at a named commit (tests/dflash_serving.py). For each engine,
+fed the exported config, the attention it would run equals the trainer's mask, layer by layer; a
+tiny [sliding, full] drafter trained on CPU drafts in the engine-style loader the trainer's tokens.
+Also: the published Qwen3.6-27B layout as a preset, sliding layers causal inside the block (a
+perturbation test) and the window in both attention paths (dense chunked, block-sparse flex)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ import pytest
 import torch
 from dflash_serving import (
     ServingDrafter,
+    flash_mask,
     hf_config,
     layer_layouts,
-    sglang_layer_causal,
-    sglang_target_layer_ids,
-    sglang_window_left,
+    sglang_capture_layers,
+    sglang_layouts,
     vllm_capture_layers,
     vllm_layer_attention,
+    vllm_layouts,
 )
+from engine_code import EngineCodeUnavailable, SGLangCode, sglang_sources
 
 from train.dflash import train as dflash_train
 from train.dflash.export import hf_config as export_config
@@ -26,6 +30,7 @@ from train.dflash.export import readme, write_export
 from train.dflash.model import (
     FULL,
     SLIDING,
+    BlockAttention,
     Drafter,
     DrafterConfig,
     TargetShape,
@@ -40,6 +45,16 @@ from train.extract.extract import default_layers
 QWEN36_27B = TargetShape(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
                          head_dim=256, intermediate_size=17408, vocab_size=248320, rope_theta=1e7,
                          max_position_embeddings=262144)
+ENGINES = ("vllm", "sglang")
+
+
+@pytest.fixture(scope="module")
+def sglang() -> SGLangCode:
+    """SGLang's parsing code from its release on PyPI (downloaded once into the test cache)."""
+    try:
+        return SGLangCode(sglang_sources())
+    except EngineCodeUnavailable as exc:
+        pytest.skip(f"SGLang's released code could not be fetched, so its parsing cannot run: {exc}")
 
 
 def write_config(cfg: DrafterConfig, out) -> None:
@@ -48,13 +63,34 @@ def write_config(cfg: DrafterConfig, out) -> None:
     (out / "README.md").write_text(readme(cfg))
 
 
-def test_qwen36_27b_preset_is_the_published_layout_and_both_engines_read_its_export(tmp_path):
+def trainer_masks(cfg: DrafterConfig, n_ctx: int) -> list[torch.Tensor]:
+    """Per layer [K, n_ctx + K]: what the trainer's BlockAttention lets a block anchored after n_ctx
+    context positions see (context, then its own slots)."""
+    k = cfg.block_size
+    attend = BlockAttention(torch.tensor([[n_ctx]]), torch.tensor([n_ctx + 1]), n_ctx, k)
+    masks = []
+    for i in range(cfg.num_layers):
+        window = cfg.layer_window(i)
+        block = attend.see_block(window)
+        block = torch.ones(k, k, dtype=torch.bool) if block is None else block
+        masks.append(torch.cat([attend.see_context(0, 1, window)[0], block], dim=1))
+    return masks
+
+
+def engine_masks(export_dir, engine: str, sglang: SGLangCode, n_ctx: int, k: int, target_layers: int
+                 ) -> tuple[list[torch.Tensor], list[int]]:
+    layouts, capture = layer_layouts(export_dir, engine, target_layers, sglang)
+    return [flash_mask(layout, n_ctx, k) for layout in layouts], capture
+
+
+def test_qwen36_27b_preset_is_the_published_layout_and_both_engines_read_its_export(tmp_path, sglang):
     """`--drafter auto` on a Qwen3.6-27B-shaped target: 5 layers, 32 x 128 heads / 8 KV, MLP 17,408,
     [sliding x4, full] with a 2,048 window, block 16, mask 248070, layers [1, 16, 31, 46, 61], untied.
     Its config.json (weights are 1.7 B parameters: the config alone) parsed by transformers, then
-    read as vLLM does (window 2048 on layers 0-3, none on 4, non-causal, capture ids +1, the mixed
-    layout refused without the V2 runner, whose flag README.md names) and as SGLang does
-    (window_left 2047, target_layer_ids as given)."""
+    by each engine's code: the sliding layers a causal flash-attn call with window (2047, 0), the
+    full one bidirectional and unbounded; capture hidden_states[id + 1]; vLLM refuses the mixed
+    layout without the V2 runner, whose flag README.md names. With 2,100 context positions (the
+    window bites) every layer's mask equals the trainer's."""
     assert default_drafter(QWEN36_27B) == "qwen3.6-27b"
     layers = default_layers(64, 5)
     cfg = drafter_config(default_drafter(QWEN36_27B), QWEN36_27B, layers, 16)
@@ -68,8 +104,12 @@ def test_qwen36_27b_preset_is_the_published_layout_and_both_engines_read_its_exp
     hf = hf_config(out)
     assert hf.tie_word_embeddings is False and hf.architectures == ["DFlashDraftModel"]
     assert hf.sliding_window == 2048  # transformers keeps it only with use_sliding_window
+    # no key sets one causality for every layer (vLLM would apply it to the full layer too)
+    assert getattr(hf, "is_causal", None) is None and "causal" not in hf.dflash_config
 
+    served = [(True, (2047, 0))] * 4 + [(False, (-1, -1))]
     assert [vllm_layer_attention(hf, i, v2_runner=True) for i in range(5)] == [(2048, True)] * 4 + [(None, False)]
+    assert vllm_layouts(hf) == served
     with pytest.raises(NotImplementedError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
         vllm_layer_attention(hf, 0, v2_runner=False)
     assert "VLLM_USE_V2_MODEL_RUNNER=1" in (out / "README.md").read_text()
@@ -78,20 +118,52 @@ def test_qwen36_27b_preset_is_the_published_layout_and_both_engines_read_its_exp
     assert vllm_capture_layers(hf) == [2, 17, 32, 47, 62]
 
     hf = hf_config(out)
-    assert sglang_window_left(hf) == 2047
-    assert [sglang_layer_causal(hf, i) for i in range(5)] == [True] * 4 + [False]
-    assert sglang_target_layer_ids(hf, 64) == [1, 16, 31, 46, 61]
-    assert (hf.dflash_config["block_size"], hf.dflash_config["mask_token_id"], hf.num_target_layers) == (16, 248070, 64)
-    # no key sets one causality for every layer (vLLM would apply it to the full layer too)
-    assert getattr(hf, "is_causal", None) is None and "causal" not in hf.dflash_config
+    assert sglang_layouts(hf, sglang) == served
+    assert [sglang.layer_attention(hf, i)[0] for i in range(5)] == [2047] * 4 + [-1]  # window_left = W - 1
+    assert sglang_capture_layers(hf, sglang, 64) == [2, 17, 32, 47, 62]
+    parsed = sglang.draft_config(hf)
+    assert (parsed.block_size, parsed.mask_token_id, parsed.num_target_layers) == (16, 248070, 64)
+
+    want = trainer_masks(cfg, 2100)
+    for engine in ENGINES:
+        masks, _ = engine_masks(out, engine, sglang, 2100, 16, 64)
+        for i, (got, mine) in enumerate(zip(masks, want, strict=True)):
+            assert torch.equal(got, mine), (engine, i)
 
 
-def test_full_attention_export_has_no_window_for_either_engine(tmp_path):
-    cfg = drafter_config("qwen3.5", QWEN36_27B, [1, 16, 31, 46, 61], 16)
-    write_config(cfg, tmp_path)
-    hf = hf_config(tmp_path)
-    assert [vllm_layer_attention(hf, i, v2_runner=False) for i in range(5)] == [(None, False)] * 5
-    assert sglang_window_left(hf) is None and "VLLM_USE_V2" not in (tmp_path / "README.md").read_text()
+@pytest.mark.parametrize(("types", "window", "k"), [
+    ([SLIDING, FULL], 6, 8),  # the window cuts the block too
+    ([SLIDING, SLIDING], 24, 16),
+    ([FULL, SLIDING], 3, 4),
+    ([FULL, FULL], None, 8),
+])
+def test_each_engine_fed_the_export_runs_the_trainers_mask(tmp_path, sglang, types, window, k):
+    """Layer by layer, the flash-attn call each engine's code makes for the exported config masks
+    exactly what the trainer's BlockAttention does, after a 20-position context; and fc reads the
+    hidden states the trainer captured (target layer + 1). The control, that this comparison can
+    fail: with the keys an earlier export wrote (`is_causal: false`, `dflash_config.causal: false`)
+    SGLang's code runs a sliding layer bidirectional within the window (ENCODER_ONLY: (W-1, W-1)),
+    while vLLM's FlashAttention backend still runs it causal (right bound 0, whatever `causal`
+    says): the engines disagreed, and neither ran the earlier trainer's bidirectional block."""
+    cfg = DrafterConfig(**{**drafter_config("tiny", SHAPE, [1, 2], k).__dict__, "layer_types": types,
+                           "sliding_window": window})
+    out = tmp_path / "export"
+    write_config(cfg, out)
+    want = trainer_masks(cfg, 20)
+    for engine in ENGINES:
+        masks, capture = engine_masks(out, engine, sglang, 20, k, SHAPE.num_hidden_layers)
+        assert capture == [2, 3], engine
+        for i, (got, mine) in enumerate(zip(masks, want, strict=True)):
+            assert torch.equal(got, mine), (engine, i, got.int(), mine.int())
+
+    old = json.loads((out / "config.json").read_text())
+    old["is_causal"] = False
+    old["dflash_config"]["causal"] = False
+    (out / "config.json").write_text(json.dumps(old))
+    differs = {engine: [not torch.equal(got, mine) for got, mine in
+                        zip(engine_masks(out, engine, sglang, 20, k, SHAPE.num_hidden_layers)[0], want, strict=True)]
+               for engine in ENGINES}
+    assert differs == {"sglang": [t == SLIDING for t in types], "vllm": [False] * len(types)}, differs
 
 
 SHAPE = TargetShape(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -104,8 +176,9 @@ def windowed(types: list[str], window: int, block: int) -> DrafterConfig:
     return DrafterConfig(**{**cfg.__dict__})  # validated again
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_tiny_sliding_window_export_drafts_the_same_block_in_the_engine_loader_as_in_the_trainer(tmp_path, engine):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tiny_sliding_window_export_drafts_the_same_block_in_the_engine_loader_as_in_the_trainer(
+        tmp_path, engine, sglang):
     """[sliding (window 6), full] with K=4 after a 30-token context: the window bites (30 > 6). The
     engine-style loader, reading the export as `engine` does, gives the trainer's block states and
     drafts; a drafter with the window left out gives other states (the window is in the mask)."""
@@ -114,8 +187,8 @@ def test_tiny_sliding_window_export_drafts_the_same_block_in_the_engine_loader_a
     drafter = Drafter(windowed([SLIDING, FULL], 6, k)).eval()
     out = write_export(drafter, tmp_path / "export", dtype=torch.float32)
     embed, lm_head = torch.randn(300, 64), torch.randn(300, 64)
-    serving = ServingDrafter(out, embed, lm_head, engine=engine)
-    assert serving.layouts == [(5, True), (None, False)] and serving.capture == [2, 3]
+    serving = ServingDrafter(out, embed, lm_head, engine=engine, sglang=sglang)
+    assert serving.layouts == [(True, (5, 0)), (False, (-1, -1))] and serving.capture == [2, 3]
     ctx = torch.randn(n, 2 * 64)
     anchor = 17
     hidden = torch.cat([ctx, torch.zeros(1, 128)])[None]  # the anchor's own state: not there yet
@@ -287,7 +360,7 @@ def test_layer_types_are_checked():
         windowed([SLIDING], 8, 4)
 
 
-def test_export_layout_round_trips_and_engine_layouts_agree(tmp_path):
+def test_export_layout_round_trips_and_engine_layouts_agree(tmp_path, sglang):
     from train.dflash.export import load_export
 
     torch.manual_seed(0)
@@ -295,7 +368,7 @@ def test_export_layout_round_trips_and_engine_layouts_agree(tmp_path):
     out = write_export(drafter, tmp_path / "e")
     back = load_export(out)
     assert back.cfg.layer_types == [SLIDING, FULL] and back.cfg.sliding_window == 6
-    assert layer_layouts(out, "vllm", 4) == layer_layouts(out, "sglang", 4)
+    assert layer_layouts(out, "vllm", 4) == layer_layouts(out, "sglang", 4, sglang)
 
 
 def test_dense_path_is_refused_up_front_with_the_budget_that_fits():
@@ -356,3 +429,118 @@ def test_compiled_layer_regions_equal_eager_and_compile_once_per_dynamic_shape()
     # per region: layer 0's input without grad, the next layers' with it, each static and then
     # dynamic (sizes turn dynamic as they are seen to change): a bounded set, none for a 4th shape
     assert counts[-1] == counts[-2] <= 12, counts
+
+
+K_SERVE, WINDOW_SERVE, PROMPTS = 8, 6, 12
+
+
+@pytest.fixture(scope="module")
+def served_run(tmp_path_factory):
+    """A tiny Qwen3.5 target (save_pretrained, a ChatML BPE), chat data whose replies copy the
+    prompt, its shards (layers 1, 2), a [sliding (window 6), full] drafter with K=8 trained offline
+    on them, exported by `launch export`'s code (bf16)."""
+    from dflash_fixtures import make_tokenizer, write_conversations
+    from transformers import Qwen3_5ForCausalLM
+
+    from train.common.shapes import get_shape
+    from train.dflash.export import export_checkpoint
+    from train.extract import extract as ex
+    from train.stage1.model import text_config
+
+    root = tmp_path_factory.mktemp("served")
+    target = root / "target"
+    torch.manual_seed(0)
+    Qwen3_5ForCausalLM(text_config(get_shape("tiny"))).save_pretrained(str(target))
+    make_tokenizer(target)
+    chat = write_conversations(root / "chat.jsonl", 16, n_words=8)
+    shards = root / "shards"
+    assert ex.main(["--out", str(shards), "--data", str(chat), "--init-from", str(target), "--layers", "1,2",
+                    "--token-budget", "512", "--max-len", "128"], guard=False) == 0
+    layout = root / "drafter.json"
+    layout.write_text(json.dumps({"num_layers": 2, "intermediate_size": 512, "layer_types": [SLIDING, FULL],
+                                  "sliding_window": WINDOW_SERVE}))
+    run = root / "dflash"
+    assert dflash_train.main(["--data", str(shards), "--out", str(run), "--drafter", str(layout), "--steps", "30",
+                              "--block-size", str(K_SERVE), "--token-budget", "512", "--anchors", "32",
+                              "--lr", "5e-3", "--warmup", "2"], guard=False) == 0
+    return target, chat, run, export_checkpoint(run, None, None)
+
+
+def drafts_and_tau(draft, prompts) -> tuple[list[list[int]], float]:
+    """Each prompt's K-1 drafts (draft(ctx_feats, hidden_states, anchor)) and tau over the prompts:
+    1 + the drafts accepted in a row against the data's own next tokens, averaged."""
+    blocks, accepted = [], []
+    for hidden_states, anchor, truth in prompts:
+        tokens = draft(hidden_states, anchor)
+        run = next((i for i, (a, b) in enumerate(zip(tokens, truth, strict=True)) if a != b), len(truth))
+        blocks.append(tokens)
+        accepted.append(1 + run)
+    return blocks, sum(accepted) / len(accepted)
+
+
+@pytest.fixture(scope="module")
+def served_prompts(served_run):
+    """12 prompts (a conversation's prompt and its first reply tokens, the anchor inside the reply)
+    run through the target, and the trainer's drafts and tau on them: its drafter at the exported
+    bf16 weights, fed hidden_states[id + 1] of the layers it captured."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train.dflash.export import load_export
+
+    target, chat, run, out = served_run
+    model = AutoModelForCausalLM.from_pretrained(str(target), local_files_only=True, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    embed, lm_head = model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach()
+    prompts = []
+    for line in chat.read_text().splitlines()[:PROMPTS]:
+        conv = json.loads(line)["conversations"]
+        prompt = tok.apply_chat_template(conv[:2], add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"]
+        anchor = len(prompt["input_ids"]) + 3  # a token of the reply, as the target just sampled it
+        with torch.no_grad():
+            hidden_states = model(input_ids=torch.tensor([ids[:anchor]]), output_hidden_states=True).hidden_states
+        prompts.append((hidden_states, ids[anchor], ids[anchor + 1:anchor + K_SERVE]))
+
+    state = torch.load(run / "checkpoints" / sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-1]
+                       / "drafter.pt", weights_only=False)
+    drafter = Drafter(DrafterConfig(**state["drafter_config"])).eval()
+    drafter.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state["model"].items()})
+    assert drafter.cfg.layer_types == [SLIDING, FULL] and load_export(out).cfg.sliding_window == WINDOW_SERVE
+
+    def trainer_draft(hidden_states, anchor: int) -> list[int]:
+        ctx = torch.cat([hidden_states[i + 1][0] for i in drafter.cfg.target_layer_ids], -1)
+        n = ctx.shape[0]
+        hidden = torch.cat([ctx, torch.zeros(1, ctx.shape[1])])[None]  # the anchor's own state: not there yet
+        block = embed[torch.tensor([anchor] + [drafter.cfg.mask_token_id] * (K_SERVE - 1))][None, None]
+        with torch.no_grad():
+            states = drafter(hidden, block, torch.tensor([[n]]), torch.tensor([n + 1]))[0, 0]
+        return (states[1:] @ lm_head.T).argmax(-1).tolist()
+
+    return (out, embed, lm_head, prompts, *drafts_and_tau(trainer_draft, prompts))
+
+
+@pytest.mark.slow  # the fixtures extract a tiny target's shards and train 30 steps (shared by both engines)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_trained_sliding_drafter_drafts_the_trainers_tokens_in_the_engine_loader(served_prompts, sglang, engine):
+    """The acceptance of issue 42: on 12 prompts the engine-style loader, reading the export as
+    `engine`'s code does (layer attention, window, captured layers), drafts the trainer's 7 tokens
+    in 12 of 12, so its tau equals the trainer's, and the trained drafter accepts more than the
+    target's own token. The control: the keys an earlier export wrote make SGLang's code serve the
+    sliding layer bidirectionally, and its drafts then differ."""
+    out, embed, lm_head, prompts, mine, tau = served_prompts
+    serving = ServingDrafter(out, embed, lm_head, engine=engine, sglang=sglang)
+    assert serving.layouts == [(True, (WINDOW_SERVE - 1, 0)), (False, (-1, -1))]
+    theirs, tau_engine = drafts_and_tau(lambda hs, a: serving.draft(serving.context(hs), a), prompts)
+    assert sum(a == b for a, b in zip(mine, theirs, strict=True)) == PROMPTS, (mine, theirs)
+    assert tau_engine == tau and tau > 1.0, (tau_engine, tau)
+
+    if engine == "sglang":
+        old = json.loads((out / "config.json").read_text())
+        old["is_causal"] = False
+        (out.parent / "earlier").mkdir(exist_ok=True)
+        (out.parent / "earlier" / "config.json").write_text(json.dumps(old))
+        (out.parent / "earlier" / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+        earlier = ServingDrafter(out.parent / "earlier", embed, lm_head, engine=engine, sglang=sglang)
+        assert earlier.layouts[0] == (False, (WINDOW_SERVE - 1, WINDOW_SERVE - 1))
+        wrong, _ = drafts_and_tau(lambda hs, a: earlier.draft(earlier.context(hs), a), prompts)
+        assert sum(a == b for a, b in zip(mine, wrong, strict=True)) < PROMPTS
