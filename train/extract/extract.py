@@ -11,6 +11,11 @@ batch k; ranks take k = rank, rank + world, ... A re-run with the same arguments
 shards are skipped, a shard left un-indexed by a crash is verified and adopted, tmp files are
 removed. See train/extract/shards.py for the layout.
 
+Each batch runs through the target packed: its samples' real tokens as one varlen stream (the
+varlen attention and the packed GDN kernels keep the samples apart; positions restart per
+sample), so no padding is computed; each sample's rows are sliced off the stream for its shard.
+On CUDA the target's layer regions are compiled with dynamic sizes (--compile auto).
+
 `--sync-cmd 'cp {src} /store/{name}'` copies each finished shard elsewhere; with
 `--sync-check-cmd 'sha256sum /store/{name}'` (first field: the copy's sha256) the local file is
 deleted once the copy's hash matches. Without a check command nothing is deleted.
