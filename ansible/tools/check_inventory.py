@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Validate a provisioning inventory before anything is touched.
 
-Prints one line naming the host and the variable on the first problem, exits 2; exits 0
-when the inventory is usable. Run by `make provision` and by the first play of provision.yml.
+Prints one line per problem, naming the host and the variable, every problem of the file at once
+(as ansible's argument specs report theirs), and exits 2; exits 0 when the inventory is usable.
+A host's checks are independent steps (its own variables, the userspace checksum, the venv, its
+place among its siblings): each step reports its first problem. Run by `make provision` and by the first play of provision.yml.
 
     check_inventory.py ansible/inventory/kpro6.yml [--limit kpro6]
 """
@@ -17,6 +19,7 @@ import ipaddress
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 BACKENDS = ("proxmox", "lxc")
@@ -24,7 +27,27 @@ NETWORK_FSTYPES = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "c
 
 
 class InventoryError(Exception):
-    """One problem in the inventory, phrased as `host: what is wrong; what to do`."""
+    """One problem in the inventory, phrased as `host: what is wrong; what to do` (or several, one a line)."""
+
+
+class _Problems:
+    """Collects the InventoryError of each independent step, so that one problem does not hide the next."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+
+    def step(self, check: Callable[..., None], *args: object) -> bool:
+        """Run one check; False (its problem noted) when it found one."""
+        try:
+            check(*args)
+        except InventoryError as err:
+            self.found.append(str(err))
+            return False
+        return True
+
+    def raise_any(self) -> None:
+        if self.found:
+            raise InventoryError("\n".join(dict.fromkeys(self.found)))
 
 
 def _strict_loader() -> type:
@@ -300,9 +323,7 @@ def check_container_host(host: str, hv: dict) -> None:
     if driver and not re.fullmatch(r"[0-9]+(\.[0-9]+)+", str(driver)):
         raise InventoryError(f"{host}: gpu_host_expected_driver_version={driver!r} is not a driver version "
                              "(cat /sys/module/nvidia/version on the host, e.g. 570.172.08)")
-    for name in ("lxc_container_unprivileged_root_uid", "lxc_container_unprivileged_root_gid"):
-        if name in hv:  # 0 would hand an unprivileged CT's scratch to host root: not its root
-            _int(host, name, hv[name], 1, 2**32 - 2)
+    _unprivileged_root_ids(host, hv)
 
 
 def _unprivileged(hv: dict, phv: dict) -> bool:
@@ -382,8 +403,13 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     fstype = hv.get("node_caches_fstype_hint") or phv.get("gpu_host_scratch_fstype")
     if fstype in NETWORK_FSTYPES:
         raise InventoryError(f"{host}: node_caches_root is on {fstype}, a network file system; use node-local NVMe")
-    _userspace_checksum(host, hv, phv)
-    _pinned_venv(host, hv)
+    _unprivileged_root_ids(host, hv)
+
+
+def _unprivileged_root_ids(host: str, hv: dict) -> None:
+    for name in ("lxc_container_unprivileged_root_uid", "lxc_container_unprivileged_root_gid"):
+        if name in hv:  # 0 would map an unprivileged CT's root (and its scratch) to host root
+            _int(host, name, hv[name], 1, 2**32 - 2)
 
 
 def _pinned_venv(host: str, hv: dict) -> None:
@@ -468,33 +494,47 @@ def check(inventory_path: str, limit: str | None = None) -> None:
     wanted = set(hosts) if not limit else {limit, *groups.get(f"{limit}_containers", [])}
     if limit and limit not in hosts:
         raise InventoryError(f"{inventory_path}: host {limit!r} is not in the inventory (hosts: {', '.join(sorted(container_hosts))})")
+    problems = _Problems()
     for host in sorted(set(container_hosts) & wanted):
-        check_container_host(host, hosts[host])
+        problems.step(check_container_host, host, hosts[host])
+    valid: set[str] = set()  # containers whose own variables passed: the only ones compared with others
     for host in sorted(set(groups.get("gpu_containers", [])) & wanted):
-        check_container(host, hosts[host], hosts, container_hosts)
-        parent = hosts[host]["container_host"]
-        if host not in groups.get(f"{parent}_containers", []):
-            raise InventoryError(f"{host}: container of {parent} but not in group {parent}_containers")
-        siblings = sorted(h for h in groups.get(f"{parent}_containers", []) if h < host)
-        for gpu in hosts[host].get("ct_gpus", []):
-            other = next((h for h in siblings if int(gpu) in {int(g) for g in hosts[h].get("ct_gpus") or []}), None)
-            if other is not None:
-                raise InventoryError(f"{host}: ct_gpus has GPU {gpu}, which {other} has too; "
-                                     "a GPU passes through to one container")
-        # The scratch host path belongs to the mounting CT's root: a privileged and an unprivileged
-        # CT cannot both own it (each run would take it from the other).
-        scratch = hosts[host].get("ct_scratch_host_path")
-        mine = _unprivileged(hosts[host], hosts[parent])
-        other = next((h for h in siblings if scratch and _same_path(hosts[h].get("ct_scratch_host_path"), scratch)
-                      and _unprivileged(hosts[h], hosts[parent]) != mine), None)
+        if problems.step(check_container, host, hosts[host], hosts, container_hosts):
+            valid.add(host)
+        if hosts[host].get("container_host") not in container_hosts:
+            continue  # said by check_container; the steps below need the parent
+        problems.step(_userspace_checksum, host, hosts[host], hosts[hosts[host]["container_host"]])
+        problems.step(_pinned_venv, host, hosts[host])
+        if host in valid:
+            problems.step(_siblings, host, hosts, groups, valid)
+    problems.raise_any()
+
+
+def _siblings(host: str, hosts: dict[str, dict], groups: dict[str, list[str]], valid: set[str]) -> None:
+    """A container among the other (valid) containers of its host: group, GPUs, scratch path, CT id."""
+    parent = hosts[host]["container_host"]
+    if host not in groups.get(f"{parent}_containers", []):
+        raise InventoryError(f"{host}: container of {parent} but not in group {parent}_containers")
+    siblings = sorted(h for h in groups.get(f"{parent}_containers", []) if h < host and h in valid)
+    for gpu in hosts[host].get("ct_gpus", []):
+        other = next((h for h in siblings if int(gpu) in {int(g) for g in hosts[h].get("ct_gpus") or []}), None)
         if other is not None:
-            raise InventoryError(f"{host}: ct_scratch_host_path={scratch} is also {other}'s, and one of the two is "
-                                 "privileged: its owner is each CT's root; give each a directory of its own")
-        if hosts[parent].get("lxc_container_backend") == "proxmox":
-            # by value: 200 and "200" are the same CT id
-            vmids = [str(hosts[h].get("ct_vmid")).strip() for h in groups.get(f"{parent}_containers", [])]
-            if vmids.count(str(hosts[host].get("ct_vmid")).strip()) > 1:
-                raise InventoryError(f"{host}: ct_vmid={hosts[host]['ct_vmid']} is used twice on {parent}")
+            raise InventoryError(f"{host}: ct_gpus has GPU {gpu}, which {other} has too; "
+                                 "a GPU passes through to one container")
+    # The scratch host path belongs to the mounting CT's root: a privileged and an unprivileged
+    # CT cannot both own it (each run would take it from the other).
+    scratch = hosts[host].get("ct_scratch_host_path")
+    mine = _unprivileged(hosts[host], hosts[parent])
+    other = next((h for h in siblings if scratch and _same_path(hosts[h].get("ct_scratch_host_path"), scratch)
+                  and _unprivileged(hosts[h], hosts[parent]) != mine), None)
+    if other is not None:
+        raise InventoryError(f"{host}: ct_scratch_host_path={scratch} is also {other}'s, and one of the two is "
+                             "privileged: its owner is each CT's root; give each a directory of its own")
+    if hosts[parent].get("lxc_container_backend") == "proxmox":
+        # by value: 200 and "200" are the same CT id
+        vmids = [str(hosts[h].get("ct_vmid")).strip() for h in groups.get(f"{parent}_containers", [])]
+        if vmids.count(str(hosts[host].get("ct_vmid")).strip()) > 1:
+            raise InventoryError(f"{host}: ct_vmid={hosts[host]['ct_vmid']} is used twice on {parent}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -506,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check(args.inventory, args.limit)
     except InventoryError as err:
-        print(f"inventory error: {err}", file=sys.stderr)
+        for line in str(err).splitlines():
+            print(f"inventory error: {line}", file=sys.stderr)
         return 2
     except Exception as err:  # a YAML or Ansible parse error: still one line
         print(f"inventory error: {args.inventory}: {_vault_hint(str(err).splitlines()[0])}", file=sys.stderr)
