@@ -149,6 +149,29 @@ def replaced(step: str, file: str, value: object) -> Callable[[Path], None]:
     return mutate
 
 
+def edited(step: str, file: str, edit: Callable[[dict], object]) -> Callable[[Path], None]:
+    """`file` of checkpoint `step` loaded, `edit`ed in place, saved, with a manifest that verifies."""
+    def mutate(ckpts: Path) -> None:
+        import torch
+
+        state = torch.load(ckpts / step / file, weights_only=False)
+        edit(state)
+        torch.save(state, ckpts / step / file)
+        _rehash(ckpts / step, file)
+
+    return mutate
+
+
+def _edit_json_file(rel: str, edit: Callable[[dict], object]) -> Callable[[Path], None]:
+    """A JSON file of the run folder (relative to checkpoints/) edited in place."""
+    def mutate(ckpts: Path) -> None:
+        doc = json.loads((ckpts / rel).read_text())
+        edit(doc)
+        (ckpts / rel).write_text(json.dumps(doc))
+
+    return mutate
+
+
 def _out_a_symlink(tmp: Path) -> None:
     finished_run(tmp)
     (tmp / "real").mkdir()
@@ -315,6 +338,31 @@ CASES = [
     Case("checkpoint", "export-crafted-model", EXPORT,
          rf"{STEP2}/model\.pt holds pickled objects that are not tensors or plain data", entry="launch",
          setup=broken(crafted(STEP2, "model.pt"))),
+    # ---- a trainer state or manifest a user edited (the manifest rehashed): one line naming the file
+    Case("checkpoint", "trainer-state-fields-lists", RESUME,
+         rf"{STEP2}/trainer_rank00000\.pt is not this trainer's state \(its data is list, not dict\)", entry="stage1",
+         setup=broken(replaced(STEP2, "trainer_rank00000.pt", {"step": 2, "data": [], "rng": [], "config": []}))),
+    Case("checkpoint", "trainer-state-a-list", RESUME,
+         rf"{STEP2}/trainer_rank00000\.pt is not this trainer's state \(it holds a list, not a dict\)", entry="stage1",
+         setup=broken(replaced(STEP2, "trainer_rank00000.pt", [2, {}, {}]))),
+    Case("checkpoint", "trainer-state-step-a-string", RESUME,
+         rf"{STEP2}/trainer_rank00000\.pt is not this trainer's state \(its step is str, not int\)", entry="stage1",
+         setup=broken(edited(STEP2, "trainer_rank00000.pt", lambda t: t.update(step="two")))),
+    Case("checkpoint", "trainer-state-step-1e12", RESUME,
+         rf"{STEP2}/trainer_rank00000\.pt is not this trainer's state \(its step is 1000000000000, the checkpoint is "
+         rf"{STEP2}\)", entry="stage1",
+         setup=broken(edited(STEP2, "trainer_rank00000.pt", lambda t: t.update(step=10**12)))),
+    Case("checkpoint", "trainer-state-rng-of-another-version", RESUME,
+         rf"{STEP2}/trainer_rank00000\.pt: its RNG state does not load here \(ValueError: '?state with version 99",
+         entry="stage1", setup=broken(edited(STEP2, "trainer_rank00000.pt",
+                                             lambda t: t["rng"].update(python=(99, *t["rng"]["python"][1:]))))),
+    Case("checkpoint", "export-manifest-without-step", EXPORT,
+         rf"{STEP2}/MANIFEST\.json: its step is None, the checkpoint is {STEP2}: the manifest was edited",
+         setup=broken(_edit_json_file(f"{STEP2}/MANIFEST.json", lambda m: m.pop("step")))),
+    Case("checkpoint", "export-model-config-of-another-architecture", EXPORT,
+         r"model_files/config\.json is a 'llama' model's config, not the stage-1 model's",
+         setup=broken(_edit_json_file("../model_files/config.json",
+                                      lambda c: (c.clear(), c.update(model_type="llama", hidden_size=64))))),
     Case("checkpoint", "deepspeed-checkpoint-resumed-plain", [*RESUME, "--deepspeed", "off"],
          rf"checkpoint \S*{STEP2} was written by DeepSpeed \(deepspeed/\), this run is plain torch: resume with "
          "--deepspeed on", entry="stage1", setup=broken(as_deepspeed_layout(STEP2))),

@@ -117,6 +117,9 @@ CASES += [
     Case("cli", "init-from-another-architecture-at-submit", [*STAGE1_SUBMIT, "--arg", "init_from={tmp}/ckpt"],
          r"--arg init_from=\S*ckpt: a 'llama' model \(no architectures\), not 'qwen3_5' or 'qwen3_5_text': this trainer "
          r"cannot start from it", {"ckpt/config.json": '{"model_type": "llama"}'}),
+    Case("cli", "init-from-pickled-weights-only-at-submit", [*STAGE1_SUBMIT, "--arg", "init_from={tmp}/ckpt"],
+         r"--init-from \S*ckpt: its weights are pickles \(pytorch_model\.bin\), and only safetensors weights are "
+         r"loaded", {"ckpt/config.json": '{"model_type": "qwen3_5_text"}', "ckpt/pytorch_model.bin": b"PK\x03\x04"}),
     Case("cli", "init-from-index-names-an-absent-shard", [*STAGE1_SUBMIT, "--arg", "init_from={tmp}/ckpt"],
          r"--arg init_from=\S*ckpt: model\.safetensors\.index\.json names model-00002-of-00002\.safetensors, which is not "
          r"there", {"ckpt/config.json": '{"model_type": "qwen3_5_text"}', "ckpt/model.safetensors.index.json":
@@ -221,6 +224,12 @@ def _inventory() -> list[Case]:
         _case("gpu-03-and-3-in-two-containers",
               kpro6({"ct_gpus": [0, 1, 2, 3]}, more={"kpro6-ct201": {**ct201, "ct_gpus": ["03", 4]}}),
               r"kpro6-ct201: ct_gpus has GPU 03, which kpro6-ct200 has too; a GPU passes through to one container"),
+        # an unprivileged CT whose root maps to host root; refused on the host, and on a container too
+        _case("container-unprivileged-root-uid-zero", kpro6({"lxc_container_unprivileged_root_uid": 0}),
+              rf"{CT}: lxc_container_unprivileged_root_uid=0 is out of range"),
+        # every problem of the file at once, one a line: the missing checksum hides nothing
+        _case("every-problem-at-once", kpro6({"nvidia_userspace_sha256": None, "ct_memory_mb": 8}),
+              rf"(?s){CT}: ct_memory_mb=8 is out of range.*\ninventory error: {CT}: nvidia_userspace_sha256 is not set"),
         _case("scratch-shared-but-for-a-trailing-slash", kpro6(more={"kpro6-ct201": {
                   **ct201, "ct_gpus": [], "ct_unprivileged": False, "ct_scratch_host_path": "/mnt/nvme-scratch/ct200/"}}),
               r"kpro6-ct201: ct_scratch_host_path=/mnt/nvme-scratch/ct200/ is also kpro6-ct200's, and one of the two is "

@@ -63,6 +63,9 @@ def check_init_from(path: str | os.PathLike[str] | None, flag: str = "--init-fro
         raise ConfigError(f"{flag} {path}: {said}") from None
 
 
+PICKLED_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
 def check_weight_files(path: str | os.PathLike[str]) -> None:
     """Every *.safetensors file of DIR has a header that reads and covers the file, and an index
     (model.safetensors.index.json) names only files that are there. Header reads only: cheap."""
@@ -85,6 +88,11 @@ def check_weight_files(path: str | os.PathLike[str]) -> None:
                 pass
         except (SafetensorError, OSError) as exc:
             raise HFLocalError(f"checkpoint {p}: {file.name} is damaged or truncated ({_one_line(exc)})") from None
+    pickled = sorted(f.name for pattern in PICKLED_WEIGHTS for f in p.glob(pattern))
+    if pickled and not any(p.glob("*.safetensors")):
+        raise HFLocalError(f"checkpoint {p}: its weights are pickles ({', '.join(pickled[:2])}), and only safetensors "
+                           "weights are loaded (unpickling a file can run code): save it with "
+                           "save_pretrained(..., safe_serialization=True) where it came from")
 
 
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:

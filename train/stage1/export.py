@@ -154,6 +154,16 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> str:
     return what
 
 
+def _manifest_step(ckpt: Path) -> int:
+    """The step MANIFEST.json records (a file a user can edit: it must be the directory's own)."""
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+    step = manifest.get("step") if isinstance(manifest, dict) else None
+    if type(step) is not int or step_dir_name(step) != ckpt.name:
+        raise ExportError(f"{ckpt / 'MANIFEST.json'}: its step is {step!r:.40}, the checkpoint is {ckpt.name}: the "
+                          "manifest was edited; nothing written")
+    return step
+
+
 def export_checkpoint(job_dir: Path, step: int | None = None, out: Path | None = None) -> Path:
     """Write checkpoint ``step`` (default: the latest) of stage-1 job ``job_dir`` as a transformers
     checkpoint into ``out`` (default ``<job>/export/step_XXXXXXXX``); return ``out``."""
@@ -166,10 +176,17 @@ def export_checkpoint(job_dir: Path, step: int | None = None, out: Path | None =
         ckpt = _checkpoint(job_dir, step)
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
-    step_no = int(json.loads((ckpt / "MANIFEST.json").read_text())["step"])
+    step_no = _manifest_step(ckpt)
     out = Path(out) if out is not None else job_dir / EXPORT_DIR / step_dir_name(step_no)
     check_destination(out)
-    config = AutoConfig.from_pretrained(files, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(files, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ExportError(f"{files / 'config.json'} does not load ({' '.join(str(exc).split())[:160]}); "
+                          "nothing written") from None
+    if config.model_type not in ("qwen3_5", "qwen3_5_text"):
+        raise ExportError(f"{files / 'config.json'} is a {config.model_type!r} model's config, not the stage-1 "
+                          "model's (qwen3_5 or qwen3_5_text): the run folder was edited; nothing written")
     cls = Qwen3_5ForConditionalGeneration if getattr(config, "vision_config", None) is not None else Qwen3_5ForCausalLM
     model = cls._from_config(config, dtype=torch.float32)
     for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values():

@@ -651,7 +651,31 @@ def _trainer_state(path: Path, dist_info: DistInfo) -> dict[str, Any]:
     trainer_file = path / f"trainer_rank{dist_info.rank:05d}.pt"
     if not trainer_file.is_file():
         raise CheckpointError(f"{trainer_file} is missing: checkpoint {path} was written by a different world size")
-    return load_state(trainer_file)
+    trainer = load_state(trainer_file)
+    check_trainer_state(trainer_file, trainer, path.name)
+    return trainer
+
+
+def check_trainer_state(file: Path, trainer: Any, step_dir: str) -> None:
+    """The trainer state is what save_checkpoint writes (a file anyone who can write the run folder can
+    edit, its manifest rehashed): its fields of their types, its step the checkpoint directory's own
+    (a step of 10^12 would "complete" the run without training). CheckpointError naming the file."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{file} is not this trainer's state ({why}); delete checkpoint {file.parent} to "
+                               "resume from the one before, or use --restart")
+
+    if not isinstance(trainer, dict):
+        raise bad(f"it holds a {type(trainer).__name__}, not a dict")
+    for key, kind in (("step", int), ("data", dict), ("rng", dict), ("config", dict), ("source", dict)):
+        value = trainer.get(key)
+        if (key in ("step", "data", "rng") or value is not None) and (type(value) is not kind if kind is int
+                                                                       else not isinstance(value, kind)):
+            raise bad(f"its {key} is {type(value).__name__ if value is not None else 'missing'}, not {kind.__name__}")
+    next_batch = trainer["data"].get("next_batch")
+    if type(next_batch) is not int or next_batch < 0:
+        raise bad(f"its data.next_batch is {next_batch!r:.40}, not a batch number")
+    if step_dir.startswith("step_") and step_dir[5:].isdigit() and trainer["step"] != int(step_dir[5:]):
+        raise bad(f"its step is {trainer['step']}, the checkpoint is {step_dir}")
 
 
 def check_model_args(path: Path, saved: dict[str, Any], cfg: Stage1Config) -> None:
@@ -679,5 +703,10 @@ def load_checkpoint(path: Path, stepper: Stepper, cfg: Stage1Config, dist_info: 
     saved_source = trainer.get("source") or {k: saved[k] for k in ("weights", "asset_lengths") if k in saved}
     _check_source(path, saved_source, source or {}, cfg.allow_data_change, trainer["data"]["next_batch"], report)
     stepper.load(path)
-    set_rng_state(trainer["rng"])
+    try:
+        set_rng_state(trainer["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:  # another version's, or edited
+        raise CheckpointError(f"{path / f'trainer_rank{dist_info.rank:05d}.pt'}: its RNG state does not load here "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else exc!r}); delete "
+                              f"checkpoint {path} to resume from the one before, or use --restart") from None
     return int(trainer["step"]), trainer["data"]
