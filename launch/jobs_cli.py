@@ -229,6 +229,7 @@ def _status_unreachable(rec: JobRecord, st: dict[str, str], as_json: bool) -> in
     """`launch status JOB` while slurmctld does not answer: said once, with what the job
     itself recorded (outcome.json), never a bare UNKNOWN with exit 0."""
     outcome = own_outcome(rec)
+    runconfig.read(rec.run_folder)  # not shown here, but a broken config.yaml is named (on stderr) all the same
     _unreachable_note(st["unreachable"], f"showing what job {rec.job_id} recorded in {rec.folder}/outcome.json"
                       if outcome else f"job {rec.job_id} recorded no outcome, so its state is unknown")
     row = {**_row(rec, st), "slurm_unreachable": st["unreachable"], "outcome": outcome}

@@ -26,6 +26,17 @@ def _run_folder(config: str | None = None, fifo: bool = False):  # noqa: ANN202 
     return setup
 
 
+def _dead_slurm_and(setup):  # noqa: ANN001, ANN202 - a Case.setup
+    """Job 1 recorded on a Slurm whose controller does not answer, then `setup`."""
+    from tests.badinputs.cli_cases import DEAD_SLURM, _record_with
+
+    def both(tmp: Path) -> None:
+        (tmp / "dead.conf").write_text(DEAD_SLURM)
+        _record_with(slurm_conf="{tmp}/dead.conf")(tmp)
+        setup(tmp)
+    return both
+
+
 CASES = [
     # ---- config.yaml of a run: read bounded, never hanging on a FIFO or expanding an alias bomb
     Case("cli", "resume-config-yaml-fifo", ["resume", "1", "--steps", "9"],
@@ -34,6 +45,13 @@ CASES = [
     Case("cli", "resume-config-yaml-alias-bomb", ["resume", "1", "--steps", "9"],
          r"config\.yaml not read \(YAML aliases are not written by the launcher\)", job_record=True,
          entry="launch-process", setup=_run_folder(ALIAS_BOMB)),
+    # `status` names a broken config.yaml too, with Slurm down as with it up
+    Case("cli", "status-config-yaml-fifo", ["status", "1"], r"\S*runs/1/config\.yaml not read \(not a regular file\); the "
+         r"run's config is not shown\n.*Slurm not reachable", entry="launch-process",
+         setup=_dead_slurm_and(_run_folder(fifo=True))),
+    Case("cli", "status-config-yaml-alias-bomb", ["status", "1"],
+         r"\S*runs/1/config\.yaml not read \(YAML aliases are not written by the launcher\)", entry="launch-process",
+         setup=_dead_slurm_and(_run_folder(ALIAS_BOMB))),
     # ---- a resume continues its run in its folder
     Case("cli", "resume-arg-out", ["resume", "1", "--arg", "out={tmp}/elsewhere"],
          r"--arg out=\S*elsewhere: a resume continues job 1's run in \S*runs/1; submit a new job", job_record=True,
