@@ -136,7 +136,7 @@ CASES += [
          r"--arg init_from=\S*ckpt: a 'llama' model \(no architectures\), not 'qwen3_5' or 'qwen3_5_text': this trainer "
          r"cannot start from it", {"ckpt/config.json": '{"model_type": "llama"}'}),
     Case("cli", "init-from-pickled-weights-only-at-submit", [*STAGE1_SUBMIT, "--arg", "init_from={tmp}/ckpt"],
-         r"--init-from \S*ckpt: its weights are pickles \(pytorch_model\.bin\), and only safetensors weights are "
+         r"--arg init_from=\S*ckpt: its weights are pickles \(pytorch_model\.bin\), and only safetensors weights are "
          r"loaded", {"ckpt/config.json": '{"model_type": "qwen3_5_text"}', "ckpt/pytorch_model.bin": b"PK\x03\x04"}),
     Case("cli", "init-from-index-names-an-absent-shard", [*STAGE1_SUBMIT, "--arg", "init_from={tmp}/ckpt"],
          r"--arg init_from=\S*ckpt: model\.safetensors\.index\.json names model-00002-of-00002\.safetensors, which is not "
