@@ -221,7 +221,7 @@ def _npy(path: Path, descr: str, shape: tuple[int, ...], data: bytes) -> None:
 STAGE1_SUBMIT_ARG = ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg"]
 CASES += [
     Case("cli", "stage1-wandb-project-empty", [*STAGE1_SUBMIT_ARG, "wandb_project="],
-         r"--wandb-project is empty: name the wandb project, or leave the option out"),
+         r"(--wandb-project|--arg wandb_project) is empty: name the wandb project, or leave the option out"),
     # a switch: a preset's `vision_ckpt: true` or the trainer's --vision-ckpt (`--arg vision_ckpt=on` is not a switch's
     # spelling, and is refused as such)
     Case("cli", "stage1-vision-ckpt-with-vision-off", ["--shape", "tiny", "--steps", "1", "--vision-ckpt", "--vision",
