@@ -11,6 +11,9 @@ Layout of an extraction directory:
                                   "{i}.loss_mask" uint8 [len]  (1 = response token; anchors go there)
     index.00000.json          per writing rank: shard name -> samples, lengths, bytes, sha256, location
 
+Shards are byte-reproducible: the same data and arguments write the same bytes (the metadata in
+sorted order), so their sha256 can be compared across runs.
+
 A shard becomes visible only by an atomic rename after fsync, and enters the index (itself
 replaced atomically) after that; so a crash leaves either a tmp file (removed on resume), a whole
 shard not yet indexed (verified and adopted on resume), or a whole indexed shard.
