@@ -314,7 +314,7 @@ def _is_count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def check_owned(path: Path, what: str, writable_mask: int = 0o022) -> None:
+def check_owned(path: Path, what: str, writable_mask: int = 0o002) -> None:
     """``path`` (lstat: a symlink is not followed) is ours or root's and not writable by others:
     another local user's manifest, archive or tree would be unpacked into the job's compiler
     caches (their code, compiled into the job). ArchiveError, one line, otherwise."""
@@ -346,7 +346,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ArchiveError(f"kernel archive manifest {path} is not a regular file")
-        if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+        if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o002:
             raise ArchiveError(f"kernel archive manifest {path} belongs to uid {st.st_uid} or is writable by others "
                                f"(mode {stat.S_IMODE(st.st_mode):o}); not used")
         raw = f.read(MANIFEST_MAX_BYTES + 1)
@@ -449,7 +449,7 @@ def _locked(path: Path) -> Iterator[None]:
                            "a symbolic link there is not followed)") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o002:
             raise ArchiveError(f"kernel archive lock {path} is not a regular file of yours that only you can write; "
                                "remove it")
         fcntl.flock(fd, fcntl.LOCK_EX)  # released when the fd closes, also when the process dies
