@@ -320,7 +320,9 @@ def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_i
         with torch.no_grad():
             x, ctx, rope_q, rope_ctx, attend = drafter.prepare(bt["hidden"], head.embed_tokens(blocks), anchors,
                                                                lengths, attn_impl=attn)
-        x = x.detach().requires_grad_(True)
+        # both require grad, as in the step (fc and the context's k/v projections are trained): the
+        # compiled regions see the inputs they were compiled for, no recompile here
+        x, ctx = x.detach().requires_grad_(True), ctx.detach().requires_grad_(True)
 
         def attention() -> None:
             for layer in drafter.layers:

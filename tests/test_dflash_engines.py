@@ -326,7 +326,7 @@ def test_compiled_regions_and_flex_are_three_graphs_whatever_the_batch(monkeypat
     """The compile is bounded: the layer regions (compile_regions) and flex_attention, compiled with
     dynamic sizes, trace once each (dynamo's eager backend here: the graph count, not the kernels)
     over batches of other rows, lengths and anchor counts and over sliding and full layers; no
-    batch shape, window or per-step mask recompiles them."""
+    batch shape, window or per-step mask recompiles them. In training the two regions too."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import flex_attention
@@ -351,6 +351,19 @@ def test_compiled_regions_and_flex_are_three_graphs_whatever_the_batch(monkeypat
         graphs.append(int(counters["stats"]["unique_graphs"]))
     torch._dynamo.reset()
     assert graphs == [3, 3, 3]
+    # training (the dense path: flex has no CPU backward): the first layer's input requires grad
+    # like the others', so each region still traces once
+    counters.clear()
+    train = Drafter(windowed([SLIDING, FULL], 24, 16))
+    train.compile_regions(backend="eager")
+    for i, lens in enumerate([(200, 90), (150, 120, 60)]):
+        lengths = torch.tensor(lens)
+        loss_mask = torch.arange(max(lens))[None] >= (lengths[:, None] // 4)
+        anchors = sample_anchors(lengths, 12, 16, torch.Generator().manual_seed(i), loss_mask)
+        train(torch.randn(len(lens), max(lens), 128), torch.randn(*anchors.shape, 16, 64), anchors,
+              lengths).sum().backward()
+    assert int(counters["stats"]["unique_graphs"]) == 2
+    torch._dynamo.reset()
 
 
 def test_layer_types_are_checked():

@@ -618,6 +618,11 @@ class Drafter(nn.Module):
         """
         bsz, n_anchor, k, h = block_embeds.shape
         x, ctx, rope_q, rope_ctx, attend = self.prepare(hidden, block_embeds, anchors, lengths, max_scores, attn_impl)
+        if self.layers[0].regions is not None and torch.is_grad_enabled() and not x.requires_grad:
+            # The compiled regions guard on whether x requires grad: the first layer's x (frozen
+            # embeddings) would compile each region a second time; its unused input gradient
+            # costs ~1% of a step (one layer's q/k/v input GEMMs), a compile costs ~30 s cold.
+            x = x.detach().requires_grad_()
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_ctx, attend)
         if isinstance(attend, PackedBlockAttention):
