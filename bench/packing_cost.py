@@ -3,9 +3,10 @@
 For each batch index, the documents the stage-1 data layer draws for it (``MixtureSampler``,
 ``tokenize_record``: the real tokenizer layout of the shape, the image processor's placeholder
 counts) are packed three ways: the cut-to-fill packers the layouts used before (``cut``: the
-document that ends a row is cut there, its tail dropped) and the whole-document packers they use
-now (``layout_packer``, closing a batch once no row has room for one more 3D asset, as
-``build_batch`` does).
+document that ends a row is cut there, its tail dropped), the streaming whole-document packers
+(``layout_packer``, closing a batch once no row has room for one more 3D asset, as ``build_batch``
+did until the carry-over buffer), and the carry packers ``build_batch`` uses now (``CarryPacker``:
+a document without room waits in a buffer and opens the next batch, one packer over all batches).
 
 Columns: documents per batch; of the drawn tokens of each kind (documents whose first token
 entered the batch: SS, shape, texture codes, captions after an asset or image) the share trained;
@@ -28,6 +29,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 
@@ -35,7 +37,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.common.packing import Document, Packer, layout_packer, rows_per_batch  # noqa: E402
+from train.common.packing import (  # noqa: E402
+    CARRY_CLOSE_BELOW,
+    CARRY_DOCS,
+    CarryPacker,
+    Document,
+    Packer,
+    layout_packer,
+    rows_per_batch,
+)
 
 KINDS = ("ss", "shape", "tex", "caption")
 
@@ -116,6 +126,58 @@ def measure(batch_docs: Callable[[int], Iterator[tuple[str, Document]]], n_batch
     }
 
 
+def measure_carry(batch_docs: Callable[[int], Iterator[tuple[str, Document]]], n_batches: int,
+                  make_packer: Callable[[], CarryPacker], tasks: list[str], vocab, caption_after: set[int]) -> dict:
+    """One ``CarryPacker`` over batches 0..n-1, its buffer carried from each batch to the next, as
+    the data layer packs a stream; the same columns as :func:`measure`. A document counts as
+    drawn when the packer took it from the draws; the buffer left after the last batch is drawn,
+    not trained (it opens the batch after)."""
+    packer = make_packer()
+    drawn_kind, trained_kind = Counter(), Counter()
+    doc_count, tok_count, seen_doc, seen_tok = Counter(), Counter(), Counter(), Counter()
+    useful = total = max_carry = 0
+    kinds_of: dict[int, np.ndarray] = {}
+    carry: list[Document] = []
+    for k in range(n_batches):
+        def stream(k: int = k) -> Iterator[Document]:
+            for task, doc in batch_docs(k):
+                if id(doc) not in kinds_of:
+                    kinds_of[id(doc)] = token_kinds(doc, task, vocab, caption_after)
+                kinds = kinds_of[id(doc)]
+                for c in range(len(KINDS)):
+                    drawn_kind[c] += int((kinds == c).sum())
+                seen_doc[task] += 1
+                seen_tok[task] += len(doc.tokens)
+                yield replace(doc, source=(task, doc))
+
+        got = packer.batch(carry, stream())
+        carry = got.carry
+        max_carry = max(max_carry, len(carry))
+        for row in got.rows:
+            useful += row.n_real_tokens
+            total += row.input_ids.numel()
+        for piece in got.placed:
+            task, doc = piece.source
+            a, b = piece.span or (0, len(doc.tokens))
+            kinds = kinds_of[id(doc)][a:b]
+            for c in range(len(KINDS)):
+                trained_kind[c] += int((kinds == c).sum())
+            doc_count[task] += a == 0
+            tok_count[task] += b - a
+    n_docs, n_tok = sum(doc_count.values()), sum(tok_count.values())
+    return {
+        "docs_per_batch": n_docs / n_batches,
+        "trained": {KINDS[c]: trained_kind[c] / max(1, drawn_kind[c]) for c in range(len(KINDS))},
+        "cut_batches": 0,  # never: whole documents
+        "useful": useful / total,
+        "max_carry": max_carry,
+        "doc_share": {t: doc_count[t] / n_docs for t in tasks},
+        "tok_share": {t: tok_count[t] / n_tok for t in tasks},
+        "seen_doc_share": {t: seen_doc[t] / sum(seen_doc.values()) for t in tasks},
+        "seen_tok_share": {t: seen_tok[t] / sum(seen_tok.values()) for t in tasks},
+    }
+
+
 def data_shares(weights: dict[str, float], mean_len: dict[str, float]) -> tuple[dict, dict]:
     """The data's document shares (the weights) and token shares (weights x mean length)."""
     norm = sum(weights[t] * mean_len[t] for t in weights)
@@ -127,10 +189,10 @@ def packers(row_len: int, batch_rows: int, close_below: int) -> dict[str, tuple[
     return {
         "rows, cut (before)": (lambda: Packer(row_len=row_len, fill="cut"), batch_rows),
         "flat, cut (before)": (lambda: Packer(row_len=row_len * batch_rows, max_doc_len=row_len, fill="cut"), 1),
-        "rows, whole (now)": (lambda: layout_packer("rows", row_len, batch_rows, close_below=close_below),
-                              rows_per_batch("rows", batch_rows)),
-        "flat, whole (now)": (lambda: layout_packer("flat", row_len, batch_rows, close_below=close_below),
-                              rows_per_batch("flat", batch_rows)),
+        "rows, whole (before)": (lambda: layout_packer("rows", row_len, batch_rows, close_below=close_below),
+                                 rows_per_batch("rows", batch_rows)),
+        "flat, whole (before)": (lambda: layout_packer("flat", row_len, batch_rows, close_below=close_below),
+                                 rows_per_batch("flat", batch_rows)),
     }
 
 
@@ -190,9 +252,14 @@ def main(argv: list[str] | None = None) -> int:
         caption_after = {tok.vocab.special_ids["<|3d_end|>"], tok.vision_ids["vision_end_token_id"]}
         results = {name: measure(batch_docs, args.batches, factory, keep, tasks, tok.vocab, caption_after)
                    for name, (factory, keep) in packers(args.row_len, args.batch_rows, close_below).items()}
+        for layout in ("rows", "flat"):  # what the data layer packs with now
+            results[f"{layout}, whole + carry (now)"] = measure_carry(
+                batch_docs, args.batches, lambda layout=layout: CarryPacker(layout, args.row_len, args.batch_rows),
+                tasks, tok.vocab, caption_after)
     print(f"# {args.batches} batches of {args.batch_rows} x {args.row_len} tokens, {args.shape}'s 3D format, vision "
-          f"on, {len(cache)} records; whole packers close once no row has {close_below} tokens of room (a CPU "
-          "measurement)")
+          f"on, {len(cache)} records; the streaming whole packers close once no row has {close_below} tokens of "
+          f"room; the carry packers keep up to {CARRY_DOCS} documents for the next batch and close below "
+          f"{CARRY_CLOSE_BELOW} tokens of room (a CPU measurement)")
     print(table(results, data_doc, data_tok, tasks))
     return 0
 

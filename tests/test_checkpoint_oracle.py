@@ -72,7 +72,7 @@ def setup(request, tmp_path_factory, data):
 
 
 def packed(docs: list[Document], layout: str):
-    rows = list(layout_packer(layout, ROW_LEN, BATCH_ROWS).pack(docs))
+    rows = list(layout_packer(layout, ROW_LEN, BATCH_ROWS, close_below=1).pack(docs))
     rows = rows[: BATCH_ROWS if layout == "rows" else 1]
     # (row, start, end) of each document, in the order of docs (a row takes them first-fit)
     where = {}

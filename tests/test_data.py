@@ -73,16 +73,49 @@ def test_batch_is_function_of_seed_rank_index(data_dir: Path) -> None:
     assert b3["input_ids"].shape == (2, 128)
 
 
-def test_worker_loader_order_and_resume(data_dir: Path) -> None:
-    """Two loader worker processes give batches in index order; starting at k resumes exactly."""
-    loader = Stage1Data(_cfg(data_dir, num_workers=2, prefetch_factor=2), TOK, rank=0, report=lambda _: None)
-    seq = [next(loader) for _ in range(5)]
+def test_worker_loader_order_and_resume(data_dir: Path, tmp_path: Path) -> None:
+    """Two loader worker processes give batches in index order; a resume from the saved data state
+    (its carry-over buffers, through torch.save / weights-only load) continues bitwise the same,
+    with one worker; every drawn document is trained whole, exactly once, across the resume."""
+    from train.common.packing import IGNORE_INDEX
+    from train.stage1.data import tokenize_record
+
+    cfg = _cfg(data_dir, num_workers=2, prefetch_factor=2, packing="flat")
+    loader = Stage1Data(cfg, TOK, rank=0, report=lambda _: None)
+    seq = [next(loader) for _ in range(3)]
+    torch.save(loader.state_dict(), tmp_path / "data.pt")
+    seq += [next(loader) for _ in range(3)]
     loader.close()
-    assert [b["batch_index"] for b in seq] == [0, 1, 2, 3, 4]
-    assert loader.state_dict()["next_batch"] == 5
-    resumed = Stage1Data(_cfg(data_dir), TOK, rank=0, start_batch=3, report=lambda _: None)
-    assert _same(next(resumed), seq[3])
-    assert _same(next(resumed), seq[4])
+    assert [b["batch_index"] for b in seq] == [0, 1, 2, 3, 4, 5]
+    state = torch.load(tmp_path / "data.pt", weights_only=True)
+    assert state["next_batch"] == 3 and state["streams"] == 2
+    assert any(state["carry"].values())  # the oracle: documents wait in a buffer at the save
+    resumed = Stage1Data(_cfg(data_dir, num_workers=1, packing="flat"), TOK, rank=0, state=state, report=lambda _: None)
+    for want in seq[3:]:
+        got = next(resumed)
+        assert all(torch.equal(got[k], want[k]) for k in ("input_ids", "labels", "position_ids", "mrope_position_ids",
+                                                          "task_ids", "cu_seqlens", "seq_idx"))
+        assert (got["carry"], got["placed"]) == (want["carry"], want["placed"])
+    # exactly once: the draws of batches 0-5 are the documents placed in them plus the last buffers
+    ds = PackedBatches(cfg, TOK, rank=0)
+    drawn = []
+    for b in seq:
+        draws = ds.sampler.draws(b["batch_index"])
+        drawn += [(t, n) for t, n, _ in (next(draws) for _ in range(b["n_docs"]))]
+    placed = [(t, n) for b in seq for t, n, _ in b["placed"]]
+    left = [(t, n) for b in seq[-2:] for t, n, _ in b["carry"]]
+    assert sorted(drawn) == sorted(placed + left) and len(placed) > len(seq)
+    # whole: every placed document's segment is its record's tokens, all of them
+    lines = {t: dict(recs) for t, recs in ds.man.records.items()}
+    for b in seq:
+        flat_ids = b["input_ids"].reshape(-1)
+        cu = b["cu_seqlens"].tolist()
+        segs = [flat_ids[a:e].tolist() for a, e in zip(cu[:-1], cu[1:], strict=True)
+                if b["task_ids"].reshape(-1)[a] >= 0]
+        whole = [tokenize_record(TOK, ds.man.root, t, lines[t][n]).tokens for t, n, span in b["placed"]]
+        assert all(span is None for _, _, span in b["placed"])  # no document longer than a row here
+        assert sorted(segs) == sorted(whole)
+        assert int((b["labels"] != IGNORE_INDEX).sum()) == sum(len(w) - 1 for w in whole)
 
 
 def test_mixture_follows_weights(data_dir: Path) -> None:

@@ -88,7 +88,7 @@ def test_flat_layout_equals_documents_run_alone(models, packed_batch):
     """The flat layout: the same documents as ONE stream of 2 x ROW_LEN tokens ([1, 512])."""
     stock, packed = models
     docs, _, _ = packed_batch
-    rows = list(layout_packer("flat", row_len=ROW_LEN, batch_rows=2).pack(docs))
+    rows = list(layout_packer("flat", row_len=ROW_LEN, batch_rows=2, close_below=1).pack(docs))
     assert len(rows) == 1 and rows[0].n_real_tokens == 465  # 60 + 256 + 44 + 100 + 5: docs cross the row boundary
     batch = collate(rows)
     assert batch["input_ids"].shape == (1, 2 * ROW_LEN)

@@ -17,7 +17,6 @@ from PIL import Image
 from train.common.shapes import get_shape
 from train.common.vision_budget import MAX_IMAGES_PER_STEP, check_fits, derive_budget, fixed_budget
 from train.stage1.data import (
-    MAX_BUDGET_WAITS,
     DataConfig,
     PackedBatches,
     Stage1Data,
@@ -79,7 +78,8 @@ def test_a_step_of_only_the_largest_images_stays_within_the_budget(tmp_path: Pat
         assert len(grid) == budget.tokens // largest  # the budget is used up, not left idle
         assert (grid.prod(-1) // 4 == largest).all()
         assert batch["input_ids"].shape == (1, 4 * 8192)  # same shape: the closed stream is padded
-        assert batch["budget_waits"] == MAX_BUDGET_WAITS and batch["over_budget"] == []
+        # the images the budget could not take wait in the carry-over buffer for a later step
+        assert batch["budget_waits"] > 0 and batch["carry"] and batch["over_budget"] == []
 
 
 def test_header_estimate_equals_the_decoded_image(tmp_path: Path, qwen35_2b_budget):

@@ -106,6 +106,26 @@ document a little longer than the room). A ``close_below`` above ``max_doc_len``
 longer than a row, split into pieces anyway) means half a piece's room. ``bench/packing_cost.py`` measures the shares and the
 useful tokens given up: the padding where a cut head used to be.
 
+Whole documents with a carry-over buffer (:class:`CarryPacker`, what the data layer packs with)
+-----------------------------------------------------------------------------------------------
+The streaming whole packer pays for the unbiased close with padding: at 4 x 8,192 tokens a batch
+closes once no row has room for one more ~5.8k-token 3D asset, so 9% of the flat stream was
+padding. ``CarryPacker`` packs ONE batch at a time and hands back a buffer that opens the next:
+
+* the buffer the last batch left (oldest first), then documents drawn for this batch, each into
+  the fullest row with room (best fit); one with no room (or refused by ``admit``, the vision
+  budget) goes to the buffer, whole;
+* the batch stops drawing once no row has ``close_below`` (32) tokens of room, or once the buffer
+  holds ``carry_docs`` (16) documents: a rule that never looks at the next document, so the
+  draws are a prefix of the batch's stream cut at a stopping time (unbiased), and every drawn
+  document is trained exactly once, in this batch or a later one: the trained shares are the
+  drawn shares (bench/packing_cost.py: >= 98% useful tokens flat).
+
+The buffer is bounded (a drawn document enters it only while it holds fewer than ``carry_docs``;
+its older documents are placed first, so none waits more than ``carry_docs`` batches), and it is
+part of the data state: the data layer saves it as references to its records (``Document.source``
+and the ``span`` of a piece), so a resume continues bitwise the same.
+
 The flat layout (one stream per batch)
 --------------------------------------
 ``Packer(row_len=B * T, max_doc_len=T, fill="whole")``: the batch is ONE row of ``B * T`` tokens,
@@ -118,7 +138,7 @@ takes the flattened batch as varlen (GDN, conv, and varlen attention,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -160,6 +180,11 @@ class Document:
     tokens: list[int]
     task: int
     images: list[ImageInput] = field(default_factory=list)  # in token order, spans inside tokens
+    # Where the document came from, for a caller that must name it again (the data layer's carry
+    # buffer, saved in its state): an opaque ``source`` it sets, and ``span``, the [start, end) of
+    # the original document this one is (a piece of a split document keeps its source).
+    source: object = None
+    span: tuple[int, int] | None = None
 
 
 def as_document(doc: Document | tuple) -> Document:
@@ -263,7 +288,7 @@ class Packer:
         pieces, start = [], 0
         while start < n:
             end = self._cut(doc, start)
-            pieces.append(_slice(doc, start, end))
+            pieces.append(slice_document(doc, start, end))
             if self.long_doc == "truncate":
                 self.dropped_tokens += n - end
                 break
@@ -314,7 +339,7 @@ class Packer:
                 else:
                     head = self._cut(piece, 0, limit=room)
                     if head >= self.min_piece:  # the head ends this row, the tail is dropped
-                        row.docs.append(_slice(piece, 0, head))
+                        row.docs.append(slice_document(piece, 0, head))
                         row.used += head
                         self.dropped_tokens += len(piece.tokens) - head + sum(len(p.tokens) for p in pieces[p_i + 1:])
                         yield self._emit(row)
@@ -365,21 +390,29 @@ class Packer:
         return packed
 
 
-def _slice(doc: Document, start: int, end: int) -> Document:
+def slice_document(doc: Document, start: int, end: int) -> Document:
     """Tokens [start, end) of ``doc`` as a document of its own (images inside the span move with it)."""
     images = [replace(i, start=i.start - start) for i in doc.images if start <= i.start < end]
-    return Document(doc.tokens[start:end], doc.task, images)
+    base = doc.span[0] if doc.span is not None else 0
+    return Document(doc.tokens[start:end], doc.task, images, doc.source, (base + start, base + end))
 
 
-def layout_packer(layout: str, row_len: int, batch_rows: int, pad_id: int = 0, long_doc: str = "split",
-                  close_below: int = 0) -> Packer:
-    """The packer of a batch layout, whole documents (``fill="whole"``): ``rows`` (``batch_rows``
-    rows of ``row_len``, open together) or ``flat`` (one stream of ``batch_rows * row_len`` tokens,
-    documents of at most ``row_len``). A batch is the packer's first ``rows_per_batch(layout,
-    batch_rows)`` rows. ``close_below``: see the module docstring (the data layer passes one 3D
-    asset's length)."""
+def layout_packer(layout: str, row_len: int, batch_rows: int, *, close_below: int, pad_id: int = 0,
+                  long_doc: str = "split") -> Packer:
+    """The streaming packer of a batch layout, whole documents (``fill="whole"``): ``rows``
+    (``batch_rows`` rows of ``row_len``, open together) or ``flat`` (one stream of ``batch_rows *
+    row_len`` tokens, documents of at most ``row_len``). A batch is the packer's next
+    ``rows_per_batch(layout, batch_rows)`` rows.
+
+    ``close_below`` is required (>= 1; the data layer's rule is one 3D asset's length): a batch
+    that closes only on a document that fits no row puts that document in the NEXT batch, so a
+    caller that keeps one batch drops it, and it is more often a long one (the shares bend). The
+    data layer itself packs with :class:`CarryPacker`, which keeps such a document for the next
+    batch."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown packing layout {layout!r} ({', '.join(LAYOUTS)})")
+    if close_below < 1:
+        raise ValueError(f"close_below must be >= 1 (the data layer passes one 3D asset's length), got {close_below}")
     if layout == "flat":
         return Packer(row_len=row_len * batch_rows, pad_id=pad_id, long_doc=long_doc, max_doc_len=row_len,
                       fill="whole", open_rows=1, close_below=close_below)
@@ -388,6 +421,91 @@ def layout_packer(layout: str, row_len: int, batch_rows: int, pad_id: int = 0, l
     # which bent the mixture (gen_img 11% of documents against a 22% weight).
     return Packer(row_len=row_len, pad_id=pad_id, long_doc=long_doc, fill="whole", open_rows=batch_rows,
                   close_below=close_below)
+
+
+# The carry-over buffer's bound (documents) and the room below which a batch closes (tokens):
+# measured with bench/packing_cost.py at 4 x 8,192 tokens (bench/RESULTS.md).
+CARRY_DOCS = 16
+CARRY_CLOSE_BELOW = 32
+
+
+@dataclass
+class PackedBatch:
+    rows: list[PackedRow]  # rows_per_batch(layout, batch_rows) rows
+    placed: list[Document]  # the documents (or pieces) in the rows, oldest first
+    carry: list[Document]  # the buffer after this batch, oldest first: they open the next batch of the stream
+    drawn: int  # documents taken from the draws (each one placed or carried, never both, never neither)
+
+
+class CarryPacker:
+    """Whole documents, one batch at a time, with a carry-over buffer (module docstring)."""
+
+    def __init__(self, layout: str, row_len: int, batch_rows: int, *, pad_id: int = 0, long_doc: str = "split",
+                 carry_docs: int = CARRY_DOCS, close_below: int = CARRY_CLOSE_BELOW, max_segments: int | None = None):
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown packing layout {layout!r} ({', '.join(LAYOUTS)})")
+        if carry_docs < 1 or close_below < 1:
+            raise ValueError(f"carry_docs and close_below must be >= 1, got {carry_docs} and {close_below}")
+        flat = layout == "flat"
+        # The splitter of long documents (its _pieces), and the row builder (its _emit and counters).
+        self.rows = Packer(row_len=row_len * batch_rows if flat else row_len, max_doc_len=row_len, pad_id=pad_id,
+                           long_doc=long_doc, fill="whole")
+        self.n_rows = 1 if flat else batch_rows
+        self.carry_docs = carry_docs
+        self.close_below = close_below
+        # Segments a batch may hold (its documents, and a padding segment per row): the GDN kernels'
+        # launch limit (train.common.gdn_guard.max_segments); None: unbounded.
+        self.max_docs = None if max_segments is None else max_segments - self.n_rows
+        if self.max_docs is not None and self.max_docs < 1:
+            raise ValueError(f"max_segments={max_segments} leaves no room for a document beside {self.n_rows} padding "
+                             "segment(s)")
+
+    def batch(self, carried: Iterable[Document], draws: Iterable[Document | tuple],
+              admit: Callable[[Document], bool] | None = None) -> PackedBatch:
+        """The next batch: ``carried`` (the last batch's buffer, oldest first) placed first, then
+        new documents from ``draws``.
+
+        ``admit(doc)``: whether a document that has room may enter this batch (the data layer's
+        vision budget); one it refuses waits in the buffer."""
+        rows = [_OpenRow() for _ in range(self.n_rows)]
+        placed: list[Document] = []
+        carry: list[Document] = []
+
+        def place(doc: Document) -> None:  # into the fullest row with room (best fit), else the buffer
+            n = len(doc.tokens)
+            fits = [r for r in rows if r.used + n <= self.rows.row_len]
+            if self.max_docs is not None and len(placed) >= self.max_docs:
+                fits = []
+            if fits and (admit is None or admit(doc)):
+                row = max(fits, key=lambda r: r.used)
+                row.docs.append(doc)
+                row.used += n
+                placed.append(doc)
+            else:
+                carry.append(doc)
+
+        for doc in carried:
+            place(doc)
+        drawn = 0
+        it = iter(draws)
+        # Draw until no row has close_below tokens of room, or the buffer is full: a rule that
+        # never looks at the next document, so the draws are a prefix of the batch's stream cut at
+        # a stopping time (unbiased); and each is trained, here or in a later batch.
+        while (max(self.rows.row_len - r.used for r in rows) >= self.close_below and len(carry) < self.carry_docs
+               and (self.max_docs is None or len(placed) < self.max_docs)):
+            doc = next(it, None)
+            if doc is None:
+                break
+            drawn += 1
+            self.rows.docs_seen += 1
+            doc = as_document(doc)
+            for piece in self.rows._pieces(doc) if doc.tokens else []:
+                place(piece)
+        return PackedBatch([self.rows._emit(r) for r in rows], placed, carry, drawn)
+
+    @property
+    def efficiency(self) -> float:
+        return self.rows.efficiency
 
 
 def resolve_layout(requested: str, device_type: str) -> str:

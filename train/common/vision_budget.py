@@ -23,9 +23,8 @@ token (4 patches through 27 blocks of width 1152) added about 7.6 MiB. For qwen3
 139.8 GiB card that gives about 5,700 vision tokens: five of the largest (1024-token) images
 the shape accepts, or about nine of the data's average size.
 
-What the gate does with a document whose images would pass the budget: it waits (is left out of
-this step; batches are a pure function of (seed, rank, k), and records are drawn with
-replacement, so a document left out is as likely as any to be drawn again); a document whose
+What the gate does with a document whose images would pass the budget: it waits in the data
+layer's carry-over buffer for a later step (train.common.packing.CarryPacker); a document whose
 images alone exceed the budget is dropped, with a note that names it. Both are counted.
 """
 

@@ -20,11 +20,15 @@ a DataError.
 
 Determinism and resume
 ----------------------
-Batch k of rank r is a pure function of (seed, r, k): its documents are drawn (task by mixture
-weight, then a record of that task, with replacement) from an RNG seeded with (seed, r, k) and
-packed into `batch_rows` rows of `row_len` tokens. So loader workers build batches in parallel
-(worker w builds k = w, w+W, ...; the DataLoader returns them in k order), and the whole data
-position is the next k.
+Batch k of rank r is a function of (seed, r, k) and the carry-over buffer its chain's previous
+batch left: its new documents are drawn (task by mixture weight, then a record of that task, with
+replacement) from an RNG seeded with (seed, r, k) and packed after the buffer's
+(train.common.packing.CarryPacker: whole documents; one without room waits in the buffer and opens
+the chain's next batch, so every drawn document is trained exactly once). Batch k belongs to chain
+k % streams (streams: the run's loader workers at its start); a worker builds whole chains, so
+workers build batches in parallel (the DataLoader returns them in k order) and each buffer stays
+in one process. The data position is the next k and each chain's buffer, as references to its
+records (task, manifest line, piece): a resume tokenizes them again, bitwise the same.
 
 Tokenization is train.stage1.tokenizer: the checkpoint's own tokenizer and image processor, or
 the byte stand-in for random-init shapes. An image, with the vision tower on, is
@@ -52,7 +56,7 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from train.common.codebooks import CODEBOOK_NAMES, CodebookConfig
-from train.common.packing import Document, ImageInput, build_row, collate, layout_packer, rows_per_batch
+from train.common.packing import CarryPacker, Document, ImageInput, collate, slice_document
 from train.common.vision_budget import BudgetGate, VisionBudget
 from train.stage1.tasks import (  # noqa: F401 - re-exported: the trainer and the tests name them here
     IMAGE_TASKS,
@@ -292,10 +296,11 @@ class DataConfig:
     prefetch_factor: int = 4
     packing: str = "rows"  # rows: batch_rows rows of row_len; flat: one stream of batch_rows*row_len (packing.py)
     vision_budget: VisionBudget | None = None  # images and vision tokens a batch may hold (None: unbounded)
+    max_segments: int | None = None  # segments (documents + padding) a varlen batch may hold (gdn_guard.max_segments)
 
 
-# Documents drawn in a row that had to wait for the vision budget before the batch is closed (its
-# rest padded): a mixture of image tasks only could otherwise draw forever once the budget is spent.
+# Documents drawn in a row that the vision budget turned away (their images alone exceed it)
+# before the batch closes (its rest padded): a mixture of such images only would draw forever.
 MAX_BUDGET_WAITS = 64
 
 
@@ -307,84 +312,136 @@ def image_tokens(tok: Stage1Tokenizer, root: Path, rec: dict[str, Any]) -> int:
         raise MalformedRecord(str(exc)) from None
 
 
+CarryRef = tuple[str, int, "tuple[int, int] | None"]  # (task, manifest line, span of a piece or None)
+
+
+def carry_ref(doc: Document) -> CarryRef:
+    """How the data state names a carried document: its record, and the piece of it."""
+    task, line_no = doc.source
+    return (task, line_no, None if doc.span is None else (int(doc.span[0]), int(doc.span[1])))
+
+
 def build_batch(
-    sampler: MixtureSampler, tok: Stage1Tokenizer, cfg: DataConfig, batch_index: int
+    sampler: MixtureSampler, tok: Stage1Tokenizer, cfg: DataConfig, batch_index: int,
+    carried: Sequence[Document] = (),
 ) -> dict[str, Any]:
-    """Pack documents of batch `batch_index` into cfg.batch_rows rows; collated, plus bookkeeping."""
+    """Batch ``batch_index``: ``carried`` (the buffer the stream's previous batch left) first, then
+    documents drawn for this index (packing.CarryPacker); collated, plus bookkeeping. ``carry_docs``:
+    the buffer this batch leaves (the next batch of the stream opens with them); ``carry``: the
+    same as the references the data state saves."""
     bad: list[str] = []
     over_budget: list[str] = []  # documents whose images alone exceed the vision budget (dropped)
     docs_used = 0
-    gate = BudgetGate(cfg.vision_budget) if cfg.vision_budget is not None else None
+    budget = cfg.vision_budget
+    gate = BudgetGate(budget) if budget is not None else None
+
+    def alone_over(n_images: int, n_tokens: int) -> bool:
+        return budget is not None and n_images > 0 and (n_images > budget.images or n_tokens > budget.tokens)
 
     def documents() -> Iterator[Document]:
         nonlocal docs_used
-        waits = 0  # documents in a row that waited for the budget
+        turned_away = 0  # documents in a row whose images alone exceed the budget
         for task, line_no, rec in sampler.draws(batch_index):
             where = f"{sampler.man.root / (task + '.jsonl')}:{line_no}"
             try:
-                verdict, counted = "ok", 0
-                if gate is not None and task in IMAGE_TASKS:  # one image per document; its header says its size,
-                    counted = image_tokens(tok, sampler.man.root, rec)  # so a waiting one is never decoded
-                    verdict = gate.admit(1, counted)
-                if verdict == "ok":
+                counted = 0
+                if budget is not None and task in IMAGE_TASKS:  # one image per document; its header says its
+                    counted = image_tokens(tok, sampler.man.root, rec)  # size, so a dropped one is never decoded
+                doc = None
+                if not alone_over(1 if counted else 0, counted):
                     doc = tokenize_record(tok, sampler.man.root, task, rec)
                     if any(img.n_tokens + 2 > cfg.row_len for img in doc.images):
                         raise MalformedRecord(f"image of {doc.images[0].n_tokens} tokens does not fit a "
                                               f"{cfg.row_len}-token row")
-                    actual = sum(img.n_tokens for img in doc.images)
-                    if gate is not None and (counted, 1 if counted else 0) != (actual, len(doc.images)):
-                        gate.release(1 if counted else 0, counted)  # the header misled: count the truth
-                        verdict = gate.admit(len(doc.images), actual)
+                    counted = sum(img.n_tokens for img in doc.images)  # the header may mislead: the truth
+                    if alone_over(len(doc.images), counted):
+                        doc = None
             except MalformedRecord as exc:
-                if gate is not None and verdict == "ok" and counted:
-                    gate.release(1, counted)
                 bad.append(f"{where}: {exc}")
                 if len(bad) > 1000 and len(bad) > 10 * docs_used:
                     raise DataError(
                         f"batch {batch_index}: {len(bad)} malformed records against {docs_used} good; last: {bad[-1]}"
                     ) from None
                 continue
-            if verdict != "ok":
-                if verdict == "drop":
-                    over_budget.append(f"{where}: its image(s) of {counted} vision tokens exceed the step's vision "
-                                       f"budget ({gate.budget.images} images, {gate.budget.tokens} tokens)")
-                waits += 1
-                if waits >= MAX_BUDGET_WAITS:
+            if doc is None:
+                over_budget.append(f"{where}: its image(s) of {counted} vision tokens exceed the step's vision "
+                                   f"budget ({budget.images} images, {budget.tokens} tokens)")
+                turned_away += 1
+                if turned_away >= MAX_BUDGET_WAITS:
                     return  # the batch closes here, its rest padded
                 continue
-            waits = 0
+            turned_away = 0
             docs_used += 1
+            doc.source = (task, line_no)
             yield doc
 
-    # Whole documents; a batch closes once no row has room for one more 3D asset (packing.py: this
-    # keeps the document shares unbiased); a document that fits no row closes it too, and is not in it.
-    packer = layout_packer(cfg.packing, cfg.row_len, cfg.batch_rows, pad_id=tok.pad_id, long_doc="split",
-                           close_below=sum(n or 0 for n in tok.codebooks.lengths))
-    rows = []
-    for row in packer.pack(documents()):
-        rows.append(row)
-        if len(rows) == rows_per_batch(cfg.packing, cfg.batch_rows):
-            break
-    while len(rows) < rows_per_batch(cfg.packing, cfg.batch_rows):  # the stream closed early: pad
-        rows.append(build_row([], packer.row_len, tok.pad_id))
+    def admit(doc: Document) -> bool:  # a document the budget cannot take now waits in the buffer
+        return gate is None or gate.admit(len(doc.images), sum(img.n_tokens for img in doc.images)) == "ok"
+
+    # Whole documents; one that has no room (or no budget) left waits in the carry-over buffer and
+    # opens the stream's next batch (packing.py: every drawn document trained once, the shares kept).
+    packer = CarryPacker(cfg.packing, cfg.row_len, cfg.batch_rows, pad_id=tok.pad_id, long_doc="split",
+                         max_segments=cfg.max_segments)
+    got = packer.batch(carried, documents(), admit=admit)
+    rows = got.rows
     batch: dict[str, Any] = collate(rows)
     batch.update(
-        batch_index=batch_index, n_docs=docs_used - packer.deferred_docs, bad_records=bad, over_budget=over_budget,
-        budget_waits=gate.waited if gate is not None else 0,
+        batch_index=batch_index, n_docs=got.drawn, docs_placed=len(got.placed), bad_records=bad,
+        over_budget=over_budget, budget_waits=gate.waited if gate is not None else 0,
         vision_tokens=sum(img.n_tokens for r in rows for img in r.images),
         packing_efficiency=sum(r.n_real_tokens for r in rows) / sum(r.input_ids.numel() for r in rows),
+        placed=[carry_ref(d) for d in got.placed], carry=[carry_ref(d) for d in got.carry], carry_docs=got.carry,
     )
     return batch
 
 
-class PackedBatches(IterableDataset):
-    """Infinite stream of packed batches start, start+1, ... split over loader workers."""
+def carried_documents(refs: Sequence[CarryRef], man: Manifest, tok: Stage1Tokenizer,
+                      report: Any = print) -> list[Document]:
+    """The documents a saved carry-over buffer names, tokenized again (bitwise the ones carried:
+    tokenization is a pure function of the record). One the data no longer has is named and left
+    out (a resume with --allow-data-change)."""
+    lines = {task: dict(recs) for task, recs in man.records.items()}
+    docs = []
+    for task, line_no, span in refs:
+        rec = lines.get(task, {}).get(line_no)
+        try:
+            if rec is None:
+                raise MalformedRecord("no such record in this data")
+            doc = tokenize_record(tok, man.root, task, rec)
+        except MalformedRecord as exc:
+            report(f"carried document {man.root / (task + '.jsonl')}:{line_no} left out: {exc}")
+            continue
+        doc.source = (task, line_no)
+        docs.append(doc if span is None else slice_document(doc, int(span[0]), int(span[1])))
+    return docs
 
-    def __init__(self, cfg: DataConfig, tok: Stage1Tokenizer, rank: int, start_batch: int = 0) -> None:
+
+def loader_workers(streams: int, requested: int) -> int:
+    """Loader workers for ``streams`` carry chains: batch k belongs to chain k % streams, and every
+    batch of a chain must be built by one worker (its buffer lives there), so the worker count
+    divides the chain count: the largest divisor not above ``requested`` (0: the main process)."""
+    if requested <= 0:
+        return 0
+    return max(w for w in range(1, min(streams, requested) + 1) if streams % w == 0)
+
+
+class PackedBatches(IterableDataset):
+    """Infinite stream of packed batches start, start+1, ... split over loader workers.
+
+    Batch k belongs to carry chain ``k % streams``: it opens with the buffer the chain's previous
+    batch (k - streams) left. A worker builds whole chains (``loader_workers``), so each buffer
+    stays in one process; ``carry`` (chain -> references) is the saved state at ``start_batch``."""
+
+    def __init__(self, cfg: DataConfig, tok: Stage1Tokenizer, rank: int, start_batch: int = 0,
+                 streams: int | None = None, carry: dict[int, list[CarryRef]] | None = None,
+                 report: Any = print) -> None:
         super().__init__()
         self.cfg = cfg
         self.rank = rank
         self.start_batch = start_batch
+        self.streams = max(1, cfg.num_workers) if streams is None else streams
+        self.carry = {int(s): list(refs) for s, refs in (carry or {}).items()}
+        self.report = report
         self.tok = tok
         self.man = load_manifests(cfg.data_dir)
         check_bad_fraction(len(self.man.bad), self.man.total_lines, cfg.max_bad_fraction, self.man.bad)
@@ -394,14 +451,23 @@ class PackedBatches(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, n_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if self.streams % n_workers:
+            raise ValueError(f"{n_workers} loader workers cannot share {self.streams} carry chains (loader_workers)")
+        buffers: dict[int, list[Document]] = {}
         k = self.start_batch + worker
         while True:
+            chain = k % self.streams
             try:
-                yield build_batch(self.sampler, self.tok, self.cfg, k)
+                if chain not in buffers:
+                    buffers[chain] = carried_documents(self.carry.get(chain, []), self.man, self.tok, self.report)
+                batch = build_batch(self.sampler, self.tok, self.cfg, k, buffers[chain])
             except DataError as exc:
                 # Handed over as data: the DataLoader would re-raise it with the worker's traceback.
                 yield {"data_error": str(exc), "batch_index": k}
                 return
+            buffers[chain] = batch.pop("carry_docs")  # stays in this process; the state keeps `carry`
+            batch["chain"] = chain
+            yield batch
             k += n_workers
 
 
@@ -421,9 +487,22 @@ class Stage1Data:
     """The loader the trainer iterates: batches in order, malformed-record accounting, position."""
 
     def __init__(self, cfg: DataConfig, tok: Stage1Tokenizer, rank: int = 0, start_batch: int = 0,
-                 report=print) -> None:
+                 report=print, state: dict[str, Any] | None = None) -> None:
+        """``state``: a saved :meth:`state_dict` to continue from (its ``next_batch`` and carry-over
+        buffers; ``start_batch`` is then ignored)."""
         self.cfg = cfg
-        self.dataset = PackedBatches(cfg, tok, rank, start_batch)
+        state = state or {"next_batch": start_batch}
+        start_batch = int(state["next_batch"])
+        # Carry chains: the loader workers of the run's start, kept on resume (a checkpoint from
+        # before the buffer existed has none).
+        streams = int(state.get("streams", max(1, cfg.num_workers)))
+        workers = loader_workers(streams, cfg.num_workers)
+        if workers != cfg.num_workers:
+            report(f"# data: {workers} loader worker(s), not {cfg.num_workers}: the run's batches are {streams} "
+                   "carry chains, and each worker builds whole chains")
+        self.dataset = PackedBatches(cfg, tok, rank, start_batch, streams=streams, carry=state.get("carry"),
+                                     report=report)
+        self.carry = dict(self.dataset.carry)  # chain -> the buffer after its last batch handed out
         self.report = report
         self.next_batch = start_batch
         self.docs_seen = 0
@@ -433,10 +512,10 @@ class Stage1Data:
         for line in self.dataset.man.bad:
             report(f"malformed record: {line}")
         loader_kwargs: dict[str, Any] = {}
-        if cfg.num_workers > 0:
+        if workers > 0:
             loader_kwargs = dict(prefetch_factor=cfg.prefetch_factor, persistent_workers=False)
         self.loader = DataLoader(
-            self.dataset, batch_size=None, num_workers=cfg.num_workers, collate_fn=_passthrough, **loader_kwargs
+            self.dataset, batch_size=None, num_workers=workers, collate_fn=_passthrough, **loader_kwargs
         )
         self._it: Iterator[dict[str, Any]] | None = None
 
@@ -456,6 +535,7 @@ class Stage1Data:
             raise DataError(batch["data_error"])
         assert batch["batch_index"] == self.next_batch, (batch["batch_index"], self.next_batch)
         self.next_batch += 1
+        self.carry[batch["chain"]] = batch["carry"]
         self.docs_seen += batch["n_docs"] + len(batch["bad_records"])
         self.bad_seen += len(batch["bad_records"])
         for line in batch["over_budget"]:  # not malformed: counted apart, never toward --max-bad-fraction
@@ -479,7 +559,8 @@ class Stage1Data:
 
     def state_dict(self) -> dict[str, Any]:
         return {"next_batch": self.next_batch, "seed": self.cfg.seed, "docs_seen": self.docs_seen,
-                "bad_seen": self.bad_seen}
+                "bad_seen": self.bad_seen, "streams": self.dataset.streams,
+                "carry": {s: [list(r) for r in refs] for s, refs in sorted(self.carry.items())}}
 
     def close(self) -> None:
         self._it = None  # drops the iterator; its workers shut down

@@ -330,7 +330,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
         DataConfig(str(data_dir), row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
                    weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers,
                    packing=packing, vision_budget=budget),
-        tok, rank=rt.dist.rank, start_batch=int(data_state["next_batch"]), report=rt.print,
+        tok, rank=rt.dist.rank, state=data_state, report=rt.print,
     )
     flops_per_token, peak, peak_source = mfu_terms(model, cfg, rt.device)
     rt.log.header({
