@@ -119,6 +119,32 @@ def _check_record(task: str, rec: Any) -> None:
             raise MalformedRecord(f"{key!r} must be a path inside the data directory")
 
 
+MAX_RECORD_DEPTH = 64  # a record is flat (a few keys of strings); its nesting is bounded whatever the parser allows
+
+
+def _depth(text: str) -> int:
+    """The deepest nesting of [ and { in a JSON text (outside strings). Called only for lines with
+    more brackets than MAX_RECORD_DEPTH, so its Python loop never runs over ordinary records."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -> Manifest:
     root = check_data_dir(root)
     man = Manifest(root)
@@ -139,6 +165,9 @@ def load_manifests(root: str | os.PathLike[str], tasks: Sequence[str] = TASKS) -
                         line = raw.decode("utf-8")
                     except UnicodeDecodeError as exc:
                         raise MalformedRecord(f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
+                    if raw.count(b"[") + raw.count(b"{") > MAX_RECORD_DEPTH and _depth(line) > MAX_RECORD_DEPTH:
+                        # bounded here, not by the interpreter's recursion limit (torch's compiler raises it)
+                        raise MalformedRecord(f"invalid JSON (nested too deeply: more than {MAX_RECORD_DEPTH} levels)")
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as exc:
