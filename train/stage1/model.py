@@ -31,6 +31,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from train.common.codebooks import CodebookConfig, CodebookVocab, extend_embeddings
+from train.common.gdn_guard import init_decay
 from train.common.hf_local import HFLocalError, load_config
 from train.common.shapes import SHAPES, ModelShape, VisionShape, get_shape
 
@@ -179,6 +180,7 @@ def build_model(
         config = multimodal_config(cfg, vision_ids) if vision else text_config(cfg)
         with torch.device(device):
             model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+        init_decay(model)  # A_log drawn in fp32 above torchtitan's bound: no head starts dead (gdn_guard)
     # A training model never caches: a checkpoint's use_cache=true makes transformers skip the
     # per-document mask it derives from position_ids (train.stage1.objective passes False as well).
     for config in {id(c): c for c in (model.config, text_model_config(model))}.values():

@@ -33,7 +33,7 @@ import torch
 from toolkit import kernel_cache
 from toolkit.fsutil import sha256_file
 from toolkit.metrics import SCHEMAS, step_records
-from train.common import fastpath, mfu, regional_compile
+from train.common import fastpath, gdn_guard, mfu, regional_compile
 from train.common.checkpoint import CheckpointError, load_state, rng_state, set_rng_state
 from train.common.config import ConfigError
 from train.common.distributed import DistInfo, slurm_layout
@@ -295,6 +295,8 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     tok = build_tokenizer(get_shape(cfg.shape), cfg.init_from, bool(cfg.vision), codebooks)
     model, spec = stage1_model.build_model(cfg.shape, device=rt.device, dtype=dtype, init_from=cfg.init_from,
                                            vision=bool(cfg.vision), codebooks=codebooks, vision_ids=tok.vision_ids)
+    # A dead GDN head (A_log -inf, a non-finite dt_bias) trains silently wrong: refused, named.
+    gdn_guard.check_gdn_heads(model, f"--init-from {cfg.init_from}" if cfg.init_from else "the random init")
     fastpath.install_kernels(model, kernels)
     vision_lines = checkpoint_vision_tower(model) if cfg.vision and cfg.vision_ckpt else []
     lever_lines = apply_levers(model, rt.device, Levers(cfg.compile, cfg.attention, cfg.act_ckpt, cfg.compile_vision))
@@ -313,6 +315,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     source = data_source(cfg, data_dir, tok)
     if latest is not None:
         rt.step, data_state = load_checkpoint(latest, stepper, cfg, rt.dist, report=rt.print, source=source)
+        gdn_guard.check_gdn_heads(model, f"checkpoint {latest}")
         rt.print(f"# resumed from {latest} at step {rt.step}, next batch {data_state['next_batch']}")
     if horizon != cfg.steps:
         rt.print(f"# lr: the run's schedule, its cosine ending at step {horizon} (its first --steps)"
@@ -329,7 +332,7 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     data = Stage1Data(
         DataConfig(str(data_dir), row_len=cfg.row_len, batch_rows=cfg.batch_rows, seed=cfg.seed,
                    weights=cfg.weights, max_bad_fraction=cfg.max_bad_fraction, num_workers=cfg.num_workers,
-                   packing=packing, vision_budget=budget),
+                   packing=packing, vision_budget=budget, max_segments=gdn_guard.max_segments(model)),
         tok, rank=rt.dist.rank, state=data_state, report=rt.print,
     )
     flops_per_token, peak, peak_source = mfu_terms(model, cfg, rt.device)
