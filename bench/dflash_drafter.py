@@ -327,7 +327,8 @@ def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_i
         def attention() -> None:
             for layer in drafter.layers:
                 pre = layer.regions[0] if layer.regions else _layer_pre
-                out = layer.self_attn.output(attend(*pre(layer, x, ctx, rope_q, rope_ctx), window=layer.self_attn.window))
+                qkv, _coef = pre(layer, x, ctx, rope_q, rope_ctx)
+                out = layer.self_attn.output(attend(*qkv, window=layer.self_attn.window))
                 out.float().sum().backward()
 
         def mlp() -> None:
@@ -335,7 +336,7 @@ def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_i
             for layer in drafter.layers:
                 # the post region with a zero attention output (its o_proj, also in attention, is counted twice)
                 post = layer.regions[1] if layer.regions else _layer_post
-                post(layer, x, zero).float().sum().backward()
+                post(layer, x, zero, None).float().sum().backward()
 
         parts["attention"] = timed(attention, dev)
         parts["mlp"] = timed(mlp, dev)

@@ -22,6 +22,17 @@ layer's queries are the block's, its keys and values the projected context's (po
 followed by the block's own, masked as the engine's attention call masks them; the final norm, then the target's lm_head, give the K-1
 draft tokens. What this does not model: KV caches, tensor parallelism, verification.
 
+DFlash2 (architectures ["DFlash2DraftModel"]) as vLLM's qwen3_dflash2.py and its DFlash2Speculator
+(v1/worker/gpu/spec_decode/dflash2/speculator.py, both at 030da62) run it: dflash_config's
+conv_kernel_size, conv_group_size, selector_rank, selector_top_k (required), output_multiplier,
+final_logit_softcapping, input_embedding_scale (optional); around every attention and MLP the
+grouped convolution over the request's query tokens (`_grouped_conv`: a tap reaches back only within
+the 1 + num_speculative_tokens tokens of the block, by position); the drafts: the target head's
+top-k of each slot (`compute_candidates`), the K x K transition scores from the previous slot's
+candidates (`_score_edges`, the anchor token before slot 1), walked greedily at temperature 0
+(`_selector_walk_kernel`: start at candidate 0, take the best successor of the one taken, the lowest
+index on ties).
+
 Each engine's reading of the attention layout (which target hidden states feed fc; per layer, the
 flash-attn call it makes: `causal` and `window_size` (left, right), -1 = unbounded) comes from its
 own code, on the config as transformers parses it (both engines read the AutoConfig object):
@@ -204,6 +215,10 @@ class ServingDrafter:
              "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
              "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
              "mlp.down_proj.weight")
+    CONV_NAMES = ("attention_conv.base_kernel", "attention_conv.kernel_projection.weight", "mlp_conv.base_kernel",
+                  "mlp_conv.kernel_projection.weight")
+    SELECTOR_NAMES = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+                      "candidate_selector.hidden_projection.weight")
 
     def __init__(self, export_dir: Path, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
                  engine: str = "vllm", sglang: Any = None) -> None:
@@ -225,9 +240,18 @@ class ServingDrafter:
             raise ValueError(f"mask_token_id {self.mask_id} is not a row of the target's embedding "
                              f"({target_embed.shape[0]} rows)")
         self.mask_id = int(self.mask_id)
+        self.dflash2 = c.get("architectures") == ["DFlash2DraftModel"]
+        names = self.NAMES
+        if self.dflash2:
+            self.taps, self.group = int(dflash["conv_kernel_size"]), int(dflash["conv_group_size"])
+            self.rank, self.top_k = int(dflash["selector_rank"]), int(dflash["selector_top_k"])
+            self.output_multiplier = float(dflash.get("output_multiplier", 1.0))
+            self.softcap = float(dflash.get("final_logit_softcapping") or 0.0) or None
+            self.embed_scale = float(dflash.get("input_embedding_scale", 1.0))
+            names = names + self.CONV_NAMES
         w = load_file(str(Path(export_dir) / "model.safetensors"))
-        want = {f"layers.{i}.{n}" for i in range(self.n_layers) for n in self.NAMES} | {
-            "fc.weight", "hidden_norm.weight", "norm.weight"}
+        want = {f"layers.{i}.{n}" for i in range(self.n_layers) for n in names} | {
+            "fc.weight", "hidden_norm.weight", "norm.weight"} | (set(self.SELECTOR_NAMES) if self.dflash2 else set())
         if set(w) != want:
             raise ValueError(f"weights: missing {sorted(want - set(w))[:3]}, unexpected {sorted(set(w) - want)[:3]}")
         if tuple(w["fc.weight"].shape) != (self.h, len(self.layer_ids) * self.h):
@@ -245,11 +269,15 @@ class ServingDrafter:
         w = self.w
         ctx = rms(ctx_feats @ w["fc.weight"].T, w["hidden_norm.weight"], self.eps)  # [n, h]
         x = self.embed[torch.tensor([anchor_token] + [self.mask_id] * (k - 1))]  # [K, h]
+        if self.dflash2:
+            x = x * self.embed_scale
         pos_ctx, pos_blk = torch.arange(n), torch.arange(n, n + k)
         for i in range(self.n_layers):
             allowed = flash_mask(self.layouts[i], n, k)  # [query, key] by position
             p = f"layers.{i}."
             y = rms(x, w[p + "input_layernorm.weight"], self.eps)
+            if self.dflash2:
+                y, attn_coef = self.conv_prepare(y, p + "attention_conv.")
 
             def proj(inp, name, heads, norm=None, p=p):
                 out = (inp @ w[p + f"self_attn.{name}_proj.weight"].T).view(inp.shape[0], heads, self.d)
@@ -263,13 +291,55 @@ class ServingDrafter:
             keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
             att = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
                                                  attn_mask=allowed)
-            x = x + att.transpose(0, 1).reshape(k, -1) @ w[p + "self_attn.o_proj.weight"].T
+            out = att.transpose(0, 1).reshape(k, -1) @ w[p + "self_attn.o_proj.weight"].T
+            if self.dflash2:
+                out = self.conv(out, attn_coef, p + "attention_conv.", 1)
+            x = x + out
             y = rms(x, w[p + "post_attention_layernorm.weight"], self.eps)
-            x = x + (F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) @ \
+            if self.dflash2:
+                y, mlp_coef = self.conv_prepare(y, p + "mlp_conv.")
+            out = (F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) @ \
                 w[p + "mlp.down_proj.weight"].T
+            if self.dflash2:
+                out = self.conv(out, mlp_coef, p + "mlp_conv.", 1)
+            x = x + out
         return rms(x, w["norm.weight"], self.eps)
 
+    def conv(self, x: torch.Tensor, delta: torch.Tensor, prefix: str, side: int) -> torch.Tensor:
+        """vLLM's `_grouped_conv` over one request's block of K query tokens: x [K, h], delta [K, taps, groups]."""
+        groups = self.h // self.group
+        blocks = x.unflatten(-1, (groups, self.group))
+        coef = self.w[prefix + "base_kernel"][side].view(1, self.taps, groups, self.group) + delta.unsqueeze(-1)
+        out = coef[:, 0] * blocks
+        position = torch.arange(x.shape[0]) % self.block_size
+        for tap in range(1, self.taps):
+            shifted = F.pad(blocks[:-tap], (0, 0, 0, 0, tap, 0))
+            out = out + coef[:, tap] * shifted * (position >= tap).view(-1, 1, 1)
+        return out.flatten(-2)
+
+    def conv_prepare(self, x: torch.Tensor, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        coef = (x @ self.w[prefix + "kernel_projection.weight"].T).reshape(x.shape[0], 2, self.taps, -1)
+        return self.conv(x, coef[:, 0], prefix, 0), coef[:, 1]
+
     def draft(self, ctx_feats: torch.Tensor, anchor_token: int) -> list[int]:
-        """The K-1 draft tokens after `anchor_token` (greedy through the target's lm_head)."""
+        """The K-1 draft tokens after `anchor_token`: greedy through the target's lm_head (DFlash);
+        DFlash2: the candidates' transition lattice walked as vLLM's speculator does at temperature 0."""
         states = self.block_states(ctx_feats, anchor_token)
-        return (states[1:] @ self.lm_head.T).argmax(-1).tolist()
+        logits = states[1:] @ self.lm_head.T
+        if not self.dflash2:
+            return logits.argmax(-1).tolist()
+        values, ids = torch.topk(logits, self.top_k, dim=-1)  # compute_candidates
+        values = values.float() * self.output_multiplier
+        if self.softcap is not None:
+            values = torch.tanh(values / self.softcap) * self.softcap
+        sel = "candidate_selector."
+        hidden = states[1:] @ self.w[sel + "hidden_projection.weight"].T  # [K-1, r]
+        prev = torch.cat([torch.full((1, self.top_k), anchor_token), ids[:-1]])  # [K-1, k]: _score_edges
+        edges = values[:, None] + torch.einsum("lpr,lcr->lpc", self.w[sel + "predecessor_codebook"][prev]
+                                               * hidden[:, None], self.w[sel + "successor_codebook"][ids])
+        tokens, previous = [], 0
+        for step in range(edges.shape[0]):
+            scores = edges[step, previous]
+            previous = int(torch.nonzero(scores == scores.max())[0])  # the lowest index among the best
+            tokens.append(int(ids[step, previous]))
+        return tokens

@@ -160,7 +160,7 @@ SCHEMAS: dict[str, Schema] = {
         ),
         plots=(
             Plot("loss", ("loss", "ce", "kl"), "loss"),
-            Plot("acc", ("acc", "acc1", "target_agree"), "accuracy"),
+            Plot("acc", ("acc", "acc1", "target_agree", "selector_acc"), "accuracy"),
             Plot("tau", ("tau",), "tau (tokens per block)"),
             Plot("tok_s", ("tok_s",), "real tokens/s"),
         ),

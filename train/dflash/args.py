@@ -12,6 +12,28 @@ from pathlib import Path
 from train.common.config import ConfigError, not_a_directory, opt, parse_config
 from train.common.hf_local import check_init_from
 
+# The published blocks: 16 slots for DFlash, 8 for DFlash2 (SpecForge configs/*-dflash2.json).
+DFLASH_BLOCK, DFLASH2_BLOCK = 16, 8
+DFLASH2_DRAFTERS = ("dflash2", "qwen3.6-27b-dflash2")  # train.dflash.model's DFlash2 presets
+
+
+def default_block_size(drafter: str) -> int:
+    """--block-size when not given: DFlash2's published 8 for its presets (or a JSON drafter that
+    sets conv_kernel_size), else 16."""
+    if drafter in DFLASH2_DRAFTERS:
+        return DFLASH2_BLOCK
+    path = Path(drafter)
+    if path.suffix == ".json" and path.is_file():
+        import json
+
+        try:
+            fields = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return DFLASH_BLOCK  # the drafter's own check says what is wrong with the file
+        if isinstance(fields, dict) and fields.get("conv_kernel_size"):
+            return int(fields.get("block_size") or DFLASH2_BLOCK)
+    return DFLASH_BLOCK
+
 
 def parse_topology(text: str) -> int:
     """'k-1' -> k (number of target ranks)."""
@@ -38,15 +60,19 @@ class DFlashConfig:
     tokenizer: str | None = opt(None, help="online: the target's tokenizer dir, for conversations (default: --init-from)")
     drafter: str = opt("auto", help="drafter preset (qwen3.5: the published 5 layers of 32x128 heads, 8 kv heads; "
                                     "qwen3.6-27b: the published Qwen3.6-27B drafter, those heads, MLP 17408, "
-                                    "4 sliding-window layers (2048) then a full one; target: 5 layers with the "
-                                    "target's head layout; tiny) or JSON file of DrafterConfig fields; auto: "
-                                    "qwen3.6-27b for a 5120-wide 64-layer target, else qwen3.5, tiny for "
-                                    "test-sized targets")
+                                    "4 sliding-window layers (2048) then a full one; qwen3.6-27b-dflash2: the "
+                                    "published Qwen3.6-27B DFlash2 drafter, 5 sliding layers, block 8; target: 5 "
+                                    "layers with the target's head layout; tiny; dflash2: DFlash2's convolutions "
+                                    "and candidate selector on the layout auto picks) or JSON file of "
+                                    "DrafterConfig fields; auto: qwen3.6-27b for a 5120-wide 64-layer target, else "
+                                    "qwen3.5, tiny for test-sized targets")
     mask_token: str = opt("auto", help="the block's mask token: an id or a token of the target's tokenizer; auto: "
                                        "248070 for Qwen3.5's tokenizer (the published configs'; also a stage-1 "
                                        "export of Qwen3.5, whose 3D rows follow it), else the tokenizer's pad "
                                        "token, else the last row")
-    block_size: int = opt(16)
+    block_size: int | None = opt(None, parse=int, help=f"slots per block (default: {DFLASH2_BLOCK} for a DFlash2 "
+                                                      f"drafter, its published block; else {DFLASH_BLOCK})")
+    selector_alpha: float = opt(1.0, help="DFlash2: weight of the candidate selector's CE beside the token CE")
     anchors: int = opt(512, help="anchors per sequence (SpecForge's default), clamped to its response positions")
     max_bad_fraction: float = opt(0.01, help="offline: shards failing verification are skipped up to this share")
     steps: int = opt(40)
@@ -88,6 +114,10 @@ def parse_args(argv: list[str] | None) -> DFlashConfig:
     for name in ("steps", "anchors", "token_budget", "ckpt_every", "log_every", "queue_depth"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.block_size is None:
+        cfg.block_size = default_block_size(cfg.drafter)
+    if cfg.selector_alpha < 0 or not math.isfinite(cfg.selector_alpha):
+        raise ConfigError(f"--selector-alpha must be a number >= 0, got {cfg.selector_alpha}")
     if cfg.block_size < 2:
         raise ConfigError(f"--block-size must be >= 2 (the anchor and at least one token to predict), got {cfg.block_size}")
     if not 0.0 <= cfg.max_bad_fraction <= 1.0:

@@ -21,6 +21,13 @@ python/sglang/srt/speculative/dflash_utils.py `parse_dflash_draft_config`) and v
     `sliding_window` without it; SGLang reads it as window_left = W - 1), and
     `dflash_config.{use_swa, swa_window_size}` (vLLM reads swa_window_size first). vLLM serves a
     drafter that mixes sliding and full layers only with VLLM_USE_V2_MODEL_RUNNER=1 (README.md says so);
+  - DFlash2 (SpecForge's DFlash2DraftModel; vLLM's qwen3_dflash2.py, registry arch
+    "DFlash2DraftModel"): architectures ["DFlash2DraftModel"], `dflash_config.{conv_kernel_size,
+    conv_group_size, selector_rank, selector_top_k}` (vLLM and SpecForge require all four),
+    `initializer_range`; no `output_multiplier`, `final_logit_softcapping` or
+    `input_embedding_scale` (identity transforms, which is what the trainer computes); weights add
+    layers.{i}.{attention_conv, mlp_conv}.{base_kernel, kernel_projection.weight} and
+    candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight};
   - model.safetensors: layers.{i}.{input_layernorm, post_attention_layernorm}.weight,
     layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
     layers.{i}.mlp.{gate,up,down}_proj.weight, fc.weight, hidden_norm.weight, norm.weight. No
@@ -48,8 +55,10 @@ WEIGHTS = "model.safetensors"
 def hf_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """The drafter's config.json (see the module docstring for who reads which field)."""
     sliding = SLIDING in (cfg.layer_types or [])
+    dflash2 = {"conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size,
+               "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k} if cfg.dflash2 else {}
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if cfg.dflash2 else "DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -76,7 +85,9 @@ def hf_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "block_size": cfg.block_size,
         "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
                           "mask_token_id": cfg.mask_token_id,
-                          **({"use_swa": True, "swa_window_size": cfg.sliding_window} if sliding else {})},
+                          **({"use_swa": True, "swa_window_size": cfg.sliding_window} if sliding else {}),
+                          **dflash2},
+        "initializer_range": 0.02,  # SpecForge's DFlash2DraftModel reads it to build the selector
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         # not read by the engines: which target this drafter was trained for (README.md says it too)
         "dflash_target": {"path": cfg.target, "config_sha256": cfg.target_config_sha256},
@@ -86,7 +97,7 @@ def hf_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
 def readme(cfg: DrafterConfig) -> str:
     """README.md of an export: the target it belongs to, and what the engines read."""
     return "\n".join([
-        "# DFlash drafter", "",
+        "# DFlash2 drafter" if cfg.dflash2 else "# DFlash drafter", "",
         f"Trained for the target `{cfg.target or 'unknown'}` (config.json sha256 "
         f"`{cfg.target_config_sha256 or 'unknown'}`). Serve it next to exactly that target: the drafter "
         "has no embedding or lm_head and uses the target's, and its inputs are that target's hidden states.", "",
@@ -97,9 +108,18 @@ def readme(cfg: DrafterConfig) -> str:
         f"- vocab size: {cfg.vocab_size} (the target's)",
         f"- drafter: {cfg.num_layers} layers, {cfg.num_heads} x {cfg.head_dim} query heads, {cfg.num_kv_heads} "
         f"key-value heads, MLP {cfg.intermediate_size}",
-        *sliding_notes(cfg), "",
+        *sliding_notes(cfg), *dflash2_notes(cfg), "",
         "config.json follows the published DFlash drafters (`DFlashDraftModel`, `dflash_config`); "
         "model.safetensors holds `layers.*`, `fc`, `hidden_norm` and `norm`.", ""])
+
+
+def dflash2_notes(cfg: DrafterConfig) -> list[str]:
+    if not cfg.dflash2:
+        return []
+    return [f"- DFlash2: {cfg.conv_kernel_size}-tap grouped dynamic convolutions ({cfg.conv_group_size} channels a "
+            f"group) around every attention and MLP; a rank-{cfg.selector_rank} candidate selector over the "
+            f"target head's top {cfg.selector_top_k} (`DFlash2DraftModel`; serve with {cfg.block_size - 1} "
+            "speculative tokens: the convolution spans the block)"]
 
 
 def mixes_attention(cfg: DrafterConfig) -> bool:
@@ -141,6 +161,8 @@ def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
         mask_token_id=int(dflash["mask_token_id"]), rope_theta=float(rope.get("rope_theta", data.get("rope_theta"))),
         rms_eps=float(data["rms_norm_eps"]), max_position_embeddings=int(data["max_position_embeddings"]),
         layer_types=data.get("layer_types"), sliding_window=int(window) if window else None,
+        conv_kernel_size=int(dflash.get("conv_kernel_size") or 0), conv_group_size=int(dflash.get("conv_group_size") or 16),
+        selector_rank=int(dflash.get("selector_rank") or 0), selector_top_k=int(dflash.get("selector_top_k") or 16),
         target=str((data.get("dflash_target") or {}).get("path") or ""),
         target_config_sha256=str((data.get("dflash_target") or {}).get("config_sha256") or ""))
 

@@ -93,6 +93,15 @@ class DrafterConfig:
     # counts the query itself), SGLang's window_left = sliding_window - 1, SpecForge's mask.
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    # DFlash2 (SpecForge's DFlash2DraftModel; vLLM qwen3_dflash2.py, SGLang's DFlash2 loader): a
+    # grouped dynamic depthwise convolution over the block's slots around every attention and MLP
+    # (`conv_kernel_size` taps, one dynamic coefficient per `conv_group_size` channels), and a
+    # candidate selector of rank `selector_rank` that re-ranks the target head's top
+    # `selector_top_k` tokens by the token before. 0 / 0: plain DFlash.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 16
+    selector_rank: int = 0
+    selector_top_k: int = 16
 
     def __post_init__(self) -> None:
         if self.mask_token_id < 0:
@@ -113,6 +122,22 @@ class DrafterConfig:
             raise ValueError("block_size must be >= 2 (anchor + at least one predicted token)")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one captured target layer")
+        if (self.conv_kernel_size > 0) != (self.selector_rank > 0) or min(self.conv_kernel_size,
+                                                                         self.selector_rank) < 0:
+            raise ValueError("DFlash2 takes both its convolution (conv_kernel_size >= 1) and its selector "
+                             f"(selector_rank >= 1), got {self.conv_kernel_size} and {self.selector_rank}")
+        if self.dflash2:
+            if self.conv_kernel_size > self.block_size:
+                raise ValueError(f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}")
+            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}")
+            if not 1 <= self.selector_top_k <= self.vocab_size:
+                raise ValueError(f"selector_top_k {self.selector_top_k} must lie in [1, {self.vocab_size}]")
+
+    @property
+    def dflash2(self) -> bool:
+        """A DFlash2 drafter (convolutions and candidate selector), else plain DFlash."""
+        return self.conv_kernel_size > 0
 
     @property
     def n_target_layers(self) -> int:
@@ -133,15 +158,28 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 #            5 layers, 32 query heads x 128, 8 key-value heads.
 #   qwen3.6-27b: the published Qwen3.6-27B drafter (z-lab's, SpecForge configs/qwen3.6-27b-dflash.json):
 #            the qwen3.5 heads, MLP 17,408, four sliding-window layers (2,048 tokens) then one full one.
+#   qwen3.6-27b-dflash2: the published Qwen3.6-27B DFlash2 drafter (SpecForge
+#            configs/qwen3.6-27b-dflash2.json): the qwen3.6-27b heads and MLP, all five layers
+#            sliding (2,048), the DFlash2 parts below; trained with block 8 (args.DFLASH2_BLOCK).
 #   target:  5 layers with the target's own full-attention head layout (this project's first preset).
 #   tiny:    2 layers with a 512-wide MLP, for CPU tests.
+#   dflash2: the DFlash2 parts on the layout `auto` picks for the target (qwen3.6-27b-dflash2 for a
+#            Qwen3.6-27B-shaped target); resolved by drafter_config.
+# The DFlash2 parts of the published config: 2-tap convolutions with a coefficient per 16 channels,
+# a rank-256 selector over the head's top 16.
+DFLASH2_PARTS: dict[str, Any] = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                                 "selector_top_k": 16}
 DRAFTER_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3.5": {"num_layers": 5, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128},
     "qwen3.6-27b": {"num_layers": 5, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
                     "intermediate_size": 17408, "layer_types": [SLIDING] * 4 + [FULL], "sliding_window": 2048},
+    "qwen3.6-27b-dflash2": {"num_layers": 5, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                            "intermediate_size": 17408, "layer_types": [SLIDING] * 5, "sliding_window": 2048,
+                            **DFLASH2_PARTS},
     "target": {"num_layers": 5},
     "tiny": {"num_layers": 2, "intermediate_size": 512},
 }
+DFLASH2 = "dflash2"
 SMALL_TARGET = 1024  # `auto` picks `tiny` for targets narrower than this (the test-sized ones)
 
 
@@ -169,12 +207,17 @@ def default_gamma(block_size: int) -> float:
 def drafter_config(spec: str, target: TargetShape, target_layer_ids: list[int], block_size: int
                    ) -> DrafterConfig:
     """A preset name, or a JSON file of DrafterConfig fields (target-derived fields are filled in)."""
-    if spec in DRAFTER_PRESETS:
-        fields: dict[str, Any] = {k: list(v) if isinstance(v, list) else v for k, v in DRAFTER_PRESETS[spec].items()}
+    if spec == DFLASH2:
+        base = default_drafter(target)
+        spec = f"{base}-{DFLASH2}" if f"{base}-{DFLASH2}" in DRAFTER_PRESETS else base
+        fields: dict[str, Any] = {**DRAFTER_PRESETS[spec], **DFLASH2_PARTS}
+        fields = {k: list(v) if isinstance(v, list) else v for k, v in fields.items()}
+    elif spec in DRAFTER_PRESETS:
+        fields = {k: list(v) if isinstance(v, list) else v for k, v in DRAFTER_PRESETS[spec].items()}
     else:
         path = Path(spec)
         if not path.is_file():
-            raise ValueError(f"--drafter {spec!r}: neither a preset ({', '.join(DRAFTER_PRESETS)}, auto) "
+            raise ValueError(f"--drafter {spec!r}: neither a preset ({', '.join(DRAFTER_PRESETS)}, {DFLASH2}, auto) "
                              "nor a JSON file")
         try:
             fields = json.loads(path.read_text())
@@ -270,8 +313,53 @@ class DrafterMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedConv(nn.Module):
+    """DFlash2's grouped dynamic depthwise convolution over a block's slots, around one sublayer.
+
+    Slot j's output is sum over taps t < `taps` of c[j, t] * x[j - t], within its block only (slots
+    before the block's first count as zero), where c[j, t] = base_kernel[side, t] (per channel) +
+    a dynamic coefficient per group of `group` channels, projected from the sublayer's normed input
+    at slot j. One projection gives the coefficients of both sides: side 0 convolves the sublayer's
+    input, side 1 its output. base_kernel starts as the identity (tap 0 = 1) and the projection at
+    zero, so a fresh DFlash2 layer computes what a DFlash layer does. Shapes and names are those of
+    SpecForge's DFlashGroupedConv and vLLM's (base_kernel [2, taps, hidden], kernel_projection
+    [2 * taps * groups, hidden], its output read as [side, tap, group]).
+    """
+
+    def __init__(self, hidden: int, block_size: int, taps: int, group: int) -> None:
+        super().__init__()
+        self.block_size, self.taps, self.group, self.groups = block_size, taps, group, hidden // group
+        base = torch.zeros(2, taps, hidden)
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * self.groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
+        """x [B, A*K, H] (A blocks of K slots), delta [B, A*K, taps, groups] -> [B, A*K, H]."""
+        b, n, h = x.shape
+        k = self.block_size
+        blocks = x.view(b, n // k, k, self.groups, self.group)
+        coef = self.base_kernel[side].view(self.taps, self.groups, self.group).to(x.dtype) + \
+            delta.view(b, n // k, k, self.taps, self.groups, 1).to(x.dtype)
+        out = coef[:, :, :, 0] * blocks
+        for t in range(1, self.taps):
+            shifted = F.pad(blocks[:, :, : k - t], (0, 0, 0, 0, t, 0))  # slot j sees slot j - t of its block
+            out = out + coef[:, :, :, t] * shifted
+        return out.reshape(b, n, h)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolved sublayer input and the output side's coefficients."""
+        coef = self.kernel_projection(x).view(*x.shape[:-1], 2, self.taps, self.groups)
+        return self.convolve(x, coef[..., 0, :, :], 0), coef[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+        return self.convolve(y, coef, 1)
+
+
 class DrafterLayer(nn.Module):
-    """Pre-norm Qwen3 decoder layer; module names match the published DFlash checkpoints."""
+    """Pre-norm Qwen3 decoder layer; module names match the published DFlash checkpoints (DFlash2
+    adds attention_conv and mlp_conv around the two sublayers)."""
 
     def __init__(self, cfg: DrafterConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -279,13 +367,19 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = DrafterMLP(cfg)
+        self.attention_conv: GroupedConv | None = None
+        self.mlp_conv: GroupedConv | None = None
+        if cfg.dflash2:
+            args = (cfg.hidden_size, cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.attention_conv, self.mlp_conv = GroupedConv(*args), GroupedConv(*args)
 
         self.regions: tuple[Any, Any] | None = None  # compiled (pre, post), Drafter.compile_regions
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_ctx, attend: BlockAttention) -> torch.Tensor:
         pre, post = self.regions or (_layer_pre, _layer_post)
-        out = attend(*pre(self, x, ctx, rope_q, rope_ctx), window=self.self_attn.window)
-        return post(self, x, out)
+        qkv, coef = pre(self, x, ctx, rope_q, rope_ctx)
+        out = attend(*qkv, window=self.self_attn.window)
+        return post(self, x, out, coef)
 
 
 # A layer's two regions around the attention kernel. torch.compile fuses what sits between the
@@ -293,13 +387,26 @@ class DrafterLayer(nn.Module):
 # in eager mode; the attention itself (flex, compiled on its own, or the dense reference) and its
 # per-step mask stay outside, so the regions see plain tensors. Functions of the layer, so the
 # layers of one shape share one graph.
-def _layer_pre(layer: DrafterLayer, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_ctx) -> tuple[torch.Tensor, ...]:
-    return layer.self_attn.project(layer.input_layernorm(x), ctx, rope_q, rope_ctx)
+def _layer_pre(layer: DrafterLayer, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_ctx
+               ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """(q, k_ctx, v_ctx, k_blk, v_blk), and DFlash2's coefficients for the attention's output side."""
+    y, coef = layer.input_layernorm(x), None
+    if layer.attention_conv is not None:
+        y, coef = layer.attention_conv.prepare(y)
+    return layer.self_attn.project(y, ctx, rope_q, rope_ctx), coef
 
 
-def _layer_post(layer: DrafterLayer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    x = x + layer.self_attn.output(attn_out)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+def _layer_post(layer: DrafterLayer, x: torch.Tensor, attn_out: torch.Tensor, coef: torch.Tensor | None
+                ) -> torch.Tensor:
+    out = layer.self_attn.output(attn_out)
+    if layer.attention_conv is not None:
+        out = layer.attention_conv.finish(out, coef)
+    x = x + out
+    y = layer.post_attention_layernorm(x)
+    if layer.mlp_conv is None:
+        return x + layer.mlp(y)
+    y, coef = layer.mlp_conv.prepare(y)
+    return x + layer.mlp_conv.finish(layer.mlp(y), coef)
 
 
 class BlockAttention:
@@ -593,9 +700,49 @@ class TargetHead(nn.Module):
         self.lm_head.weight = nn.Parameter(lm_head_weight.float().clone(), requires_grad=False)
 
 
+class CandidateSelector(nn.Module):
+    """DFlash2's candidate selector: re-ranks the target head's top-k tokens of each draft slot by
+    the token before it (SpecForge's CandidateSelector, vLLM's `_score_edges`).
+
+    The score of candidate c after predecessor p at a slot with drafter state h is
+    unary_logit(c) + sum_r predecessor_codebook[p, r] * hidden_projection(h)[r] * successor_codebook[c, r].
+    Drafting walks the slots greedily (`greedy_path`): slot 1's predecessor is the anchor token,
+    each later slot's the candidate chosen before it. successor_codebook starts at zero, so a fresh
+    selector ranks by the unary logits alone (plain DFlash's argmax).
+    """
+
+    def __init__(self, hidden: int, vocab: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.randn(vocab, rank) * 0.02)
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def scores(self, candidates: torch.Tensor, unary: torch.Tensor, hidden: torch.Tensor,
+               predecessors: torch.Tensor) -> torch.Tensor:
+        """[..., k] scores of candidates [..., k] (unary logits [..., k]) after predecessors [...]
+        at slots with drafter states hidden [..., H]."""
+        context = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden)  # [..., r]
+        successors = self.successor_codebook[candidates]  # [..., k, r]
+        return unary + (successors * context.unsqueeze(-2).to(successors.dtype)).sum(-1)
+
+    @torch.no_grad()
+    def greedy_path(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """Draft tokens [..., K-1] from the slots' unary logits [..., K-1, V] and states [..., K-1, H]
+        after the anchor tokens [...]: each slot's best candidate given the one chosen before it."""
+        unary, candidates = logits.float().topk(self.top_k, dim=-1)
+        prev, path = anchor, []
+        for j in range(candidates.shape[-2]):
+            pick = self.scores(candidates[..., j, :], unary[..., j, :], hidden[..., j, :].float(), prev)
+            prev = candidates[..., j, :].gather(-1, pick.argmax(-1, keepdim=True)).squeeze(-1)
+            path.append(prev)
+        return torch.stack(path, dim=-1)
+
+
 class Drafter(nn.Module):
     """Module names match the published DFlash checkpoints (z-lab's DFlashDraftModel, SGLang's and
-    vLLM's DFlash loaders): layers.*, fc, hidden_norm, norm; no embedding, no lm_head."""
+    vLLM's DFlash loaders): layers.*, fc, hidden_norm, norm; no embedding, no lm_head. A DFlash2
+    drafter adds layers.*.{attention_conv, mlp_conv} and candidate_selector (DFlash2DraftModel)."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -604,9 +751,24 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.candidate_selector = (CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
+                                                     cfg.selector_top_k) if cfg.dflash2 else None)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
+        for m in self.modules():  # DFlash2's dynamic kernels start at zero (the identity convolution)
+            if isinstance(m, GroupedConv):
+                nn.init.zeros_(m.kernel_projection.weight)
+
+    @torch.no_grad()
+    def draft(self, head: TargetHead, hidden: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """The K-1 tokens the trainer's drafter proposes after each block's anchor: final states
+        `hidden` [..., K, H] of blocks `blocks` [..., K] (token ids) through the target's lm_head,
+        argmax (DFlash), or the selector's greedy walk over the top-k (DFlash2)."""
+        logits = head.lm_head(hidden[..., 1:, :])
+        if self.candidate_selector is None:
+            return logits.argmax(-1)
+        return self.candidate_selector.greedy_path(logits, hidden[..., 1:, :], blocks[..., 0])
 
     def forward(self, hidden: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
                 lengths: torch.Tensor, max_scores: int = 1 << 27, attn_impl: str = "dense") -> torch.Tensor:
@@ -812,10 +974,36 @@ def _fused_loss(head: TargetHead, rows: torch.Tensor, y: torch.Tensor, w_rows: t
     return loss, stats
 
 
+def block_predecessors(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The true token before each predicted slot j = 1..K-1 (the anchor's for slot 1): [B, A, K-1],
+    the predecessors DFlash2's selector is trained on (SpecForge's teacher forcing)."""
+    idx = (anchors.clamp(min=0)[:, :, None] + torch.arange(block_size - 1, device=input_ids.device))
+    idx = idx.clamp(max=input_ids.shape[1] - 1)
+    return torch.gather(input_ids[:, None, :].expand(-1, anchors.shape[1], -1), 2, idx)
+
+
+def _selector_ce(selector: CandidateSelector, logits: torch.Tensor, rows: torch.Tensor, y: torch.Tensor,
+                 prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DFlash2's selector term (SpecForge's): CE over the unary top-k of each row, scored after its
+    true predecessor, toward the true token; rows whose true token is not among the top-k carry
+    none (a miss of the unary head, not of the selector). (ce [N], covered [N], correct [N])."""
+    unary, candidates = logits.topk(selector.top_k, dim=-1)
+    hit = candidates == y[:, None]
+    covered = hit.any(-1)
+    scores = selector.scores(candidates, unary, rows.float(), prev)
+    ce = F.cross_entropy(scores, hit.long().argmax(-1), reduction="none") * covered
+    correct = candidates.gather(-1, scores.detach().argmax(-1, keepdim=True)).squeeze(-1) == y
+    return ce, covered, correct
+
+
 def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.Tensor,
                  target_final_at_blocks: torch.Tensor | None, kl_weight: float, gamma: float | None,
-                 chunk_rows: int | None = None, loss_impl: str = "logits") -> tuple[torch.Tensor, dict[str, Any]]:
-    """Weighted CE on the true tokens (+ kl_weight * KL to the verifier) over block slots only.
+                 chunk_rows: int | None = None, loss_impl: str = "logits", selector: CandidateSelector | None = None,
+                 predecessors: torch.Tensor | None = None, selector_alpha: float = 1.0
+                 ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Weighted CE on the true tokens (+ kl_weight * KL to the verifier) over block slots only;
+    with DFlash2's `selector` (and the slots' true `predecessors` [B, A, K-1]) + selector_alpha *
+    its CE over the top-k, under the same slot weights (SpecForge's objective).
 
     The rows go through lm_head in chunks of `chunk_rows` (default: 2^30 logits per chunk), each
     recomputed in backward (activation checkpointing), so 512 anchors x 15 slots x a 248k vocab
@@ -828,13 +1016,17 @@ def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.T
     w = position_weights(drafter_hidden.shape[2], gamma).to(rows.device)
     w_rows = w.expand_as(labels)[valid]
     verifier_rows = target_final_at_blocks[valid] if target_final_at_blocks is not None else None
+    prev_rows = predecessors[valid] if selector is not None and predecessors is not None else None
+    if selector is not None and prev_rows is None:
+        raise ValueError("a DFlash2 drafter's loss needs the slots' predecessors")
     vocab = head.lm_head.weight.shape[0]
     chunk = chunk_rows or max(256, (1 << 30) // vocab)
     use_kl = kl_weight > 0 and verifier_rows is not None
-    if loss_impl != "logits" and not use_kl and len(rows):
+    # DFlash2's selector takes the top-k of the logits: the chunked logits path
+    if loss_impl != "logits" and not use_kl and selector is None and len(rows):
         return _fused_loss(head, rows, y, w_rows, valid, verifier_rows, chunk, loss_impl)
 
-    def piece(r: torch.Tensor, yc: torch.Tensor, wc: torch.Tensor, vc: torch.Tensor | None):
+    def piece(r: torch.Tensor, yc: torch.Tensor, wc: torch.Tensor, vc: torch.Tensor | None, pc: torch.Tensor | None):
         logits = head.lm_head(r).float()
         ce = F.cross_entropy(logits, yc, reduction="none")
         total = (ce * wc).sum()
@@ -844,15 +1036,21 @@ def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.T
                 ref = F.log_softmax(head.lm_head(vc.to(r.dtype)).float(), -1)
             kl = F.kl_div(F.log_softmax(logits, -1), ref, log_target=True, reduction="none").sum(-1)
             total = total + kl_weight * (kl * wc).sum()
-        return total, ce.detach(), kl.detach(), logits.detach().argmax(-1)
+        sel = torch.zeros(3, len(yc), device=r.device)
+        if pc is not None:
+            sel_ce, covered, correct = _selector_ce(selector, logits, r, yc, pc)
+            total = total + selector_alpha * (sel_ce * wc).sum()
+            sel = torch.stack([sel_ce.detach(), covered.float(), correct.float()])
+        return total, ce.detach(), kl.detach(), logits.detach().argmax(-1), sel
 
-    totals, ces, kls, preds = [], [], [], []
+    totals, ces, kls, preds, sels = [], [], [], [], []
     for lo in range(0, len(rows), chunk):
         sl = slice(lo, lo + chunk)
-        args = (rows[sl], y[sl], w_rows[sl], verifier_rows[sl] if use_kl else None)
+        args = (rows[sl], y[sl], w_rows[sl], verifier_rows[sl] if use_kl else None,
+                prev_rows[sl] if prev_rows is not None else None)
         out = (torch.utils.checkpoint.checkpoint(piece, *args, use_reentrant=False)
                if len(rows) > chunk and torch.is_grad_enabled() else piece(*args))
-        for acc, v in zip((totals, ces, kls, preds), out, strict=True):
+        for acc, v in zip((totals, ces, kls, preds, sels), out, strict=True):
             acc.append(v)
     if not totals:
         zero = drafter_hidden.sum() * 0.0
@@ -870,4 +1068,11 @@ def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.T
         stats["target_agree"] = agree / len(rows)
         if use_kl:
             stats["kl"] = float(torch.cat(kls).mean())
+    if prev_rows is not None:
+        sel_ce, covered, correct = torch.cat(sels, dim=1)
+        n_cov = float(covered.sum())
+        # teacher-forced: the selector's CE and accuracy on the rows whose true token is in the top-k
+        stats["selector_ce"] = float(sel_ce.sum()) / n_cov if n_cov else math.nan
+        stats["selector_acc"] = float((correct * covered).sum()) / n_cov if n_cov else math.nan
+        stats["topk_recall"] = n_cov / len(rows)
     return loss, stats

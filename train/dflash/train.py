@@ -48,6 +48,7 @@ from train.dflash.model import (
     TargetHead,
     TargetShape,
     block_inputs,
+    block_predecessors,
     default_drafter,
     default_gamma,
     drafter_config,
@@ -407,8 +408,11 @@ def drafter_forward(cfg: DFlashConfig, run: DrafterRun, batch: dict[str, torch.T
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.amp_on):
         hidden = run.drafter(batch["hidden"].to(device), run.head.embed_tokens(blocks), anchors,
                              batch["lengths"].to(device), attn_impl=run.attn_impl)
+        selector = run.drafter.candidate_selector
         loss, stats = drafter_loss(run.head, hidden, labels, final_blocks, cfg.kl_weight, slot_gamma(cfg),
-                                   loss_impl=run.loss_impl)
+                                   loss_impl=run.loss_impl, selector=selector,
+                                   predecessors=block_predecessors(input_ids, anchors, run.dcfg.block_size)
+                                   if selector is not None else None, selector_alpha=cfg.selector_alpha)
     stats["anchors"] = int((anchors >= 0).sum())  # blocks in this step
     return loss, stats
 
