@@ -159,3 +159,24 @@ def test_dflash2_export_keys_are_the_ones_vllm_loads(tmp_path):
     assert shapes["candidate_selector.successor_codebook"] == (300, 256)
     assert shapes["candidate_selector.hidden_projection.weight"] == (256, 64)
     assert load_export(out).cfg == drafter.cfg
+
+
+def test_dflash2_dense_and_flex_agree_with_live_convolutions():
+    """The convolutions see each block's K slots in order in both attention paths (the flex path
+    packs valid blocks only): equal in fp32 with nonzero dynamic kernels and a 2-tap base."""
+    torch.manual_seed(0)
+    cfg = drafter_config("dflash2", SHAPE, [1, 2], 8)
+    cfg.conv_kernel_size = 3
+    drafter = Drafter(DrafterConfig(**cfg.__dict__)).eval()
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "conv" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hidden = torch.randn(2, 30, 128)
+    x = torch.randn(2, 3, 8, 64)
+    anchors, lengths = torch.tensor([[2, 9, 20], [5, 11, -1]]), torch.tensor([30, 17])
+    with torch.no_grad():
+        dense = drafter(hidden, x, anchors, lengths, attn_impl="dense")
+        flex = drafter(hidden, x, anchors, lengths, attn_impl="flex")
+    valid = anchors >= 0
+    torch.testing.assert_close(flex[valid], dense[valid], atol=2e-5, rtol=1e-4)
