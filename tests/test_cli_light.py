@@ -22,7 +22,7 @@ COMMANDS = {
     "stage1-bad-value": ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg", "lr=-1"],
     "stage1-image-tasks-text-only": ["submit", "stage1", "--preset", "tiny", "--dry-run", "--arg", "vision=off"],
     "stage1-dry-run": ["submit", "stage1", "--preset", "tiny", "--dry-run"],
-    "dflash-bad-topology": ["submit", "dflash", "--preset", "tiny-online", "--dry-run", "--arg", "topology=3-2"],
+    "dflash-bad-topology": ["submit", "dflash", "--preset", "tiny-online", "--dry-run", "--arg", "topology=3-0"],
     "dflash-dry-run": ["submit", "dflash", "--preset", "tiny", "--dry-run", "--arg", "data=/nonexistent"],
     "extract-bad-value": ["submit", "extract", "--preset", "tiny", "--dry-run", "--arg", "max_len=1"],
     "regen-no-target": ["submit", "regen", "--preset", "tiny", "--dry-run"],
@@ -58,7 +58,7 @@ def test_refusals_and_dry_runs_import_no_torch_transformers_or_trainer(tmp_path)
     assert seen["stage1-unknown-arg"]["rc"] == 2 and "unknown argument(s): --arg bogus=1" in seen["stage1-unknown-arg"]["stderr"]
     assert "--arg lr must be a positive number" in seen["stage1-bad-value"]["stderr"]
     assert "carry images but --arg vision=off" in seen["stage1-image-tasks-text-only"]["stderr"]
-    assert "--arg topology must be 'k-1'" in seen["dflash-bad-topology"]["stderr"]
+    assert "--arg topology must be 'k-m'" in seen["dflash-bad-topology"]["stderr"]
     assert "--arg max_len must be" in seen["extract-bad-value"]["stderr"]
     assert "regen: needs --arg init_from=" in seen["regen-no-target"]["stderr"]
 

@@ -262,8 +262,10 @@ def test_corrupt_shard_is_one_clear_line(shards, tmp_path, capsys):
 def test_config_errors(tmp_path, capsys):
     assert dflash_train.main(["--mode", "offline", "--out", str(tmp_path)], guard=False) == 2
     assert "needs --data" in capsys.readouterr().err
-    assert dflash_train.main(["--mode", "online", "--topology", "2-2"], guard=False) == 2
-    assert "k-1" in capsys.readouterr().err
+    assert dflash_train.main(["--mode", "online", "--topology", "2-2", "--out", str(tmp_path)], guard=False) == 1
+    assert "--topology 2-2 needs 4 ranks, this job has 1" in capsys.readouterr().err
+    assert dflash_train.main(["--mode", "online", "--topology", "2-0"], guard=False) == 2
+    assert "k-m" in capsys.readouterr().err
     assert dflash_train.main(["--data", str(tmp_path / "nope"), "--out", str(tmp_path)], guard=False) == 1
     assert "no such extraction directory" in capsys.readouterr().err
 

@@ -35,20 +35,22 @@ def default_block_size(drafter: str) -> int:
     return DFLASH_BLOCK
 
 
-def parse_topology(text: str) -> int:
-    """'k-1' -> k (number of target ranks)."""
+def parse_topology(text: str) -> tuple[int, int]:
+    """'k-m' -> (k target ranks, m drafter ranks)."""
     parts = text.split("-")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts) or parts[1] != "1" or int(parts[0]) < 1:
-        raise ValueError(f"--topology must be 'k-1' (k target ranks, 1 drafter rank), got {text!r}")
-    return int(parts[0])
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or min(int(p) for p in parts) < 1:
+        raise ValueError(f"--topology must be 'k-m' (k target ranks, m data-parallel drafter ranks, each >= 1), "
+                         f"got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 @dataclass
 class DFlashConfig:
     mode: str = opt("offline", choices=("offline", "online"))
     data: str | None = opt(None, help="offline: extraction dir; online: jsonl (default: synthetic in <out>/data.jsonl)")
-    topology: str = opt("2-1", help="online: k target ranks - 1 drafter rank; auto: probe the target forward and "
-                                    "the drafter step here, print the k-1 split of the node it picks and exit")
+    topology: str = opt("2-1", help="online: k target ranks - m drafter ranks (data-parallel, gradients "
+                                    "all-reduced); auto: probe the target forward and the drafter step here, print "
+                                    "the k-m split of the node it picks and exit")
     plan_gpus: int | None = opt(None, help="--topology auto: the GPUs to split (default: the job's tasks)")
     preset: str = opt("tiny", help="online: model shape of a random-init target (with --init-from the "
                                    "checkpoint's config.json is the shape)")
@@ -157,28 +159,28 @@ def check_tasks(cfg: DFlashConfig, tasks: int) -> None:
     """`launch submit` calls this with the job's task count before anything is queued."""
     if cfg.mode == "online" and cfg.topology == "auto":
         if (cfg.plan_gpus or tasks) < 2:
-            raise ConfigError(f"--topology auto splits the node's GPUs k-1: the job needs >= 2 tasks, it has {tasks}")
+            raise ConfigError(f"--topology auto splits the node's GPUs k-m: the job needs >= 2 tasks, it has {tasks}")
         return
     check_layout(cfg, tasks)
 
 
-# The topology fixes the job's task count (k targets + 1 drafter, or 1 offline): the launcher's
+# The topology fixes the job's task count (k targets + m drafters, or 1 offline): the launcher's
 # advice for a request too big for the cluster is then a smaller preset, never fewer GPUs.
 check_tasks.fixes_task_count = True  # type: ignore[attr-defined]
 
 
-def check_layout(cfg: DFlashConfig, world: int) -> int:
-    """The number of target ranks (0 offline); the job's task count (`world`) must fit the topology."""
+def check_layout(cfg: DFlashConfig, world: int) -> tuple[int, int]:
+    """(target ranks, drafter ranks): (0, 1) offline; the job's task count (`world`) must fit the topology."""
     if cfg.mode != "online":
         if world > 1:
             raise ConfigError(f"--mode offline trains one drafter on one rank; this job has {world} "
                               "tasks (use the `offline` preset, or --gpus-per-node 1)")
-        return 0
-    n_targets = parse_topology(cfg.topology)
-    if world != n_targets + 1:
-        raise ConfigError(f"--topology {cfg.topology} needs {n_targets + 1} ranks, this job has "
-                          f"{world}; set the job's GPUs/tasks to {n_targets + 1}")
-    return n_targets
+        return 0, 1
+    n_targets, n_drafters = parse_topology(cfg.topology)
+    if world != n_targets + n_drafters:
+        raise ConfigError(f"--topology {cfg.topology} needs {n_targets + n_drafters} ranks, this job has "
+                          f"{world}; set the job's GPUs/tasks to {n_targets + n_drafters}")
+    return n_targets, n_drafters
 
 
 
@@ -201,7 +203,7 @@ def input_paths(cfg: DFlashConfig) -> list[tuple[str, str, Callable[[str], objec
 
 def gpu_work(cfg: DFlashConfig) -> str | None:
     """What in this run needs a real GPU, or None when it runs on the CPU too (offline, or online
-    with the tiny random target: its GPUs are then only the k-1 topology's task count)."""
+    with the tiny random target: its GPUs are then only the k-m topology's task count)."""
     if cfg.mode != "online" or (cfg.preset == "tiny" and not cfg.init_from):
         return None
     return f"the online target {cfg.init_from or cfg.preset}"

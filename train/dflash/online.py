@@ -1,8 +1,10 @@
-"""Online DFlash: k target ranks feed 1 drafter rank over torch.distributed ("k-1" topology).
+"""Online DFlash: k target ranks feed m drafter ranks over torch.distributed ("k-m" topology).
 
-Ranks 0..k-1 run the frozen target (base model only, hooks on the captured layers); rank k trains
-the drafter. Global step s is produced by target rank s % k and consumed by the drafter in step
-order, so the stream is the same as offline training's for the same seed. Each message is a
+Ranks 0..k-1 run the frozen target (base model only, hooks on the captured layers); ranks k..k+m-1
+train the drafter, data-parallel (train.dflash.train: gradients all-reduced over their group).
+Batch i of the stream is produced by target rank i % k and consumed by drafter rank k + i % m at
+its step i // m, in order; with one drafter the stream is the same as offline training's for the
+same seed. Each message is a
 header (shapes) followed by the tensors, point-to-point (gloo on CPU, NCCL on GPU).
 
 Back-pressure: a target keeps at most `queue_depth` messages in flight (isend); when the queue is

@@ -1,19 +1,22 @@
-"""`--topology auto`: choose k for the online k-1 split of a node by measurement.
+"""`--topology auto`: choose the k-m split of a node (k target ranks, m drafter ranks) by measurement.
 
 The job's last rank (whose log `launch logs` shows) runs a short probe on its own GPU with the job's target and data, through the
 trainer's own code: a target rank's batch (`target_batch`: forward, captured layers, anchors, the
 final states at the blocks) and a drafter step on that batch (`drafter_forward`, backward, AdamW).
 Every GPU of a node is the same kind, so one GPU's times stand for all of them.
 
-With t_target seconds for a target rank to produce a batch and t_drafter for the drafter to train
-on one, k target ranks feed min(k / t_target, 1 / t_drafter) batches per second: the drafter keeps
-up until k reaches t_target / t_drafter. The plan is the smallest k (of the node's GPUs - 1) within
-2% of the best rate; the GPUs past k + 1 add nothing to a k-1 run (the trainer has one drafter).
+With t_target seconds for a target rank to produce a batch and t_drafter for a drafter rank to
+train on one, k target ranks and m data-parallel drafter ranks (each trains on its own batch, the
+gradients all-reduced) go through min(k / t_target, m / t_drafter) batches per second. The plan is
+the split of at most the node's GPUs with the best rate, the fewest GPUs among those within 2% of
+it: one drafter keeps up with t_target / t_drafter targets, so a drafter-bound probe (SpecForge's
+8B recipe: 1 capture server, 7 trainers) gets several drafter ranks. The all-reduce of the
+drafter's gradients is not in the probe (one GPU): with m > 1 the rate is an upper bound.
 Beside it, the offline route: extraction on every GPU, shards on disk (bytes per token x tokens),
 then the drafter alone on one GPU.
 
 The other ranks exit at once. The plan is printed (one screen) and written to <out>/plan.json;
-the run to submit is the k-1 command it names.
+the run to submit is the k-m command it names.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 
 from toolkit.fsutil import atomic_write_text
 
-NEAR_BEST = 0.98  # the smallest k within 2% of the best rate
+NEAR_BEST = 0.98  # the fewest GPUs within 2% of the best rate
 
 
 @dataclass
@@ -47,25 +50,36 @@ class Probe:
 
 @dataclass
 class Plan:
-    k: int  # target ranks; the job then has k + 1 tasks
-    samples_s: float  # expected samples/s of the k-1 run
-    rates: list[tuple[int, float]]  # (k, samples/s) for every k the node allows
-    bound: str  # what limits the chosen k: "drafter" or "targets"
+    k: int  # target ranks
+    m: int  # drafter ranks; the job then has k + m tasks
+    samples_s: float  # expected samples/s of the k-m run
+    rates: list[tuple[int, int, int, float]]  # per GPU count n: (n, k, m, samples/s) of its best split
+    bound: str  # what limits the chosen split: "drafters", "targets" or "both"
     offline_disk_bytes: int
     offline_extract_s: float  # extraction of the whole data on every GPU of the node
     offline_train_samples_s: float  # the drafter alone, from shards
 
 
+def split_rate(p: Probe, k: int, m: int) -> float:
+    """samples/s of k target ranks feeding m drafter ranks."""
+    return min(k / p.target_s, m / p.drafter_s) * p.samples_per_batch
+
+
 def choose(p: Probe) -> Plan:
-    """k from the measured times (see the module docstring)."""
+    """k and m from the measured times (see the module docstring)."""
     if p.gpus < 2:
-        raise ValueError(f"a k-1 split needs at least 2 GPUs, the node has {p.gpus}")
-    rate = {k: min(k / p.target_s, 1.0 / p.drafter_s) * p.samples_per_batch for k in range(1, p.gpus)}
-    best = max(rate.values())
-    k = min(k for k, r in rate.items() if r >= NEAR_BEST * best)
-    bound = "drafter" if k / p.target_s >= 1.0 / p.drafter_s * NEAR_BEST else "targets"
+        raise ValueError(f"a k-m split needs at least 2 GPUs, the node has {p.gpus}")
+    best_of: dict[int, tuple[int, int, float]] = {}  # GPUs used -> the best (k, m, rate) on that many
+    for n in range(2, p.gpus + 1):
+        k, m = max(((k, n - k) for k in range(1, n)), key=lambda km: (split_rate(p, *km), -km[1]))
+        best_of[n] = (k, m, split_rate(p, k, m))
+    best = max(r for _, _, r in best_of.values())
+    n = min(n for n, (_, _, r) in best_of.items() if r >= NEAR_BEST * best)
+    k, m, rate = best_of[n]
+    feed, train = k / p.target_s, m / p.drafter_s
+    bound = "both" if min(feed, train) >= NEAR_BEST * max(feed, train) else ("targets" if feed < train else "drafters")
     batches = p.total_samples / max(p.samples_per_batch, 1e-9)
-    return Plan(k=k, samples_s=rate[k], rates=sorted(rate.items()), bound=bound,
+    return Plan(k=k, m=m, samples_s=rate, rates=[(n, *v) for n, v in sorted(best_of.items())], bound=bound,
                 offline_disk_bytes=p.bytes_per_token * p.total_tokens,
                 offline_extract_s=batches * p.target_s / p.gpus,
                 offline_train_samples_s=p.samples_per_batch / p.drafter_s)
@@ -78,21 +92,23 @@ def report(p: Probe, plan: Plan) -> list[str]:
         f"# topology auto: probe on one {p.device or 'device'} (the node has {p.gpus} GPUs)",
         f"#   target rank: {p.target_s:.3f} s per batch ({p.samples_per_batch:.1f} samples, "
         f"{p.tokens_per_batch:,.0f} real tokens)",
-        f"#   drafter step: {p.drafter_s:.3f} s per batch",
-        f"#   k target ranks feed min(k / {p.target_s:.3f}, 1 / {p.drafter_s:.3f}) batches/s; the drafter "
-        f"keeps up to k = t_target / t_drafter = {ratio:.2f}",
-        "#   k | samples/s",
+        f"#   drafter rank: {p.drafter_s:.3f} s per batch (one step)",
+        f"#   k targets and m drafters (data-parallel) go through min(k / {p.target_s:.3f}, m / {p.drafter_s:.3f}) "
+        f"batches/s: one drafter keeps up with t_target / t_drafter = {ratio:.2f} targets",
+        "#   GPUs | best k-m | samples/s",
     ]
-    shown = plan.rates if len(plan.rates) <= 8 else [r for r in plan.rates if abs(r[0] - plan.k) <= 3]
-    lines += [f"#   {k:>2} | {r:,.1f}{'  <- chosen' if k == plan.k else ''}" for k, r in shown]
-    idle = p.gpus - plan.k - 1
+    shown = plan.rates if len(plan.rates) <= 8 else [r for r in plan.rates if abs(r[0] - plan.k - plan.m) <= 3]
+    lines += [f"#   {n:>4} | {k:>3}-{m:<3} | {r:,.1f}{'  <- chosen' if (k, m) == (plan.k, plan.m) else ''}"
+              for n, k, m, r in shown]
+    idle = p.gpus - plan.k - plan.m
     lines += [
-        f"# chosen: {plan.k}-1 on {plan.k + 1} GPUs, {plan.samples_s:,.1f} samples/s expected "
-        f"(limited by the {plan.bound}{f'; {idle} GPU(s) of the node add nothing' if idle else ''})",
+        f"# chosen: {plan.k}-{plan.m} on {plan.k + plan.m} GPUs, {plan.samples_s:,.1f} samples/s expected "
+        f"(limited by the {plan.bound}{f'; {idle} more GPU(s) add less than 2%' if idle else ''}"
+        f"{'; the drafters all-reduce their gradients each step, not in this estimate' if plan.m > 1 else ''})",
         f"# offline route instead: shards of {p.bytes_per_token:,} B/token x {p.total_tokens:,} tokens = "
         f"{size(plan.offline_disk_bytes)} on disk, extraction ~{plan.offline_extract_s / 60:,.1f} min "
         f"on {p.gpus} GPUs, then {plan.offline_train_samples_s:,.1f} samples/s on one drafter GPU",
-        f"# run: launch submit dflash --arg topology={plan.k}-1 --gpus-per-node {plan.k + 1}",
+        f"# run: launch submit dflash --arg topology={plan.k}-{plan.m} --gpus-per-node {plan.k + plan.m}",
     ]
     return lines
 

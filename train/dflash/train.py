@@ -1,7 +1,8 @@
 """DFlash drafter training: offline from extraction shards, or online with k target ranks.
 
 `python -m train.dflash --mode offline --data <extraction dir>` or
-`python -m train.dflash --mode online --topology 2-1` (world size k+1), behind the Slurm guard;
+`python -m train.dflash --mode online --topology 2-1` (world size k+m: k target ranks, m drafter
+ranks, data-parallel with their gradients all-reduced), behind the Slurm guard;
 `main(argv, guard=False)` only for tests.
 
 One step: a bucketed-shuffle batch (train.common.bucketing; new compositions every epoch) ->
@@ -206,6 +207,17 @@ class DrafterRun:
     real_tokens: int = 0
     first: float | None = None
     last: float | None = None
+    n_drafters: int = 1  # data-parallel drafter ranks; this one is drafter `index` of them
+    index: int = 0
+    group: Any = None  # the drafter ranks' process group (their gradients' all-reduce), when m > 1
+
+
+def micro_batches(sampler: BucketedSampler, start: int, n_drafters: int, index: int):
+    """(step, epoch, ids) of drafter `index` of `n_drafters`: step s takes the stream's batch
+    s * n_drafters + index (one drafter: the stream itself)."""
+    for i, epoch, ids in batch_stream(sampler, start * n_drafters):
+        if i % n_drafters == index:
+            yield i // n_drafters, epoch, ids
 
 
 def train(cfg: DFlashConfig) -> int:
@@ -213,24 +225,32 @@ def train(cfg: DFlashConfig) -> int:
     online = cfg.mode == "online"
     if online and cfg.topology == "auto":
         return plan_only(cfg)
-    n_targets = check_layout(cfg, slurm_layout()[1])  # before a process group is formed for a wrong layout
+    n_targets, n_drafters = check_layout(cfg, slurm_layout()[1])  # before a process group is formed for a wrong layout
     with Runtime.start(ENTRYPOINT, SCHEMAS["dflash"], cfg.out, force_group=online, log_rank=None,
                        tensorboard=False, max_bad_steps=cfg.max_bad_steps) as rt:
         wire = rt.device if rt.dist.backend == "nccl" else torch.device("cpu")  # where sent tensors live
         # The drafter's kernels before any data or model is loaded: a fallback from the GPU locks'
         # fast path (no fused loss kernel) is refused here in one line unless --allow-slow-path.
         # Target ranks check theirs (GDN, conv) in build_target.
-        kernels = drafter_kernels(cfg, rt.device) if not online or rt.is_logger else None
-        src = load_source(cfg, rt)
+        is_drafter = rt.dist.rank >= n_targets
+        kernels = drafter_kernels(cfg, rt.device) if is_drafter else None
+        # every rank takes part in creating a group; only the drafters use theirs
+        group = torch.distributed.new_group(list(range(n_targets, n_targets + n_drafters))) if n_drafters > 1 else None
+        src = load_source(cfg, rt, is_drafter)
         check_lengths(cfg, src.lengths, rt.print)
         sampler = BucketedSampler(src.lengths, cfg.token_budget, seed=cfg.seed)
         _, latest = rt.checkpoints(keep=2, restart=cfg.restart)
         start = int(latest.name.split("_")[1]) if latest is not None else 0
-        if online and not rt.is_logger:
-            run_target_rank(cfg, rt, src, sampler, start, n_targets, wire)
+        if not is_drafter:
+            run_target_rank(cfg, rt, src, sampler, start, n_targets, n_drafters, wire)
             return 0
         assert kernels is not None
         run = setup_drafter(cfg, rt, src, sampler, latest, start, n_targets, wire, kernels)
+        run.n_drafters, run.index, run.group = n_drafters, rt.dist.rank - n_targets, group
+        run.stream = micro_batches(sampler, start, n_drafters, run.index)
+        if group is not None:  # the drafters start from one set of weights (the first drafter's)
+            for t in run.drafter.state_dict().values():
+                torch.distributed.broadcast(t, n_targets, group=group)
         while rt.step < cfg.steps:
             t0 = time.perf_counter()
             s, epoch, ids = next(run.stream)
@@ -242,6 +262,8 @@ def train(cfg: DFlashConfig) -> int:
             t_data = time.perf_counter()
             loss, stats = drafter_forward(cfg, run, batch, final_blocks, rt.device)
             run.stepper.backward(loss)
+            if run.group is not None:
+                all_reduce_grads(run)
             grad_norm, skipped = run.stepper.step(loss)
             rt.step += 1
             loss_value = float(loss.detach())
@@ -260,11 +282,20 @@ def train(cfg: DFlashConfig) -> int:
                                  "compute_ms": 1000 * (t_end - t_data), "batch_rows": len(ids),
                                  "padding_efficiency": n_real / batch["input_ids"].numel(),
                                  "lr": run.stepper.lr, "grad_norm": grad_norm})
-            if rt.step % cfg.ckpt_every == 0 or rt.step == cfg.steps:
+            if (rt.step % cfg.ckpt_every == 0 or rt.step == cfg.steps) and rt.is_logger:
                 rt.last_checkpoint = save_checkpoint(rt.ckpts, rt.step, run.drafter, run.stepper.optimizer,
                                                      run.stepper.scheduler, cfg)
         finish(cfg, run, rt)
     return 0
+
+
+def all_reduce_grads(run: DrafterRun) -> None:
+    """Data-parallel drafters: every rank's gradients become the mean over the drafter ranks (the
+    same on each, so the same clipped update keeps their weights equal)."""
+    for param in run.drafter.parameters():
+        if param.grad is not None:
+            torch.distributed.all_reduce(param.grad, group=run.group)
+            param.grad /= run.n_drafters
 
 
 def plan_only(cfg: DFlashConfig) -> int:
@@ -280,7 +311,7 @@ def plan_only(cfg: DFlashConfig) -> int:
     return 0
 
 
-def load_source(cfg: DFlashConfig, rt: Runtime) -> Source:
+def load_source(cfg: DFlashConfig, rt: Runtime, is_drafter: bool = True) -> Source:
     """The data and the target's head: from the shards (offline) or the live target (online)."""
     if cfg.mode != "online":
         data = ShardDataset(cfg.data, cfg.max_bad_fraction, report=rt.print)
@@ -296,7 +327,7 @@ def load_source(cfg: DFlashConfig, rt: Runtime) -> Source:
     from train.extract.target import checkpoint_config, checkpoint_head, head_weights
 
     base = capture = None
-    if rt.is_logger and cfg.init_from:  # the drafter rank needs the target's config and head, not the model
+    if is_drafter and cfg.init_from:  # a drafter rank needs the target's config and head, not the model
         text = checkpoint_config(cfg.init_from)
         layers = parse_layers(cfg.layers, text.num_hidden_layers, cfg.n_layers)
         embed_w, head_w = checkpoint_head(cfg.init_from)
@@ -312,30 +343,33 @@ def load_source(cfg: DFlashConfig, rt: Runtime) -> Source:
 
 
 def run_target_rank(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: BucketedSampler, start: int,
-                    n_targets: int, wire: torch.device) -> None:
-    """An online target rank: its share of the steps' batches, sent to the drafter rank."""
-    sender = BoundedSender(n_targets, cfg.queue_depth, wire)
+                    n_targets: int, n_drafters: int, wire: torch.device) -> None:
+    """An online target rank: its share of the steps' batches, each sent to the drafter rank that
+    trains on it (batch i of the stream: target i % k, drafter k + i % m, its step i // m)."""
+    senders = [BoundedSender(n_targets + j, cfg.queue_depth, wire) for j in range(n_drafters)]
     t0, produce_s = time.perf_counter(), []
-    for step, _epoch, ids in batch_stream(sampler, start):
+    for i, _epoch, ids in batch_stream(sampler, start * n_drafters):
+        step = i // n_drafters
         if step >= cfg.steps:
             break
         rt.step = step
-        if step % n_targets == rt.dist.rank:
+        if i % n_targets == rt.dist.rank:
             t_batch = time.perf_counter()
-            batch = target_batch(src.target, src.capture, [src.samples[i] for i in ids], cfg, step, rt.device,
-                                 [src.loss_masks[i] for i in ids])
+            batch = target_batch(src.target, src.capture, [src.samples[j] for j in ids], cfg, i, rt.device,
+                                 [src.loss_masks[j] for j in ids])
             if rt.device.type == "cuda":
                 # also waits for sends the drafter has not received: the target's own time
                 # only while the drafter keeps up (bench/multigpu.py checks the drafter's wait)
                 torch.cuda.synchronize(rt.device)
             produce_s.append(time.perf_counter() - t_batch)
-            sender.send(batch)
-    sender.close()
+            senders[i % n_drafters].send(batch)
+    for sender in senders:
+        sender.close()
     # median time to produce a batch: with k targets the drafter saturates once k exceeds
     # (this / the drafter's compute time per step); bench/multigpu.py reads this line.
     median = float(np.median(produce_s)) if produce_s else 0.0
     print(f"# target rank {rt.dist.rank}: sent {len(produce_s)} batches in {time.perf_counter() - t0:.1f}s, "
-          f"queue full {sender.waits} times, median {median:.4f}s to produce one", flush=True)
+          f"queue full {sum(s.waits for s in senders)} times, median {median:.4f}s to produce one", flush=True)
     rt.barrier()
 
 
@@ -390,7 +424,7 @@ def next_batch(cfg: DFlashConfig, run: DrafterRun, step: int, ids: Any, device: 
     """This step's batch and the target's final states at its anchor blocks; (None, None) when
     every sample of the step is in a shard skipped within --max-bad-fraction."""
     if run.data is None:  # online: from the target rank whose turn it is
-        batch = recv_batch(step % run.n_targets, run.wire)
+        batch = recv_batch((step * run.n_drafters + run.index) % run.n_targets, run.wire)
         return batch, batch["final_blocks"].to(device)
     batch = run.data.batch(ids)
     if batch is None:
@@ -483,14 +517,31 @@ def target_identity(path: str) -> str:
 
 def finish(cfg: DFlashConfig, run: DrafterRun, rt: Runtime) -> None:
     out = rt.out
+    equal = drafters_agree(run) if run.group is not None else None
+    if not rt.is_logger:  # another data-parallel drafter: the logging one writes the weights
+        rt.barrier()
+        return
+    if equal is False:
+        rt.print(f"# WARNING: the {run.n_drafters} drafter ranks ended with different weights")
     run.drafter.save(out / ".drafter.pt.tmp")
     os.replace(out / ".drafter.pt.tmp", out / "drafter.pt")
     rt.finish({"mode": cfg.mode, "steps": rt.step, "first_loss": run.first, "last_loss": run.last,
                # the one throughput figure: real (non-padding) tokens per second of the drafter
                "real_tok_s": run.real_tokens / max(1e-9, time.perf_counter() - run.t_start),
                "drafter": str((out / "drafter.pt").resolve()),
-               "drafter_params": sum(p.numel() for p in run.drafter.parameters())})
+               "drafter_params": sum(p.numel() for p in run.drafter.parameters()),
+               "drafter_ranks": run.n_drafters, **({"drafter_ranks_equal": equal} if equal is not None else {})})
     rt.barrier()
+
+
+def drafters_agree(run: DrafterRun) -> bool:
+    """Whether every drafter rank holds the same weights: each parameter's sum and sum of squares
+    (fp64), gathered over the drafter ranks and compared exactly."""
+    mine = torch.stack([v for p in run.drafter.parameters() for v in (p.double().sum(), p.double().square().sum())])
+    mine = mine.to(run.wire)
+    every = [torch.empty_like(mine) for _ in range(run.n_drafters)]
+    torch.distributed.all_gather(every, mine, group=run.group)
+    return all(torch.equal(e, every[0]) for e in every)
 
 
 def save_checkpoint(ckpts: CheckpointManager, step: int, drafter: Drafter, opt, sched, cfg: DFlashConfig) -> Path:
