@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from dflash_serving import ServingDrafter, hf_config
+from engine_code import EngineCodeUnavailable, SGLangCode, sglang_sources
 
 from train.dflash import train as dflash_train
 from train.dflash.args import DFLASH2_BLOCK, parse_args
@@ -33,8 +34,18 @@ SHAPE = TargetShape(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, 
 QWEN36_27B = TargetShape(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
                          head_dim=256, intermediate_size=17408, vocab_size=248320, rope_theta=1e7,
                          max_position_embeddings=262144)
-STEPS = 24
-TRAIN = ["--token-budget", "320", "--lr", "5e-3", "--warmup", "2", "--steps", str(STEPS), "--ckpt-every", "100"]
+STEPS = 16
+TRAIN = ["--token-budget", "320", "--lr", "5e-3", "--warmup", "2", "--steps", str(STEPS), "--ckpt-every", "100",
+         "--anchors", "64"]
+
+
+@pytest.fixture(scope="module")
+def sglang() -> SGLangCode:
+    """SGLang's parsing code from its release on PyPI (as tests/test_dflash_engines.py takes it)."""
+    try:
+        return SGLangCode(sglang_sources())
+    except EngineCodeUnavailable as exc:
+        pytest.skip(f"SGLang's released code could not be fetched, so its parsing cannot run: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +103,7 @@ def _losses(out: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_dflash2_and_dflash_trained_from_the_same_shards_both_learn_and_draft_as_served(shards, tmp_path):
+def test_dflash2_and_dflash_trained_from_the_same_shards_both_learn_and_draft_as_served(shards, tmp_path, sglang):
     """DFlash (tiny, block 16) and DFlash2 (`--drafter dflash2`: tiny + convolutions + selector,
     block 8 by default) trained on the same shards: both losses fall. Each export, read by the
     engine-style loader as vLLM and as SGLang do (DFlash2's parts as vLLM's DFlash2 code runs them),
@@ -114,7 +125,7 @@ def test_dflash2_and_dflash_trained_from_the_same_shards_both_learn_and_draft_as
         assert trainer.cfg.block_size == (8 if drafter == "dflash2" else 16)
         hf = hf_config(out)
         assert hf.architectures == (["DFlash2DraftModel"] if drafter == "dflash2" else ["DFlashDraftModel"])
-        serving = ServingDrafter(out, embed, lm_head, engine=engine)
+        serving = ServingDrafter(out, embed, lm_head, engine=engine, sglang=sglang)
         assert serving.dflash2 == (drafter == "dflash2")
         k, drafts = trainer.cfg.block_size, 0
         for sample in range(12):
