@@ -98,7 +98,7 @@ def check_gpu_isolation(ctx: DoctorContext) -> CheckResult:
                                                    "sees every GPU of the node", fix)
     names = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
     for step, step_env in zip(("a job without GPUs", "a --gres=none step inside a GPU job"),
-                              _steps_without_gpus_envs(ctx.env)):
+                              _steps_without_gpus_envs(ctx.env), strict=True):
         try:
             out = subprocess.run([prolog], env=step_env, capture_output=True, text=True, timeout=20, check=False).stdout
         except (OSError, subprocess.TimeoutExpired) as err:
