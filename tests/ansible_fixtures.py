@@ -160,6 +160,7 @@ def lxc_inventory(tmp: Path, *, name: str, lxc_path: Path, dev: Path, proc_devic
                 "slurm_manage_services": False,
                 "slurm_munge_user": "root",
                 "slurm_user": "root",  # no slurm user in the test rootfs (no Slurm packages)
+                "slurm_job_users": [{"name": "alice", "uid": 1000}],
             },
             "hosts": {name: {
                 "ct_unprivileged": False,  # the lxc backend makes privileged containers only

@@ -57,14 +57,16 @@ AppArmor; hot-plug's effect inside a real-LXC container (a hot-plugged devN or m
 reaches the running container only at its next start here; the config is what Proxmox writes);
 `pct set --revert`; deletes forced with `!`. On a host whose
 devices controller is cgroup v1 (this CI machine) each cgroup2 allow line is mirrored as
-`lxc.cgroup.devices.allow`, which is what the cgroup2 line means on a Proxmox host.
+`lxc.cgroup.devices.allow`, which is what the cgroup2 line means on a Proxmox host, and the
+CT's `lxc.cgroup2.cpuset.cpus` is written as `lxc.cgroup.cpuset.cpus` (the v1 cpuset controller).
 `$PCT_INIT_CMD` sets `lxc.init.cmd` (for a rootfs without an init).
 
 Safety: the generated config always sets `lxc.rootfs.path` to the CT's own unpacked rootfs
 (without it LXC would run the container on the host's /); raw `lxc.rootfs*` lines are
 refused, and `start` refuses a rootfs that is missing or resolves to `/`.
 
-Optional `$PCT_LOG`: each call's argv is appended there (`pct <args>`).
+Optional `$PCT_LOG`: each call's argv is appended there (`pct <args>`, one line per call: a
+newline inside an argument, such as a `pct exec ... sh -c` script's, is written as `\n`).
 """
 
 from __future__ import annotations
@@ -232,6 +234,9 @@ def options(rest: list[str]) -> tuple[dict[str, str], list[str]]:
 VALUE_BOUNDS = {"cores": (1, 8192), "memory": (16, None), "swap": (0, None), "cpulimit": (0, 8192)}
 # Applied to a running CT at once (vmconfig_hotplug_pending); new devN/mpN/netN entries too.
 HOTPLUG_KEYS = {"cores", "cpulimit", "cpuunits", "memory", "swap"}
+# Options written into a running CT's config at once ($LXC_FASTPLUG_OPTIONS of PVE::LXC::Config, PVE 8
+# and 9): never pending. The CT's own /etc/hostname follows at its next start.
+FASTPLUG_KEYS = {"hostname"}
 # Options that do not touch the running CT: written at once, never pending.
 DIRECT_KEYS = {"description", "hookscript", "lock", "onboot", "protection", "startup", "tags"}
 PENDING_HEADER = "[pve:pending]"
@@ -291,7 +296,7 @@ DEVN_HOTPLUG_SINCE = (9, 0, 0)
 
 
 def hot_pluggable(conf: CtConf, key: str) -> bool:
-    if key in HOTPLUG_KEYS or key in DIRECT_KEYS:
+    if key in HOTPLUG_KEYS or key in DIRECT_KEYS or key in FASTPLUG_KEYS:
         return True
     if key.startswith("dev") and pve_version() < DEVN_HOTPLUG_SINCE:
         return False
@@ -452,6 +457,9 @@ def lxc_config(vmid: str) -> str:
     for key, value in conf.lxc:
         if key.startswith("lxc.rootfs"):
             raise PctError(f"refusing raw {key}: the stand-in owns lxc.rootfs.path")
+        if key == "lxc.cgroup2.cpuset.cpus" and not cgroup2_only():
+            lines.append(f"lxc.cgroup.cpuset.cpus = {value}")  # the v1 cpuset controller holds it here
+            continue
         lines.append(f"{key} = {value}")
         if key == "lxc.cgroup2.devices.allow" and not cgroup2_only():
             lines.append(f"lxc.cgroup.devices.allow = {value}")
@@ -610,7 +618,7 @@ def main() -> int:
         return pveversion()
     if os.environ.get("PCT_LOG"):
         with open(os.environ["PCT_LOG"], "a") as log:
-            log.write("pct " + " ".join(args) + "\n")
+            log.write("pct " + " ".join(arg.replace("\n", "\\n") for arg in args) + "\n")
     try:
         return pct(args)
     except PctError as exc:

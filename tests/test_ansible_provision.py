@@ -13,6 +13,8 @@ Stand-ins, because this machine has neither a GPU nor Proxmox:
 from __future__ import annotations
 
 import base64
+import functools
+import json
 import os
 import re
 import shutil
@@ -46,6 +48,7 @@ from tests.ansible_fixtures import (
     write_inventory,
     write_vaulted_vars,
 )
+from tests.test_cpu_topology import epyc_lscpu
 
 GOLDEN = Path(__file__).parent / "golden"
 IS_ROOT = os.geteuid() == 0
@@ -170,10 +173,14 @@ def _kpro6_with(tmp_path: Path, **container_vars: object) -> Path:
         ({"node_caches_root": "/mnt/lustre/cache"}, "node_caches_root=/mnt/lustre/cache is not under ct_scratch_mount"),
         ({"node_caches_fstype_hint": "nfs"}, "node_caches_root is on nfs"),
         ({"ct_cores": "many"}, "ct_cores='many' is not an integer"),
+        ({"ct_cores": None}, "ct_cores is missing; set the CT's cores (also slurm.conf's CPUs= for it)"),
         ({"lxc_container_nvidia_majors": ["*"]}, "lxc_container_nvidia_majors is read from the host's /proc/devices"),
         ({"lxc_container_nvidia_majors": [1]}, "lxc_container_nvidia_majors is read from the host's /proc/devices"),
         ({"lxc_container_nvidia_majors": "a *:* rwm"}, "lxc_container_nvidia_majors is read from the host's /proc/devices"),
         ({"ct_unprivileged": "maybe"}, "ct_unprivileged='maybe' is not a boolean"),
+        ({"ct_cpuset": "0-15,socket1"}, "ct_cpuset='0-15,socket1' is not a CPU list of the host"),
+        ({"slurm_cgroup_ignore_systemd": True}, "slurm_cgroup_ignore_systemd was removed: IgnoreSystemd=yes cannot "
+                                                "start slurmd in a CT"),
     ],
 )
 def test_bad_inventory_fails_early_with_one_line(tmp_path: Path, change: dict, names: str) -> None:
@@ -183,6 +190,33 @@ def test_bad_inventory_fails_early_with_one_line(tmp_path: Path, change: dict, n
     assert len(lines) == 1 and names in lines[0], result.stderr
     assert lines[0].startswith("inventory error: kpro6-ct200: ")
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_a_node_whose_template_ships_another_slurm_release_than_the_controllers_is_refused(tmp_path: Path) -> None:
+    """A second PVE host's CT on Debian 13 (Slurm 24.11) under kpro6's controller (Ubuntu 24.04,
+    23.11): refused by the inventory check, also with --limit naming the second host only (the
+    controller is not in that run, its facts never exist there)."""
+    import yaml
+
+    data = yaml.safe_load(_with_userspace_sha(tmp_path, "kpro6.yml").read_text())
+    kpro6 = data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro6"]
+    data["all"]["children"]["container_hosts"]["children"]["pve_hosts"]["hosts"]["kpro7"] = {**kpro6,
+                                                                                              "ansible_host": "kpro7.lan"}
+    containers = data["all"]["children"]["gpu_containers"]["children"]
+    ct = containers["kpro6_containers"]["hosts"]["kpro6-ct200"]
+    containers["kpro7_containers"] = {"vars": {**containers["kpro6_containers"]["vars"], "container_host": "kpro7"},
+                                      "hosts": {"kpro7-ct300": {**ct, "ct_vmid": 300, "proxmox_vmid": 300,
+                                                                "ct_hostname": "trainer300"}}}
+    same = write_inventory(tmp_path / "same.yml", data)
+    assert check_inventory(same, "--limit", "kpro7").returncode == 0, check_inventory(same, "--limit", "kpro7").stderr
+    containers["kpro7_containers"]["hosts"]["kpro7-ct300"]["ct_template"] = \
+        "nvme-scratch:vztmpl/debian-13-standard_13.1-2_amd64.tar.zst"
+    other = write_inventory(tmp_path / "other.yml", data)
+    for args in ((), ("--limit", "kpro7")):
+        result = check_inventory(other, *args)
+        assert result.returncode == 2 and result.stderr.strip().startswith(
+            "inventory error: kpro7-ct300: ct_template nvme-scratch:vztmpl/debian-13-standard_13.1-2_amd64.tar.zst "
+            "ships Slurm 24.11, but the controller kpro6-ct200's ships 23.11"), result.stderr
 
 
 def test_unparsable_inventory_is_one_line(tmp_path: Path) -> None:
@@ -244,6 +278,18 @@ class PveHost:
         self.conf_dir, self.log = tmp_path / "pve-lxc", tmp_path / "pct.log"
         self.conf_dir.mkdir()
         self.conf = self.conf_dir / "200.conf"
+        # The host's CPUs (2 sockets of 64 cores, 2 threads each, numbered as on an EPYC host) and
+        # its GPUs' NUMA nodes (the driver's per-GPU directory, the PCI devices' numa_node):
+        # GPUs 0-3 on socket 0, the others on socket 1.
+        lscpu, gpus_dir, pci_dir = tmp_path / "lscpu.txt", tmp_path / "nvidia-gpus", tmp_path / "pci"
+        lscpu.write_text(epyc_lscpu())
+        for minor in range(gpus):
+            addr = f"0000:{0x10 + minor:02x}:00.0"
+            (gpus_dir / addr).mkdir(parents=True)
+            (gpus_dir / addr / "information").write_text(f"Model: \t\t NVIDIA H200\nDevice Minor: \t {minor}\n")
+            (pci_dir / addr).mkdir(parents=True)
+            (pci_dir / addr / "numa_node").write_text(f"{0 if minor < 4 else 1}\n")
+        self.topology_dir = tmp_path / "topology"
         storage_cfg = tmp_path / "storage.cfg"
         storage_cfg.write_text("dir: local\n\tpath /var/lib/vz\n\tcontent vztmpl,iso\n\n"
                                "lvmthin: local-lvm\n\tthinpool data\n\tvgname pve\n\tcontent rootdir,images\n")
@@ -255,19 +301,32 @@ class PveHost:
             "gpu_host_scratch_path": str(self.scratch), "gpu_host_scratch_must_be_mountpoint": False,
             "lxc_container_pve_conf_dir": str(self.conf_dir), "lxc_container_pve_storage_cfg": str(storage_cfg),
             "lxc_container_pending_dir": str(tmp_path / "pending"),
+            "lxc_container_lscpu_argv": ["cat", str(lscpu)], "lxc_container_nvidia_gpus_dir": str(gpus_dir),
+            "lxc_container_pci_devices_dir": str(pci_dir), "lxc_container_topology_dir": str(self.topology_dir),
+            # NVIDIA's redistrib file is not reachable from a test: a closed local port answers at once.
+            "gpu_host_fabricmanager_redistrib_url": "http://127.0.0.1:9/redistrib_{version}.json",
         })
         ct = data["all"]["children"]["gpu_containers"]["children"]["kpro6_containers"]["hosts"]["kpro6-ct200"]
         ct.update({"ct_scratch_host_path": str(self.scratch), "nvidia_userspace_sha256": USERSPACE_SHA,
                    **container_vars})
         self.data = data
         self.inventory = write_inventory(tmp_path / "kpro6.yml", data)
-        # `pct exec` "inside" the state-only CT finds this stand-in squeue: it prints the ids in
-        # self.jobs, the jobs Slurm runs on the node (none while the file is empty).
-        self.jobs, ct_tools = tmp_path / "ct-jobs", tmp_path / "ct-bin"
+        # `pct exec` "inside" the state-only CT finds these stand-ins: squeue prints the ids in
+        # self.jobs, the jobs Slurm runs on the node (none while the file is empty), or fails as
+        # with an unreachable controller while self.controller_down exists; pgrep finds a
+        # slurmstepd while self.steps is not empty.
+        self.jobs, self.controller_down, self.steps = tmp_path / "ct-jobs", tmp_path / "ct-controller-down", tmp_path / "ct-steps"
+        ct_tools = tmp_path / "ct-bin"
         self.jobs.write_text("")
+        self.steps.write_text("")
         ct_tools.mkdir()
-        (ct_tools / "squeue").write_text(f"#!/bin/sh\ncat {self.jobs}\n")
-        (ct_tools / "squeue").chmod(0o755)
+        (ct_tools / "squeue").write_text(
+            f"#!/bin/sh\nif [ -e {self.controller_down} ]; then\n"
+            "  echo 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2; exit 1\nfi\n"
+            f"cat {self.jobs}\n")
+        (ct_tools / "pgrep").write_text(f"#!/bin/sh\n[ -s {self.steps} ]\n")
+        for tool in ("squeue", "pgrep"):
+            (ct_tools / tool).chmod(0o755)
         self.env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PCT_LOG": str(self.log),
                     "PCT_CONF_DIR": str(self.conf_dir), "PCT_DEV_ROOT": str(self.dev), "PCT_PVE_VERSION": pve_version,
                     "PCT_STATE_EXEC_PATH": str(ct_tools)}
@@ -320,7 +379,12 @@ def test_proxmox_backend_devn_entries_survive_proxmox_rewrites(tmp_path: Path) -
     assert (owner.st_uid, owner.st_gid, stat.S_IMODE(owner.st_mode)) == (PVE_IDMAP_BASE, PVE_IDMAP_BASE, 0o1777)
     conf = pve.conf.read_text()
     assert conf == _golden("pve-200.conf", pve)
-    assert "lxc." not in conf, "devN entries need no raw lines"
+    # CT 200's 64 CPUs are 32 whole cores, 16 on each socket (its GPUs are on both), kept for slurm.conf.
+    topology = json.loads((pve.topology_dir / "kpro6-ct200.json").read_text())
+    assert (topology["sockets"], topology["cores_per_socket"], topology["threads_per_core"]) == (2, 16, 2)
+    assert topology["gpu_cores"] == {**{str(i): "0-15" for i in range(4)}, **{str(i): "16-31" for i in range(4, 8)}}
+    raw = [line for line in conf.splitlines() if line.startswith("lxc.")]
+    assert raw == ["lxc.cgroup2.cpuset.cpus: 0-15,64-79,128-143,192-207"], "devN entries need no raw device lines"
 
     pve.conf.write_text("# CT 200: trainer\n" + conf)  # a note added in the GUI
     proxmox_rewrite(pve.conf)
@@ -443,6 +507,48 @@ def test_new_gpus_on_pve_8_stay_pending_and_reboot_only_once_drained(tmp_path: P
 
 
 @needs_root
+def test_a_new_hostname_is_set_and_a_reboot_waits_until_the_jobs_can_be_counted(tmp_path: Path) -> None:
+    """A changed ct_hostname (slurm.conf's NodeName follows it) is set on the CT (`pct set
+    --hostname`, written at once on PVE 8) and owes a reboot. With the controller unreachable
+    (squeue fails) and a slurmstepd in the CT the jobs cannot be counted: the reboot is refused,
+    not done under running steps; once no slurmstepd runs, the CT reboots exactly once."""
+    pve = PveHost(tmp_path, pve_version="8.2.4")
+    _ok(pve.run())
+    pve.controller_down.write_text("")
+    pve.steps.write_text("1234\n")
+    pve.container(ct_hostname="trainer201")
+    proc, _ = pve.run()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert pve.commands() == ["pct set 200 --hostname trainer201"]
+    assert "hostname: trainer201\n" in pve.conf.read_text() and "[pve:pending]" not in pve.conf.read_text()
+    assert ("CT 200: it needs a reboot (hostname pending) but its Slurm jobs cannot be counted: squeue failed "
+            "(slurm_load_jobs error: Unable to contact slurm controller (connect failure)) and slurmstepd runs job "
+            "steps in it") in out, proc.stdout[-3000:]
+    pve.steps.write_text("")  # the steps ended; the controller is still down
+    _ok(pve.run())
+    assert pve.commands() == ["pct reboot 200"]
+    assert _ok(pve.run())["changed"] == 0 and pve.commands() == []
+
+
+@needs_root
+def test_check_on_a_fresh_host_says_which_container_plays_it_skips_and_why(tmp_path: Path) -> None:
+    """`make provision host=kpro6 check=1` before the first run: CT 200 does not exist, so the
+    in-container plays have nothing to connect to. Each says it is skipped and why; the run
+    succeeds and creates nothing."""
+    pve = PveHost(tmp_path)
+    pve.log.write_text("")
+    proc, recap = run_playbook(pve.inventory, "--limit", "kpro6:kpro6_containers", "--check", "--diff",
+                               env=pve.env, timeout=300)
+    assert proc.returncode == 0 and recap["kpro6-ct200"]["failed"] == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert recap["kpro6-ct200"]["unreachable"] == 0 and pve.commands() == [] and not pve.conf.exists()
+    out = " ".join(proc.stdout.split())
+    for play in ("In-container environment", "Slurm, then the keepalive that its Prolog/Epilog call", "Verify"):
+        assert (f'kpro6-ct200: play "{play}" skipped in check mode: the container does not exist yet (this run would '
+                "create it from nvme-scratch:vztmpl/ubuntu-24.04-standard_24.04-2_amd64.tar.zst)") in out, out[-3000:]
+
+
+@needs_root
 def test_a_refused_reboot_stays_pending_until_the_node_is_drained(tmp_path: Path) -> None:
     """PVE 9 hot-plugs memory and new devN entries into a running CT (no reboot, even with jobs
     on it) and keeps a devN delete in [pve:pending] until the next start. A reboot refused while
@@ -500,7 +606,8 @@ def test_proxmox_backend_raw_lines_below_pve_8_1_are_managed_by_key_and_value(tm
     assert raw == [("lxc.apparmor.profile", "unconfined")] + [
         pair for name, minor in nodes.items()
         for pair in (("lxc.cgroup2.devices.allow", f"c {STANDIN_MAJOR}:{minor} rwm"),
-                     ("lxc.mount.entry", f"{pve.dev}/{name} dev/{name} none bind,create=file 0 0"))]
+                     ("lxc.mount.entry", f"{pve.dev}/{name} dev/{name} none bind,create=file 0 0"))] + [
+        ("lxc.cgroup2.cpuset.cpus", "0-31,128-159")]  # 32 whole cores of socket 0, its GPUs' socket
     assert "launch managed" not in conf and "optional" not in conf and "*" not in conf
     assert not any(re.match(r"dev\d+:", line) for line in conf.splitlines())
 
@@ -560,6 +667,91 @@ def test_nvswitch_host_needs_fabric_manager_and_keeps_the_switches(tmp_path: Pat
     _ok(pve.run())
     conf = pve.conf.read_text()
     assert "/dev/nvidia-nvswitch" not in conf and all(f"/dev/nvidia{i}," in conf for i in range(8))
+
+
+def _fabricmanager_archive(root: Path, version: str) -> Path:
+    """A Fabric Manager archive in NVIDIA's layout (bin, lib with its .so link, include, etc,
+    share/nvidia/nvswitch, systemd, sbin), whose daemon prints `version` and whose own
+    fm_run_package_installer.sh copies nothing and exits 0 (as older copies of it did)."""
+    import tarfile
+
+    top = root / f"fabricmanager-linux-x86_64-{version}-archive"
+    files = {"bin/nv-fabricmanager": f"#!/bin/sh\necho 'Fabric Manager version is : {version}'\n",
+             "bin/nvswitch-audit": "#!/bin/sh\n", "lib/libnvfm.so.1": "elf", "include/nv_fm_agent.h": "/* h */\n",
+             "etc/fabricmanager.cfg": "LOG_LEVEL=4\n", "share/nvidia/nvswitch/dgx2_hgx2_topology": "topology",
+             "systemd/nvidia-fabricmanager.service": "[Service]\nExecStart=/usr/bin/nv-fabricmanager\n",
+             "sbin/fm_run_package_installer.sh": "#!/bin/sh\nexit 0\n"}
+    for rel, text in files.items():
+        (top / rel).parent.mkdir(parents=True, exist_ok=True)
+        (top / rel).write_text(text)
+        (top / rel).chmod(0o755 if rel.startswith(("bin/", "sbin/")) else 0o644)
+    (top / "lib" / "libnvfm.so").symlink_to("libnvfm.so.1")
+    archive = root / "fabricmanager" / "linux-x86_64" / f"{top.name}.tar.xz"
+    archive.parent.mkdir(parents=True)
+    with tarfile.open(archive, "w:xz") as tar:
+        tar.add(top, arcname=top.name)
+    return archive
+
+
+@needs_root
+def test_fabric_manager_is_installed_from_the_archives_own_folders(tmp_path: Path) -> None:
+    """Fabric Manager of the driver's version from NVIDIA's archive, served over HTTP with its
+    redistrib_<version>.json: the sha256 comes from that file (the inventory pins none), the
+    role's own tasks place each folder's files (the archive's installer, which here copies
+    nothing and exits 0, is not trusted), `nv-fabricmanager --version` is checked, a second run
+    changes nothing and keeps the admin's fabricmanager.cfg; a tampered archive is refused."""
+    import hashlib
+    import http.server
+    import threading
+
+    import yaml
+
+    version = "550.54.15"
+    served = tmp_path / "served"
+    archive = _fabricmanager_archive(served, version)
+    sha = hashlib.sha256(archive.read_bytes()).hexdigest()
+    (served / f"redistrib_{version}.json").write_text(json.dumps({"release_date": "2024-02-23", "fabricmanager": {
+        "name": "NVIDIA Fabric Manager", "version": version, "linux-x86_64": {
+            "relative_path": f"fabricmanager/linux-x86_64/{archive.name}", "sha256": sha}}}))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    root, cache = tmp_path / "root", tmp_path / "cache"
+    play = tmp_path / "fm.yml"
+    play.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "vars": {
+        "gpu_host_driver_version": version, "gpu_host_nvswitch_nodes": ["nvidia-nvswitch0"],
+        "gpu_host_fabricmanager_url": f"{base}/fabricmanager/linux-x86_64/fabricmanager-linux-x86_64-{{version}}-archive.tar.xz",
+        "gpu_host_fabricmanager_redistrib_url": f"{base}/redistrib_{{version}}.json",
+        "gpu_host_fabricmanager_dir": str(cache), "gpu_host_fabricmanager_root": str(root)}, "tasks": [
+        {"ansible.builtin.include_role": {"name": "gpu_host", "tasks_from": name}}
+        for name in ("fabricmanager_source.yml", "fabricmanager_install.yml")]}]))
+    inventory = write_inventory(tmp_path / "inv.yml", {"all": {"hosts": {"localhost": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}})
+    env = {"ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles")}
+    try:
+        proc, recap = run_playbook(inventory, playbook=play, env=env)
+        assert proc.returncode == 0 and recap["localhost"]["failed"] == 0, proc.stdout[-4000:]
+        daemon = root / "usr" / "bin" / "nv-fabricmanager"
+        assert subprocess.run([str(daemon), "--version"], capture_output=True, text=True).stdout.strip().endswith(version)
+        assert os.readlink(root / "usr" / "lib" / "x86_64-linux-gnu" / "libnvfm.so") == "libnvfm.so.1"
+        assert (root / "lib" / "systemd" / "system" / "nvidia-fabricmanager.service").is_file()
+        assert (root / "usr" / "share" / "nvidia" / "nvswitch" / "dgx2_hgx2_topology").is_file()
+        assert (root / "usr" / "include" / "nv_fm_agent.h").is_file()
+        cfg = root / "usr" / "share" / "nvidia" / "nvswitch" / "fabricmanager.cfg"
+        cfg.write_text("LOG_LEVEL=1\n")  # the admin's change
+        proc, recap = run_playbook(inventory, playbook=play, env=env)
+        assert recap["localhost"]["failed"] == 0 and recap["localhost"]["changed"] == 0, proc.stdout[-4000:]
+        assert cfg.read_text() == "LOG_LEVEL=1\n"
+
+        # The archive on the server no longer matches NVIDIA's sha256: refused before anything is unpacked.
+        shutil.rmtree(cache)
+        archive.write_bytes(archive.read_bytes() + b"tampered")
+        proc, recap = run_playbook(inventory, playbook=play, env=env)
+        assert recap["localhost"]["failed"] == 1 and "checksum" in proc.stdout.lower(), proc.stdout[-3000:]
+        assert not (cache / f"fabricmanager-linux-x86_64-{version}-archive").exists()
+    finally:
+        server.shutdown()
 
 
 @needs_root
@@ -916,15 +1108,22 @@ def test_slurm_role_device_policy_and_gres_from_the_cts_own_minors(tmp_path: Pat
         conf_dir.mkdir()  # the role's main tasks make it
         return {"ct_cores": 8, "ct_memory_mb": 4096, "slurm_conf_dir": str(conf_dir), **extra}
 
+    # ct-split's CPUs as lxc_container pinned them on its host: 4 whole cores of socket 1, next to its GPUs.
+    topology = tmp_path / "topology"
+    topology.mkdir()
+    (topology / "ct-split.json").write_text(json.dumps({
+        "cpus": "64-67,192-195", "sockets": 1, "cores_per_socket": 4, "threads_per_core": 2,
+        "gpu_cores": {"4": "0-3", "5": "0-3", "6": "0-3", "7": "0-3"}}))
     inventory = write_inventory(tmp_path / "inv.yml", {"all": {"children": {
-        "container_hosts": {"hosts": {"pvehost": {"ansible_connection": "local"}}},
+        "container_hosts": {"hosts": {"pvehost": {"ansible_connection": "local",
+                                                  "ansible_python_interpreter": sys.executable,
+                                                  "lxc_container_topology_dir": str(topology)}}},
         "gpu_containers": {
             "vars": {"container_host": "pvehost", "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-                     "slurm_manage_services": False},
+                     "slurm_manage_services": False, "slurm_version_argv": ["echo", "slurm 23.11.4"]},
             "hosts": {"ct-split": ct(name="ct-split", ct_gpus=[4, 5, 6, 7]),
                       "ct-priv": ct(name="ct-priv", ct_gpus=[0], ct_unprivileged=False),
                       "ct-forced": ct(name="ct-forced", ct_gpus=[1], slurm_constrain_devices=True),
-                      "ct-nosystemd": ct(name="ct-nosystemd", ct_gpus=[2], slurm_cgroup_ignore_systemd=True),
                       # A Debian 13 CT under a controller of another release (a stand-in slurmd -V).
                       "ct-trixie": ct(name="ct-trixie", ct_gpus=[3], slurm_version_argv=["echo", "slurm 24.11.5"])}},
         "slurm_controllers": {"hosts": {"ct-split": None}},
@@ -936,33 +1135,37 @@ def test_slurm_role_device_policy_and_gres_from_the_cts_own_minors(tmp_path: Pat
     assert recap["ct-split"]["failed"] == 0 and recap["ct-priv"]["failed"] == 0, proc.stdout[-3000:]
     assert recap["ct-forced"]["failed"] == 1
     assert recap["ct-trixie"]["failed"] == 1 and not (tmp_path / "ct-trixie" / "slurm.conf").exists()
-    slurmd_v = subprocess.run(["slurmd", "-V"], capture_output=True, text=True).stdout if shutil.which("slurmd") else ""
-    if slurmd_v:  # the controller's release is this machine's real one
-        release = ".".join(re.findall(r"(\d+)\.(\d+)", slurmd_v)[0])
-        assert (f"ct-trixie: Slurm 24.11 here but {release} on the controller ct-split: a node of another release "
-                "than slurmctld is unsupported") in " ".join(proc.stdout.split()), proc.stdout[-3000:]
+    refused = ("ct-trixie: Slurm 24.11 here but 23.11 on the controller ct-split: a node of another release "
+               "than slurmctld is unsupported")
+    assert refused in " ".join(proc.stdout.split()), proc.stdout[-3000:]
+    # `make provision host=H` limits the play to H's containers: the controller is not in it, and
+    # is asked itself (delegated) rather than through facts it never gathered there.
+    alone, alone_recap = run_playbook(inventory, "--limit", "ct-trixie", playbook=play,
+                                      env={"ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles")})
+    assert alone_recap["ct-trixie"]["failed"] == 1 and refused in " ".join(alone.stdout.split()), alone.stdout[-3000:]
     out = " ".join(proc.stdout.split())
     assert "ct-forced: slurm_constrain_devices=yes, but this node is an unprivileged container" in out, out[-2000:]
 
+    # gres.conf: each GPU with the cores next to it; a node whose host kept no topology has File= only.
     gres = (tmp_path / "ct-split" / "gres.conf").read_text().splitlines()
-    assert "NodeName=ct-split Name=gpu File=/dev/nvidia4,/dev/nvidia5,/dev/nvidia6,/dev/nvidia7" in gres
+    assert [line for line in gres if line.startswith("NodeName=ct-split ")] == [
+        f"NodeName=ct-split Name=gpu File=/dev/nvidia{i} Cores=0-3" for i in (4, 5, 6, 7)]
     assert "NodeName=ct-priv Name=gpu File=/dev/nvidia0" in gres
-    assert re.search(r"^NodeName=ct-split CPUs=8 RealMemory=3891 Gres=gpu:4 State=UNKNOWN$",
-                     (tmp_path / "ct-split" / "slurm.conf").read_text(), re.M)
+    slurm_conf_text = (tmp_path / "ct-split" / "slurm.conf").read_text()
+    assert re.search(r"^NodeName=ct-split CPUs=8 Sockets=1 CoresPerSocket=4 ThreadsPerCore=2 RealMemory=3891 Gres=gpu:4 "
+                     r"State=UNKNOWN$", slurm_conf_text, re.M), slurm_conf_text
+    assert re.search(r"^NodeName=ct-priv CPUs=8 RealMemory=3891 Gres=gpu:1 State=UNKNOWN$", slurm_conf_text, re.M)
     unpriv = (tmp_path / "ct-split" / "cgroup.conf").read_text()
     assert "ConstrainDevices=no" in unpriv.splitlines() and "ConstrainDevices=yes" not in unpriv
     assert "unprivileged container" in unpriv and "EPERM" in unpriv
     priv = (tmp_path / "ct-priv" / "cgroup.conf").read_text().splitlines()
     assert "ConstrainDevices=yes" in priv and "ConstrainDevices=no" not in priv
     assert not (tmp_path / "ct-forced" / "cgroup.conf").exists()
-    # cgroup v2 and systemd: by default systemd manages slurmd's scope over D-Bus (the role starts
-    # dbus, no IgnoreSystemd); slurm_cgroup_ignore_systemd renders the container settings, the
-    # controllers option as the installed Slurm names it (22.05: CgroupAutomount, 23.02+: EnableControllers).
+    # cgroup v2: systemd manages slurmd's scope over D-Bus (the role starts dbus; no IgnoreSystemd route).
     assert not any(line.startswith(("IgnoreSystemd", "EnableControllers", "CgroupAutomount")) for line in unpriv.splitlines())
-    nosystemd = (tmp_path / "ct-nosystemd" / "cgroup.conf").read_text().splitlines()
-    major_minor = tuple(int(x) for x in re.findall(r"(\d+)\.(\d+)", slurmd_v)[0]) if slurmd_v else (99, 0)
-    controllers = "CgroupAutomount=yes" if major_minor < (23, 2) else "EnableControllers=yes"
-    assert "IgnoreSystemd=yes" in nosystemd and controllers in nosystemd, nosystemd
+    # Job accounting: each step's memory from its cgroup, the GPUs as a TRES (sacct per job).
+    slurm_conf = (tmp_path / "ct-split" / "slurm.conf").read_text().splitlines()
+    assert "JobAcctGatherType=jobacct_gather/cgroup" in slurm_conf and "AccountingStorageTRES=gres/gpu" in slurm_conf
     # Every node's slurm.conf names the TaskProlog (GPU isolation for steps without GPUs).
     assert f"TaskProlog={tmp_path / 'ct-priv'}/launch-task-prolog.sh" in (tmp_path / "ct-priv" / "slurm.conf").read_text()
 
@@ -1225,6 +1428,8 @@ def test_slurm_config_and_keepalive_hooks_inside(provisioned: Provisioned) -> No
     assert f"NodeName={provisioned.name} Name=gpu File=/dev/nvidia0,/dev/nvidia1" in gres.splitlines()
     # A privileged container can load slurmd's cgroup-device program: confinement stays on.
     assert "ConstrainDevices=yes" in provisioned.attach("cat /etc/slurm/cgroup.conf").stdout.splitlines()
+    # The job user the inventory names, with its uid (the same on every node).
+    assert provisioned.attach("id -u alice").stdout.strip() == "1000"
     task_env = provisioned.attach("SLURM_JOB_USER=alice /etc/slurm/launch-task-prolog.sh").stdout
     assert "export TRITON_CACHE_DIR=/scratch/cache/alice/triton" in task_env.splitlines()
     hook = (ANSIBLE_DIR.parent / "launch" / "keepalive" / "slurm-hook.sh").read_text()
@@ -1386,10 +1591,12 @@ def test_slurm_packages_the_apt_sources_lack_are_refused_before_apt(tmp_path: Pa
     installed Slurm packages pass, a package no source offers is refused, named, before any apt."""
     playbook = tmp_path / "check.yml"
     tasks = ANSIBLE_DIR / "roles" / "slurm" / "tasks" / "apt_sources.yml"
+    os_release = tmp_path / "os-release"  # an Ubuntu CT's; the play gathers no facts, as provision.yml
+    os_release.write_text('PRETTY_NAME="Ubuntu 24.04.2 LTS"\nNAME="Ubuntu"\nID=ubuntu\nID_LIKE=debian\n')
     playbook.write_text(
-        "- hosts: localhost\n  connection: local\n  gather_facts: true\n  tasks:\n"
+        "- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n"
         f"    - ansible.builtin.include_tasks: {tasks}\n"
-        "      vars:\n        slurm_apt_check_packages: \"{{ pkgs }}\"\n")
+        f"      vars:\n        slurm_apt_check_packages: \"{{{{ pkgs }}}}\"\n        slurm_os_release_path: {os_release}\n")
     inventory = write_inventory(tmp_path / "inv.yml", {"all": {"hosts": {"localhost": {
         "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}})
     proc, recap = run_playbook(inventory, "-e", '{"pkgs": ["slurmd", "munge"]}', playbook=playbook, timeout=180)
@@ -1400,3 +1607,4 @@ def test_slurm_packages_the_apt_sources_lack_are_refused_before_apt(tmp_path: Pa
     assert proc.returncode != 0
     assert "the apt sources of localhost offer no slurmd-not-in-any-source;" in out, out[-2000:]
     assert "offer no slurmd," not in out  # the one that is there is not named
+    assert "Ubuntu ships Slurm in its universe component: add-apt-repository universe" in out, out[-2000:]

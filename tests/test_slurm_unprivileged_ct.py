@@ -68,6 +68,7 @@ def test_a_slurm_job_runs_in_a_real_unprivileged_container() -> None:
         # EACCES), so the cgroup plugins cannot work in this CT here; tests/README.md says so.
         "slurm_proctrack_type": "proctrack/linuxproc",
         "slurm_task_plugin": "task/affinity",
+        "slurm_jobacct_gather_type": "jobacct_gather/linuxproc",
     })
     # A network of its own (a veth with no bridge): getaddrinfo's AI_ADDRCONFIG, which Slurm
     # uses, finds no address for the node's own name when the CT has loopback only.
@@ -100,7 +101,7 @@ def test_a_slurm_job_runs_in_a_real_unprivileged_container() -> None:
         inside("mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && "
                "for c in $(cut -d: -f2 /proc/self/cgroup); do d=${c#name=}; mkdir -p /sys/fs/cgroup/$d; "
                "case $c in name=*) o=none,$c ;; *) o=$c ;; esac; mount -t cgroup -o $o cgroup /sys/fs/cgroup/$d; done")
-        inside(f"useradd -m -u {JOB_UID} alice")
+        assert inside("id -u alice").stdout.strip() == str(JOB_UID)  # the slurm role's job user
         # No slurmdbd in this CT: a first slurmctld start with an unreachable database stops
         # ("no TRES from it"); everything else is the config the roles rendered.
         inside("sed -i '/^AccountingStorage/d' /etc/slurm/slurm.conf")

@@ -221,7 +221,7 @@ def _abs_path(host: str, name: str, value: object) -> PurePosixPath:
 CT_KEYS = frozenset({
     "ct_vmid", "ct_name", "ct_hostname", "ct_template", "ct_rootfs_storage", "ct_rootfs_size_gb", "ct_unprivileged",
     "ct_net0", "ct_cores", "ct_memory_mb", "ct_gpus", "ct_scratch_mount", "ct_scratch_host_path", "ct_scratch_mode",
-    "ct_scratch_allow_rootfs_storage", "ct_scratch_allow_network_fs",
+    "ct_scratch_allow_rootfs_storage", "ct_scratch_allow_network_fs", "ct_cpuset",
 })
 
 
@@ -241,8 +241,19 @@ DERIVED = {
 }
 
 
+# Variables of routes removed because they cannot work; an inventory that still sets one is told why.
+REMOVED = {
+    "slurm_cgroup_ignore_systemd": "was removed: IgnoreSystemd=yes cannot start slurmd in a CT (Slurm 23.11 creates "
+                                   "system.slice/slurmstepd.scope without its parent, and cgroup v2 refuses "
+                                   "controllers on a cgroup that holds processes); give the CT systemd as its init",
+}
+
+
 def _no_derived(host: str, hv: dict) -> None:
     for name, why in DERIVED.items():
+        if name in hv:
+            raise InventoryError(f"{host}: {name} {why}; remove it from the inventory")
+    for name, why in REMOVED.items():
         if name in hv:
             raise InventoryError(f"{host}: {name} {why}; remove it from the inventory")
 
@@ -357,15 +368,22 @@ def check_container(host: str, hv: dict, hosts: dict[str, dict], container_hosts
     if "ct_net0" in hv:
         _net(host, "ct_net0", hv["ct_net0"])
     proxmox = phv.get("lxc_container_backend") == "proxmox"
-    # Proxmox refuses cores 0 and memory below 16 MB; an omitted ct_cores is all the host's cores
-    # (PVE's default), an omitted ct_memory_mb would be PVE's 512 MB, too little to train.
+    # Proxmox refuses cores 0 and memory below 16 MB; an omitted ct_memory_mb would be PVE's 512 MB,
+    # too little to train. ct_cores is required: it is the CT's cores and slurm.conf's CPUs= (an
+    # omitted one would give the CT all the host's cores and Slurm CPUs=1).
     if proxmox and "ct_memory_mb" not in hv:
         raise InventoryError(f"{host}: ct_memory_mb is missing; Proxmox would give the CT 512 MB (set it, >= 16)")
-    _int(host, "ct_cores", hv.get("ct_cores", 0), 1 if proxmox and "ct_cores" in hv else 0, 8192)
+    if "ct_cores" not in hv:
+        raise InventoryError(f"{host}: ct_cores is missing; set the CT's cores (also slurm.conf's CPUs= for it)")
+    _int(host, "ct_cores", hv["ct_cores"], 1, 8192)
     memory = _int(host, "ct_memory_mb", hv.get("ct_memory_mb", 0), 0)
     if (proxmox or memory > 0) and memory < 16:
         raise InventoryError(f"{host}: ct_memory_mb={memory} is out of range (16.. as Proxmox allows"
                              f"{'' if proxmox else ', or 0 for no limit'})")
+    cpuset = hv.get("ct_cpuset")
+    if cpuset is not None and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(cpuset).replace(" ", "")):
+        raise InventoryError(f"{host}: ct_cpuset={cpuset!r} is not a CPU list of the host (e.g. \"0-15,128-143\": "
+                             "whole cores, the same number on each socket)")
     constrain = hv.get("slurm_constrain_devices", "auto")
     if str(constrain).lower() not in ("auto", "yes", "no", "true", "false"):  # 1, maybe: the role would stop late
         raise InventoryError(f"{host}: slurm_constrain_devices={constrain!r} is not one of auto, yes, no")
@@ -484,6 +502,35 @@ def _userspace_checksum(host: str, hv: dict, phv: dict) -> None:
                          f"&& echo \"$v\" && curl -fsSL \"{url}\" | sha256sum")
 
 
+# The Slurm release each CT template's distribution ships (its apt sources decide what the slurm
+# role installs): matched on the template's file name.
+SLURM_RELEASE_BY_TEMPLATE = (
+    (re.compile(r"debian-11"), "20.11"), (re.compile(r"debian-12"), "22.05"), (re.compile(r"debian-13"), "24.11"),
+    (re.compile(r"ubuntu-22\.04"), "21.08"), (re.compile(r"ubuntu-24\.04"), "23.11"),
+)
+
+
+def _template_slurm_release(hv: dict) -> str | None:
+    name = PurePosixPath(str(hv.get("ct_template", "")).split(":")[-1]).name
+    return next((release for pattern, release in SLURM_RELEASE_BY_TEMPLATE if pattern.search(name)), None)
+
+
+def check_slurm_releases(groups: dict[str, list[str]], hosts: dict[str, dict]) -> None:
+    """Every node's CT template ships the controller's Slurm release, across the whole inventory:
+    `make provision host=H` provisions H's containers only, but their slurmd talks to a controller
+    that may live on another host."""
+    controller = next(iter(groups.get("slurm_controllers", [])), None)
+    mine = _template_slurm_release(hosts[controller]) if controller in hosts else None
+    if mine is None:
+        return
+    for host in sorted(groups.get("gpu_containers", [])):
+        theirs = _template_slurm_release(hosts[host])
+        if theirs is not None and theirs != mine:
+            raise InventoryError(f"{host}: ct_template {hosts[host]['ct_template']} ships Slurm {theirs}, but the "
+                                 f"controller {controller}'s ships {mine}: a node of another release than slurmctld "
+                                 "is unsupported; give every node a template of the controller's release")
+
+
 def check(inventory_path: str, limit: str | None = None) -> None:
     if not Path(inventory_path).is_file():
         raise InventoryError(f"{inventory_path}: no such inventory file")
@@ -507,6 +554,7 @@ def check(inventory_path: str, limit: str | None = None) -> None:
         problems.step(_pinned_venv, host, hosts[host])
         if host in valid:
             problems.step(_siblings, host, hosts, groups, valid)
+    problems.step(check_slurm_releases, groups, hosts)  # with --limit too: the controller may be another host's
     problems.raise_any()
 
 

@@ -66,8 +66,7 @@ def check_cgroup_plugin(ctx: DoctorContext, cgroup_root: Path = CGROUP_ROOT, bus
     return CheckResult(CGROUP, Status.FAIL, f"CgroupPlugin={plugin} on cgroup v2 and no D-Bus system bus at {bus}: "
                                             "Slurm's cgroup/v2 plugin asks systemd over D-Bus for slurmd's scope, so "
                                             "slurmd exits at start",
-                       "install and start dbus (the slurm role's slurm_packages_node has it), or set IgnoreSystemd=yes "
-                       "in cgroup.conf (slurm_cgroup_ignore_systemd: true)")
+                       "install and start dbus (the slurm role's slurm_packages_node has it) in a CT whose init is systemd")
 
 
 def _steps_without_gpus_envs(env: dict[str, str]) -> list[dict[str, str]]:
