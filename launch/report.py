@@ -171,6 +171,11 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
     resumes = [r for r in (resumes or []) if x and min(x) <= r <= max(x)]
 
     def finish(ax: Any, legend: bool = True, **legend_kw: Any) -> None:
+        # Steps and shards are counted: whole-number ticks, named for what the x axis counts.
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(schema.first_label)
         for k, step in enumerate(resumes):
             ax.axvline(step, color="0.4", ls="--", lw=1.0, label="resumed here" if k == 0 else None)
         if legend and ax.get_legend_handles_labels()[1]:
@@ -181,7 +186,10 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
         path = out_dir / f"{name}.png"
         tmp = path.with_name(f".{path.name}.tmp")
         ax = fig.axes[0]
-        said = [ax.get_title(), *[f"series: {line.get_label()}" for line in ax.get_lines()
+        fig.canvas.draw()  # the ticks as drawn
+        ticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        said = [ax.get_title(), f"x axis: {ax.get_xlabel()}, ticks {' '.join(ticks)}",
+                *[f"series: {line.get_label()}" for line in ax.get_lines()
                                  if not line.get_label().startswith("_") and line.get_label() != "resumed here"],
                 *[f"resumed at step {r}" for r in resumes]]
         try:
@@ -206,7 +214,7 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
         fig, ax = plt.subplots(figsize=(7, 4))
         for key in keys:
             ax.plot(x, series(key, plot.scale), lw=1.5, label=SERIES_WORDS.get(key, key))
-        ax.set(xlabel="step", ylabel=plot.ylabel, title=f"{title}: {plot.ylabel}")
+        ax.set(ylabel=plot.ylabel, title=f"{title}: {plot.ylabel}")
         finish(ax)
         save(fig, plot.name)
 
@@ -220,7 +228,7 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
             points = [(step, losses[task]) for step, losses in zip(x, task_losses, strict=True) if task in losses]
             ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, marker=".", ms=3,
                     label=TASK_WORDS.get(task, task))
-        ax.set(xlabel="step", ylabel="loss", title=f"{title}: loss per task")
+        ax.set(ylabel="loss", title=f"{title}: loss per task")
         finish(ax)
         save(fig, "task_loss")
 
@@ -232,7 +240,7 @@ def write_plots(steps: list[dict[str, Any]], out_dir: Path, title: str, schema: 
             ax.plot([step for step, _ in ranked],
                     [times[rank] if rank < len(times) else float("nan") for _, times in ranked],
                     lw=1.0, label=f"rank {rank}")
-        ax.set(xlabel="step", ylabel="forward ms", title=f"{title}: forward time per rank")
+        ax.set(ylabel="forward ms", title=f"{title}: forward time per rank")
         finish(ax, legend=n_ranks <= 16, fontsize=7, ncol=2)
         save(fig, "rank_forward")
     return written

@@ -182,3 +182,23 @@ def test_report_legends_are_words_and_a_resume_is_marked(tmp_path: Path) -> None
     assert "series: image -> 3D (gen_img)" in said["task_loss"] and "series: 3D -> text (und)" in said["task_loss"]
     assert all("resumed at step 6" in text for text in said.values()), said
     assert not any(f"series: {raw}" in text for text in said.values() for raw in ("loss;", "tok_s", "mfu", "und;"))
+
+
+def test_an_extractions_plots_count_shards_in_whole_numbers(tmp_path: Path) -> None:
+    """An extraction's records are shards: the x axis says so and its ticks are whole numbers
+    (two shards once drew ticks at 1.5). The PNG's Description chunk says what is drawn."""
+    from PIL import Image
+
+    from launch.report import write_plots
+    from toolkit.metrics import SCHEMAS
+
+    steps = [{"event": "step", "step": s, "samples": 64, "samples_per_s": 30.0 + s, "tok_s": 9000.0 + s,
+              "mib": 12.0, "location": "local"} for s in (1, 2)]
+    paths = write_plots(steps, tmp_path / "plots", "extract", SCHEMAS["extract"])
+    assert paths
+    for p in paths:
+        said = Image.open(p).text["Description"]
+        axis = next(part for part in said.split("; ") if part.startswith("x axis: "))
+        label, ticks = axis.removeprefix("x axis: ").split(", ticks ")
+        assert label == "shard", said
+        assert ticks.split() and all(t.lstrip("−-").isdigit() for t in ticks.split()), said

@@ -98,3 +98,10 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
     gen = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert gen.shape == (1, ids.shape[1] + 4) and int(gen.max()) < len(tok)  # every generated id decodes
     assert tok.decode(gen[0]).startswith(text)
+    # ... and every id the tokenizer can produce has a row: its specials, another model family's
+    # end-of-text (plain bytes here), an added token (AutoTokenizer's length counts those).
+    rows = model.get_input_embeddings().num_embeddings
+    assert len(tok) <= rows and max(tok.get_vocab().values()) < rows, (len(tok), rows)
+    probe = tok("<|endoftext|><bos><eos><pad><|im_start|>" + text, return_tensors="pt").input_ids
+    assert int(probe.max()) < rows
+    model(probe)

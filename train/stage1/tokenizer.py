@@ -92,11 +92,17 @@ class Stage1Tokenizer:
 class ByteTokenizer(Stage1Tokenizer):
     """Byte-level text + image stand-in in the base vocabulary, for random-init shapes only.
 
-    Base-vocabulary ids: [<pad> <bos> <eos> <img> </img> <|image_pad|> <|video_pad|>, 1 unused]
+    Base-vocabulary ids: [<pad> <bos> <eos> <img> </img> <|image_pad|> <|video_pad|> <|endoftext|>]
     [256 bytes] [64 image stand-ins]; task/3D tokens from ``vocab``.
+
+    `<|endoftext|>` (never emitted by the run) is there for the export: transformers loads a
+    `qwen3_5` checkpoint's tokenizer as its Qwen3_5Tokenizer whatever tokenizer_config.json names,
+    and that class makes `<|endoftext|>` its unknown token, adding it past the last row if the
+    vocabulary lacks it (an id the model has no embedding for).
     """
 
-    SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<img>", "</img>", "<|image_pad|>", "<|video_pad|>")
+    SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<img>", "</img>", "<|image_pad|>", "<|video_pad|>",
+                                 "<|endoftext|>")
     BYTE_BASE = 8
     IMAGE_BASE = BYTE_BASE + 256
 
