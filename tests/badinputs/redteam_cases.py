@@ -146,7 +146,7 @@ CASES += [
     Case("checkpoint", "init-from-missing-half-its-weights",
          ["--shape", "tiny", "--batch-rows", "1", "--row-len", "128", "--num-workers", "0", "--steps", "1",
           "--export", "off", "--out", "{tmp}/run", "--data-dir", "{tmp}/data", "--init-from", "{tmp}/ckpt"],
-         r"--arg init_from=\S*ckpt: \d+ of the model's weights are not in the checkpoint or do not fit it "
+         r"--init-from \S*ckpt: \d+ of the model's weights are not in the checkpoint or do not fit it "
          r"\(e\.g\. \S*linear_attn\S*\); they would start from random init", entry="stage1", setup=_half_a_checkpoint),
     Case("cli", "dflash-mask-token-negative", ["--mask-token", "-1", "--data", "{tmp}/x"],
          r"--mask-token -1: id -1 is not a row of an embedding \(ids are >= 0\)", entry="dflash"),
