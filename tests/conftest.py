@@ -46,6 +46,18 @@ REQUEUE_DELAY_S = 20
 pytest_plugins = ["tests.tiers"]
 
 
+@pytest.fixture(autouse=True)
+def environment_restored() -> Iterator[None]:
+    """os.environ as it was before each test: code under test that sets a variable for its
+    process (the job start's kernel-archive status, a trainer's rendezvous) must not reach the
+    tests that a worker runs after it, in whatever order the workers take the files."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """torch on one intra-op thread for a module: small matmuls on a shared 2-core machine only

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,17 @@ def write_package(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
+def said_in_cell(table: str, check: str, text: str, column: int = 2) -> bool:
+    """`text` in a cell of the doctor's table. A long cell wraps at its width, between words or
+    inside a path (whose length is the temporary directory's): its pieces are joined as they were
+    cut and compared without whitespace, so the verdict is the same wherever the cut fell."""
+    rows = table.splitlines()
+    first = next(i for i, line in enumerate(rows) if line.startswith(check + " "))
+    pieces = [rows[first], *itertools.takewhile(lambda ln: ln.startswith(" "), rows[first + 1:])]
+    cell = "".join(line.split("|")[column] for line in pieces if line.count("|") > column)
+    return re.sub(r"\s+", "", text) in re.sub(r"\s+", "", cell)
+
+
 def broken_fla(tmp_path: Path) -> Path:
     """An `fla` whose import fails the way fla+tilelang did on the H200 without z3's library."""
     return write_package(tmp_path / "broken", {"fla/__init__.py": f"raise ImportError({LIBZ3_ERROR!r})\n"})
@@ -135,13 +147,7 @@ def test_fla_import_error_shows_real_exception_and_fails_for_gpu_job(tmp_path):
     assert "FAIL" in fla_row and "not installed" not in fla_row
     flat = " ".join(out.stdout.split())  # the table wraps long cells
     assert "ImportError: libz3.so.4.15: cannot open shared object file" in flat
-    # Where it was raised: the cell wraps at its width, inside the path too (its length is the
-    # temporary directory's), so the cell's pieces are joined as they were cut.
-    rows = out.stdout.splitlines()
-    first = next(i for i, line in enumerate(rows) if line.startswith("kernels.fla"))
-    cell = [rows[first].split("|")[2].strip()]
-    cell += [line.split("|")[2].strip() for line in itertools.takewhile(lambda ln: ln.startswith(" "), rows[first + 1:])]
-    assert "fla/__init__.py:1)" in "".join(cell)
+    assert said_in_cell(out.stdout, "kernels.fla", "fla/__init__.py:1)")  # where it was raised
 
 
 @pytest.mark.parametrize("exit_call", ["os._exit(0)", "sys.exit(0)"])
@@ -312,8 +318,8 @@ def test_cache_on_nfs_fails(tmp_path):
     env = clean_env(tmp_path, LAUNCH_DOCTOR_MOUNTINFO=str(mountinfo), TRITON_CACHE_DIR=str(nfs_dir / "triton"))
     out = run_doctor_cli([], env)
     assert out.returncode == 1
-    row = " ".join(line for line in out.stdout.splitlines() if line.startswith(("cache.triton", " ")))
-    assert "FAIL" in row and "nfs4 (fileserver:/export" in row
+    assert said_in_cell(out.stdout, "cache.triton", "FAIL", column=1)
+    assert said_in_cell(out.stdout, "cache.triton", "nfs4 (fileserver:/export")
     assert "export TRITON_CACHE_DIR=" in out.stdout
     res = by_check(run_checks(env=env))
     assert res["cache.triton"].status is Status.FAIL
