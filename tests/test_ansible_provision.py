@@ -1163,9 +1163,9 @@ def test_slurm_role_device_policy_and_gres_from_the_cts_own_minors(tmp_path: Pat
     assert not (tmp_path / "ct-forced" / "cgroup.conf").exists()
     # cgroup v2: systemd manages slurmd's scope over D-Bus (the role starts dbus; no IgnoreSystemd route).
     assert not any(line.startswith(("IgnoreSystemd", "EnableControllers", "CgroupAutomount")) for line in unpriv.splitlines())
-    # Job accounting: each step's memory from its cgroup, the GPUs as a TRES (sacct per job).
+    # Job accounting: each step's memory and CPU use, the GPUs as a TRES (sacct per job).
     slurm_conf = (tmp_path / "ct-split" / "slurm.conf").read_text().splitlines()
-    assert "JobAcctGatherType=jobacct_gather/cgroup" in slurm_conf and "AccountingStorageTRES=gres/gpu" in slurm_conf
+    assert "JobAcctGatherType=jobacct_gather/linux" in slurm_conf and "AccountingStorageTRES=gres/gpu" in slurm_conf
     # Every node's slurm.conf names the TaskProlog (GPU isolation for steps without GPUs).
     assert f"TaskProlog={tmp_path / 'ct-priv'}/launch-task-prolog.sh" in (tmp_path / "ct-priv" / "slurm.conf").read_text()
 

@@ -68,7 +68,7 @@ def test_a_slurm_job_runs_in_a_real_unprivileged_container() -> None:
         # EACCES), so the cgroup plugins cannot work in this CT here; tests/README.md says so.
         "slurm_proctrack_type": "proctrack/linuxproc",
         "slurm_task_plugin": "task/affinity",
-        "slurm_jobacct_gather_type": "jobacct_gather/linuxproc",
+        "slurm_jobacct_gather_type": "jobacct_gather/linux",
     })
     # A network of its own (a veth with no bridge): getaddrinfo's AI_ADDRCONFIG, which Slurm
     # uses, finds no address for the node's own name when the CT has loopback only.
