@@ -14,6 +14,12 @@ and prints the versions a RESULTS.md row records (`--json FILE` writes them too)
 
 Then run the benchmark with PYTHONPATH=/tmp/gpuenv and LD_LIBRARY_PATH=/tmp/gpuenv/z3/lib
 (tilelang loads libz3 from z3-solver's folder).
+
+A wheel may put its package on sys.path through a .pth file (nvidia-cutlass-dsl: `cutlass` lives in
+nvidia_cutlass_dsl/dsl_packages), and Python runs .pth files only in site directories, never in a
+PYTHONPATH entry: the install says so, and `--pythonpath` prints the PYTHONPATH a target needs
+(the target and what its .pth files add), e.g. PYTHONPATH=$(python3 bench/install_kernels.py
+--pythonpath --target /tmp/lossenv):$PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -73,6 +79,28 @@ def install(lock: Path, wheels: Path, target: Path) -> list[str]:
     return [wheel_identity(p.name)[0] for p in chosen]
 
 
+# Run in a child with no site directory of its own: the entries site.addsitedir(TARGET) puts on
+# sys.path besides TARGET, i.e. what TARGET's .pth files add (they may run code, as at any start).
+_SITE_PATHS = ("import site, sys; before = set(sys.path); site.addsitedir(sys.argv[1]); "
+               "print(*(p for p in sys.path if p not in before and p != sys.argv[1]), sep=chr(10))")
+
+
+def site_paths(target: Path) -> list[str]:
+    """What `target`'s .pth files add to sys.path when it is a site directory (none from PYTHONPATH)."""
+    if not any(target.glob("*.pth")):
+        return []
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", _SITE_PATHS, str(target)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        raise LaunchError(f"{target}: reading its .pth files failed: {last}")
+    return [line for line in proc.stdout.splitlines() if line]
+
+
+def pythonpath(target: Path) -> str:
+    """The PYTHONPATH entries that make `target` importable as its wheels expect."""
+    return ":".join([str(target), *site_paths(target)])
+
+
 def installed_versions(target: Path, also: tuple[Path, ...] = ()) -> dict[str, str]:
     """name -> version of what `target` (then each of `also`) holds, then of what the interpreter
     has beside it."""
@@ -97,11 +125,13 @@ def check(lock: Path, target: Path, also: tuple[Path, ...] = ()) -> tuple[dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--lock", type=Path, required=True, help="the GPU lock of this machine's Python")
+    parser.add_argument("--lock", type=Path, help="the GPU lock of this machine's Python (all but --pythonpath)")
     parser.add_argument("--wheels", type=Path, help="a folder of wheels to install at the lock's pins")
     parser.add_argument("--target", type=Path, required=True, help="the install folder (put it on PYTHONPATH)")
     parser.add_argument("--check", action="store_true", help="verify the whole kernel set is at the lock's pins")
     parser.add_argument("--json", type=Path, help="with --check: write the versions table here")
+    parser.add_argument("--pythonpath", action="store_true",
+                        help="print the PYTHONPATH --target needs: it and the folders its .pth files add")
     parser.add_argument("--also", type=Path, action="append", default=[],
                         help="with --check: another install folder that holds part of the set (repeatable)")
     parser.add_argument("--optional", action="append", default=[], metavar="NAME",
@@ -109,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(a bench that measures it says so in its own row; repeatable)")
     args = parser.parse_args(argv)
     try:
+        if args.pythonpath:
+            if not args.target.is_dir():
+                raise LaunchError(f"--target {args.target}: not a directory")
+            print(pythonpath(args.target))
+            return 0
+        if args.lock is None:
+            raise LaunchError("--lock is required (the GPU lock of this machine's Python)")
         if not args.lock.is_file():
             raise LaunchError(f"--lock {args.lock}: {'not a file' if args.lock.exists() else 'no such file'}")
         if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
@@ -117,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.wheels is not None:
             names = install(args.lock, args.wheels, args.target)
             print(f"installed at {args.lock.name}'s pins: {', '.join(names)}")
+            added = site_paths(args.target)
+            if added:  # e.g. the CUTLASS DSL: `import cutlass` fails with the target on PYTHONPATH alone
+                print(f"{args.target}'s .pth files add {':'.join(added)} to sys.path, and a PYTHONPATH entry's .pth "
+                      f"files are not read: use PYTHONPATH={pythonpath(args.target)}")
         if args.check:
             recorded, problems = check(args.lock, args.target, tuple(args.also))
             width = max(map(len, recorded))

@@ -181,3 +181,52 @@ def test_liger_sm90_refuses_per_row_weights_and_bad_shapes(monkeypatch):
     with pytest.raises(LossImplError, match="vocab 300 is not a multiple of 256"):
         token_losses(torch.zeros(1, 4, 256, dtype=torch.bfloat16), torch.zeros(300, 256, dtype=torch.bfloat16),
                      torch.zeros(1, 4, dtype=torch.long), "liger-sm90")
+
+
+# The CUTLASS DSL splits one `cutlass` package over three wheels under <site>/nvidia_cutlass_dsl/
+# dsl_packages, which only the nvidia-cutlass-dsl wheel's nvidia_cutlass_dsl_packages.pth puts on
+# sys.path. `pip install --target DIR` plus PYTHONPATH=DIR (bench/install_kernels.py) skips it: Python
+# reads .pth files in site directories only, so `import cutlass` failed on the H200 with every wheel
+# installed. The layout below is the wheels' (their .pth line verbatim), with an empty `cutlass`.
+CUTLASS_PTH = ("import sys, os, nvidia_cutlass_dsl; "
+               "sys.path.insert(0, os.path.join(nvidia_cutlass_dsl.__path__[0], 'dsl_packages'))\n")
+PROBE = ("import train.common.liger_sm90 as m\n"
+         "m.IMPORTS = (('cutlass', 'nvidia-cutlass-dsl-libs-core'), ('cutlass._mlir', 'nvidia-cutlass-dsl-libs-base'))\n"
+         "print(m.import_problem())\n")
+
+
+def test_liger_sm90_probe_names_the_cutlass_dsl_pth_that_pythonpath_skips(tmp_path):
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("install_kernels", repo / "bench" / "install_kernels.py")
+    install_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(install_kernels)
+    site = tmp_path / "lossenv"
+    packages = site / "nvidia_cutlass_dsl" / "dsl_packages"
+    (packages / "cutlass").mkdir(parents=True)
+    (packages / "cutlass" / "__init__.py").write_text("")
+
+    def probe(pythonpath: str) -> str:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), pythonpath])}
+        proc = subprocess.run([sys.executable, "-P", "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    # the libs without the meta wheel: no .pth at all
+    assert probe(str(site)).startswith("nvidia-cutlass-dsl missing (its libs are in")
+    (site / "nvidia_cutlass_dsl_packages.pth").write_text(CUTLASS_PTH)
+    said = probe(str(site))
+    assert said == (f"nvidia-cutlass-dsl is installed but its .pth file was not read (Python reads .pth files "
+                    f"only in site directories, not from PYTHONPATH): add {packages} to PYTHONPATH"), said
+    # what the bench puts on PYTHONPATH: the target and what its .pth adds (the .pth run as Python runs it)
+    assert install_kernels.site_paths(site) == [str(packages)]
+    # `cutlass` now imports; the next missing part is named by the wheel that ships it
+    said = probe(install_kernels.pythonpath(site))
+    assert said.startswith("nvidia-cutlass-dsl-libs-base missing or broken (import cutlass._mlir: "
+                           "ModuleNotFoundError: No module named 'cutlass._mlir')"), said
+    assert "\n" not in said
