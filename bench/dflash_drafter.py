@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.common.bucketing import BucketedSampler, long_tail_lengths  # noqa: E402
 from train.common.mfu import H100_H200_PEAK, drafter_step_flops, extraction_flops_per_token  # noqa: E402
+from train.dflash.args import DFlashConfig  # noqa: E402
 from train.dflash.model import (  # noqa: E402
     Drafter,
     TargetHead,
@@ -144,14 +145,20 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def train_step(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_impl: str) -> float:
-    """One drafter step as the trainer runs it (bf16 autocast, fp32 weights); its seconds."""
+# The trainer's --acc-rows: the accuracy metrics' argmax pass over this many rows of the step
+ACC_ROWS = DFlashConfig.acc_rows
+
+
+def train_step(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_impl: str,
+               acc_rows: int = ACC_ROWS) -> float:
+    """One drafter step as the trainer runs it (bf16 autocast, fp32 weights, the accuracy metrics
+    on --acc-rows rows); its seconds."""
     dev = anchors.device
     sync(dev)
     t0 = time.perf_counter()
     with torch.autocast(dev.type, dtype=torch.bfloat16):
         hid = drafter(bt["hidden"], head.embed_tokens(blocks), anchors, bt["lengths"].to(dev), attn_impl=attn)
-        loss, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=loss_impl)
+        loss, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=loss_impl, metric_rows=acc_rows or None)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -198,6 +205,7 @@ def drafter_bench(args) -> None:
     print(f"# drafter {preset} (target {args.target}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"MLP {cfg.intermediate_size}, windows {[cfg.layer_window(i) for i in range(cfg.num_layers)]}, "
           f"K {K}, vocab {TARGET.vocab_size}; impls {impls}; compile {args.compile} (dynamic {args.dynamic}); "
+          f"accuracy metrics on {args.acc_rows or 'all'} rows a step; "
           f"device {dev}", flush=True)
     for n_anchors in [int(x) for x in args.anchors.split(",")]:
         plans = []
@@ -222,7 +230,7 @@ def drafter_bench(args) -> None:
                     continue
 
             def step(bt, anchors, blocks, labels, record, attn=attn, loss_impl=loss_impl):
-                t = train_step(drafter, head, opt, bt, anchors, blocks, labels, attn, loss_impl)
+                t = train_step(drafter, head, opt, bt, anchors, blocks, labels, attn, loss_impl, args.acc_rows)
                 if record is not None:
                     record.append(t)
 
@@ -250,7 +258,8 @@ def drafter_bench(args) -> None:
             attn_share = sum(p[4]["attention"] for p in plans) / sum(p[4]["total"] for p in plans)
             outs[impl] = sec
             bt0, anchors0, blocks0, labels0, _f0 = plans[0]
-            parts = breakdown(drafter, head, opt, bt0, anchors0, blocks0, labels0, attn, loss_impl, cfg)
+            parts = breakdown(drafter, head, opt, bt0, anchors0, blocks0, labels0, attn, loss_impl, cfg,
+                              args.acc_rows)
             parts_rows.append((impl, n_anchors, 1000 * per_batch[0][len(per_batch[0]) // 2] if per_batch[0] else 0.0,
                                parts))
             rows.append((impl, n_anchors, blocks_n, 1000 * sec, real / sec, flops / 1e12, attn_share,
@@ -264,14 +273,16 @@ def drafter_bench(args) -> None:
     for r in rows:
         print(row_line(r))
     print("\nper-step breakdown on batch 0 (each part timed alone, forward + backward; mask: the flex path's "
-          "packing and block masks; data is not in the step (prefetched); other = the step minus the parts: "
-          "fc/norms/embedding, packing, launch gaps):")
+          "packing and block masks; data is not in the step (prefetched); loss: the CE with the accuracy "
+          f"metrics on {args.acc_rows or 'all'} rows (--acc-rows), as the step; loss, all rows: the metrics over "
+          "every row instead (not in the step); other = the step minus the parts: fc/norms/embedding, packing, "
+          "launch gaps):")
     print("| attention:loss | anchors/seq | step ms | data ms | mask ms | attention ms | MLP ms | loss ms "
-          "| optimizer ms | other ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| loss ms, all rows | optimizer ms | other ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for impl, n_anchors, step_ms, p in parts_rows:
         other = step_ms - sum(p[k] for k in ("mask", "attention", "mlp", "loss", "optimizer"))
         print(f"| {impl} | {n_anchors} | {step_ms:.1f} | {p['data']:.1f} | {p['mask']:.1f} | {p['attention']:.1f} "
-              f"| {p['mlp']:.1f} | {p['loss']:.1f} | {p['optimizer']:.1f} | {other:.1f} |")
+              f"| {p['mlp']:.1f} | {p['loss']:.1f} | {p['loss_all_rows']:.1f} | {p['optimizer']:.1f} | {other:.1f} |")
     sys.stdout.flush()
 
 
@@ -288,11 +299,14 @@ def timed(fn, dev: torch.device, reps: int = 3) -> float:
     return statistics.median(out)
 
 
-def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_impl: str, cfg) -> dict[str, float]:
+def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_impl: str, cfg,
+              acc_rows: int = ACC_ROWS) -> dict[str, float]:
     """The step's parts on one batch, each alone: data (anchors, block inputs and the context's
     host-to-device copy, what a step waits for when the data is not prefetched), the layers'
     attention (projections, norms, rotary, the attention, o_proj) and MLP (norm, SwiGLU,
-    residual), the anchor-block loss, the optimizer; each forward + backward under bf16 autocast."""
+    residual), the anchor-block loss with the accuracy metrics on `acc_rows` rows (as the step),
+    the optimizer; each forward + backward under bf16 autocast. Beside them, not in the step: the
+    loss with the metrics over every row (`loss_all_rows`: what --acc-rows 0 costs)."""
     from train.dflash.model import _layer_post, _layer_pre
 
     dev = anchors.device
@@ -344,11 +358,12 @@ def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_i
             hid = drafter(bt["hidden"], head.embed_tokens(blocks), anchors, lengths, attn_impl=attn)
         hid = hid.detach().requires_grad_(True)
 
-        def loss() -> None:
-            value, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=loss_impl)
+        def loss(rows: int | None) -> None:
+            value, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=loss_impl, metric_rows=rows)
             value.backward()
 
-        parts["loss"] = timed(loss, dev)
+        parts["loss"] = timed(lambda: loss(acc_rows or None), dev)
+        parts["loss_all_rows"] = timed(lambda: loss(None), dev)
     parts["optimizer"] = timed(opt.step, dev)
     opt.zero_grad(set_to_none=True)
     return parts
@@ -510,6 +525,9 @@ def main() -> None:
     p.add_argument("--dynamic", choices=("on", "off"), default="on",
                    help="drafter: compile with dynamic sizes from the first step (the trainer's); off: torch's "
                         "default (static first, one dynamic recompile at the second shape)")
+    p.add_argument("--acc-rows", type=int, default=ACC_ROWS,
+                   help="drafter: rows of the step the accuracy metrics are measured on, the trainer's --acc-rows "
+                        "(0: every row, the extra lm_head pass over all of them)")
     p.add_argument("--target", choices=("2b", "27b"), default="2b")
     p.add_argument("--layout", choices=("packed", "padded"), default="packed",
                    help="extract: one varlen stream of the batch's real tokens (the extractor's), or padded rows")
