@@ -1,8 +1,8 @@
 """Install the GPU fast path's kernel packages at exactly a lock's pins, from a local wheel folder.
 
 A GPU benchmark measures what a provisioned node gets only if it runs the same kernel packages:
-this installs, into a --target folder beside the machine's own torch and triton, every wheel of
-the folder that the lock pins (name, version and sha256 all checked against the lock; a wheel of
+this installs, into a --target folder beside the machine's own torch and triton (merged with what
+earlier calls installed there), every wheel of the folder that the lock pins (name, version and sha256 all checked against the lock; a wheel of
 another version or hash is refused, one the lock does not pin is skipped and named), then
 `--check` verifies that every package of images.wheelhouse.KERNEL_PACKAGES is there at its pin
 and prints the versions a RESULTS.md row records (`--json FILE` writes them too).
@@ -25,10 +25,14 @@ PYTHONPATH entry: the install says so, and `--pythonpath` prints the PYTHONPATH 
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.metadata as md
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -70,13 +74,63 @@ def install(lock: Path, wheels: Path, target: Path) -> list[str]:
     if not chosen:
         raise LaunchError(f"no wheel in {wheels} is pinned by {lock.name}")
     target.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([*pyexec.python(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, chosen)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        errors = [line for line in (proc.stderr + proc.stdout).splitlines() if line.startswith("ERROR")]
-        raise LaunchError(f"pip install failed: {(errors or ['exit ' + str(proc.returncode)])[0]}")
-    return [wheel_identity(p.name)[0] for p in chosen]
+    # `pip install --target T --upgrade` replaces each top-level folder of T that the new wheels
+    # have: wheels that share one (nvidia-cutlass-dsl's -libs-base, -libs-core and -libs-cu12 all
+    # write into nvidia_cutlass_dsl/) and arrive in different calls (a wheel sent in parts is joined
+    # later) would leave only the last call's files. So pip installs into a fresh folder, a package
+    # already in T is removed file by file (its RECORD), and the new files are merged in.
+    staging = Path(tempfile.mkdtemp(prefix=".install-", dir=target))
+    try:
+        proc = subprocess.run([*pyexec.python(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                               "--no-cache-dir", "--target", str(staging), *map(str, chosen)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            errors = [line for line in (proc.stderr + proc.stdout).splitlines() if line.startswith("ERROR")]
+            raise LaunchError(f"pip install failed: {(errors or ['exit ' + str(proc.returncode)])[0]}")
+        names = [wheel_identity(p.name)[0] for p in chosen]
+        for name in names:
+            uninstall(target, name)
+        merge(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return names
+
+
+def _dist_infos(target: Path, name: str) -> list[Path]:
+    """`name`'s .dist-info folders in `target` (any version)."""
+    return [d for d in target.glob("*.dist-info")
+            if d.is_dir() and canonicalize_name(d.name[:-len(".dist-info")].rpartition("-")[0]) == name]
+
+
+def uninstall(target: Path, name: str) -> None:
+    """Remove what `name`'s RECORD lists under `target` (never a path outside it), then its empty folders."""
+    for info in _dist_infos(target, name):
+        record = info / "RECORD"
+        rows = list(csv.reader(record.read_text().splitlines())) if record.is_file() else []
+        folders = set()
+        for row in rows:
+            path = (target / row[0]).resolve() if row else None
+            if path is None or not path.is_relative_to(target.resolve()) or path == target.resolve():
+                continue
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+            folders.update(p for p in path.parents if p.is_relative_to(target.resolve()) and p != target.resolve())
+        shutil.rmtree(info, ignore_errors=True)
+        for folder in sorted(folders, key=lambda f: len(f.parts), reverse=True):  # deepest first
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+
+
+def merge(src: Path, dst: Path) -> None:
+    """Move src's tree into dst: folders merged, files replaced (a rename: the same file system)."""
+    for item in src.iterdir():
+        to = dst / item.name
+        if item.is_dir() and not item.is_symlink() and to.is_dir() and not to.is_symlink():
+            merge(item, to)
+            continue
+        if to.is_dir() and not to.is_symlink():
+            shutil.rmtree(to)
+        os.replace(item, to)
 
 
 # Run in a child with no site directory of its own: the entries site.addsitedir(TARGET) puts on

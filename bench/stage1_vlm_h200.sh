@@ -7,7 +7,8 @@
 #             folder: one upload to the machine is limited in size). A wheel too large for one
 #             upload travels as parts (`split -b 40M W.whl DIR/W.whl.part-`): the parts of each
 #             folder are collected in /tmp/wheel-parts and the wheel is joined and installed once
-#             its sha256 is the lock's
+#             its sha256 is the lock's. Each call's wheels are merged into the install folder (wheels
+#             that share a folder, as the CUTLASS DSL's three share nvidia_cutlass_dsl/, keep every file)
 #   install-loss DIR  the same into /tmp/lossenv: liger-kernel and the CUTLASS DSL (liger-sm90),
 #             then whether liger-sm90 imports (else the missing package, in one line). Kept off the
 #             other steps' PYTHONPATH: the kernel archive's key holds liger-kernel's version, so an
