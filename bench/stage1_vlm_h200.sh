@@ -26,6 +26,8 @@
 #             (after seed or warmup): median of steps 2-31 (tower FLOPs counted in the MFU), the
 #             stall detector's verdict for steps 2-30, recompiles after step 1, slowest step / median
 #   text      the same preset text-only: --vision off with the text tasks' reference weights
+#             (vlm and text with LOSS_IMPL=liger-sm90: that --loss-impl, as vlm-liger-sm90 and
+#             text-liger-sm90, /tmp/lossenv on the path)
 #   loss      the loss head side by side in one process (bench/loss_head.py, PYTHONPATH with
 #             /tmp/lossenv): cce, liger-sm90, liger and full logits (LOSS_HEADS), fwd+bwd time, error
 #             against fp32 logits and against cce's own loss and gradients (both within bf16
@@ -94,6 +96,13 @@ losspath() {  # the PYTHONPATH entries of /tmp/lossenv: it and what its .pth fil
   [ -d /tmp/lossenv ] || return 0
   python3 bench/install_kernels.py --pythonpath --target /tmp/lossenv
 }
+# LOSS_IMPL=liger-sm90 (or any --loss-impl): the vlm and text steps run with it, as vlm-IMPL and
+# text-IMPL (their own files in $OUT), with /tmp/lossenv on the path for the Liger ones
+loss_args=() loss_tag=""
+[ -n "${LOSS_IMPL:-}" ] && loss_args=(--loss-impl "$LOSS_IMPL") loss_tag="-$LOSS_IMPL"
+loss_pythonpath() {
+  case ${LOSS_IMPL:-} in liger*) echo "$(losspath):$PYTHONPATH" ;; *) echo "$PYTHONPATH" ;; esac
+}
 sm90_probe() {  # whether liger-sm90 imports with /tmp/lossenv on the path, else the missing package in one line
   PYTHONPATH=$(losspath):$PYTHONPATH timeout 120 python3 -c "import sys
 from train.common.losses import _probe
@@ -150,8 +159,11 @@ while [ $# -gt 0 ]; do
 print(install_for_job(log=lambda line: None))" || exit 1
     echo "seed: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
     ;;
-  vlm) bench vlm 31 "${VLM_LIMIT:-400}"; summary vlm ;;
-  text) bench text 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS"; summary text ;;
+  vlm) PYTHONPATH=$(loss_pythonpath) bench "vlm$loss_tag" 31 "${VLM_LIMIT:-400}" "${loss_args[@]}"; summary "vlm$loss_tag" ;;
+  text)
+    PYTHONPATH=$(loss_pythonpath) bench "text$loss_tag" 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS" "${loss_args[@]}"
+    summary "text$loss_tag"
+    ;;
   loss)
     losspy=$(losspath):$PYTHONPATH
     PYTHONPATH=$losspy timeout "${LOSS_LIMIT:-240}" python3 bench/loss_head.py \
