@@ -53,6 +53,8 @@ mkdir -p "$out"
 export PYTHONPATH=/tmp/gpuenv:$PWD LD_LIBRARY_PATH=/tmp/gpuenv/z3/lib PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=/tmp/kcache/triton TORCHINDUCTOR_CACHE_DIR=/tmp/kcache/inductor
 export TILELANG_CACHE_DIR=/tmp/kcache/tilelang HF_HOME=/tmp/kcache/hf
+# liger-sm90's CuTe DSL kernels: compiled on first use, cached here (not in the kernel archive yet)
+export CUTE_DSL_CACHE_DIR=/tmp/kcache/cute_dsl
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}  # as the stage1 job spec sets it
 # as in a `launch kernels bake` job: each run's trainer saves torch's cache artifacts (Inductor,
 # AOTAutograd) under the inductor cache at its end, so `bake` packs them with the kernels
