@@ -265,6 +265,9 @@ def drafter_bench(args) -> None:
             rows.append((impl, n_anchors, blocks_n, 1000 * sec, real / sec, flops / 1e12, attn_share,
                          flops / sec / H100_H200_PEAK, mem))
             print("# " + row_line(rows[-1]), flush=True)  # as it lands: a later failure keeps it
+            if args.profile == "on" and dev.type == "cuda":
+                kernel_profile(lambda p0=plans[0], step=step: step(*p0[:4], None),
+                               f"the drafter step on batch 0 ({impl}, {n_anchors} anchors)")
         if args.precision == "on":
             print("# " + precision_check(drafter, head, plans[0], n_anchors), flush=True)
     print(f"\nbatches: {args.batches} of <= {args.token_budget} padded tokens (rows x longest), "
@@ -445,46 +448,58 @@ def extract_bench(args) -> None:
     if args.smoke:
         lengths = np.minimum(lengths, 256)
     samples = [gen.integers(0, target.vocab_size, size=int(n)) for n in lengths]
-    times = []
+    times, phases = [], []
     pending = None
     for i in range(args.warmup + args.steps):
         b = plan[i % len(plan)]
+        t = time.perf_counter()
         if args.layout == "packed":
             ids, lens, packing = pack_batch([samples[j] for j in b])
         else:
             ids, lens = pad_batch([samples[j] for j in b])
-        sync(dev)
-        t = time.perf_counter()
+        t_pack = time.perf_counter()
         if args.layout == "packed":
             hidden, final = target_forward_packed(target.base, capture, ids.to(dev), packing)
         else:
             hidden, final = target_forward(target.base, capture, ids.to(dev))
         # what a shard write needs from the GPU: as the extractor copies it (to_host: pinned memory,
-        # a side stream); with --overlap on the copy of batch i is waited for only after batch i+1
+        # a side stream); with --overlap on the copy of batch i is waited for only after batch i+1's
+        # forward, and a batch's time ends when the compute stream is done, not its own copy
         host = [to_host(hidden.to(torch.bfloat16)), to_host(final.to(torch.bfloat16))]
         del hidden, final
+        t_fwd = t_wait = time.perf_counter()
         if dev.type == "cuda":
             done = torch.cuda.Event()
             done.record(copy_stream(dev))
+            torch.cuda.current_stream(dev).synchronize()  # the forward (and the casts) ended
+            t_fwd = time.perf_counter()
             if args.overlap == "on":
                 if pending is not None:
-                    pending[0].synchronize()
+                    pending[0].synchronize()  # the previous batch's copy, which ran beside this forward
                 pending = (done, host)
             else:
                 done.synchronize()
-        sync(dev)
-        dt = time.perf_counter() - t
+            t_wait = time.perf_counter()
+        dt = t_wait - t
         watch.done("extraction batch 0")
-        print(f"# batch {i}: {len(b)} x {ids.shape[1]} in {dt:.3f}s", flush=True)
+        print(f"# batch {i}: {len(b)} x {ids.shape[1]} in {dt:.3f}s (pack {1000 * (t_pack - t):.1f} ms, forward "
+              f"{1000 * (t_fwd - t_pack):.1f} ms, copy wait {1000 * (t_wait - t_fwd):.1f} ms)", flush=True)
         if i >= args.warmup:
             # FLOPs: a padded row attends over its whole width, a packed sample over itself
             if args.layout == "padded":
                 width = ids.shape[1]
-                done = len(lens) * width * extraction_flops_per_token(target.config, width)
+                done_flops = len(lens) * width * extraction_flops_per_token(target.config, width)
                 useful = sum(n * extraction_flops_per_token(target.config, width) for n in lens)
             else:
-                done = useful = sum(n * extraction_flops_per_token(target.config, n) for n in lens)
-            times.append((dt, ids.numel(), sum(lens), done, useful))
+                done_flops = useful = sum(n * extraction_flops_per_token(target.config, n) for n in lens)
+            times.append((dt, ids.numel(), sum(lens), done_flops, useful))
+            phases.append((t_pack - t, t_fwd - t_pack, t_wait - t_fwd))
+    if pending is not None:  # the last batch's copy: in the timed total
+        t = time.perf_counter()
+        pending[0].synchronize()
+        last_wait = time.perf_counter() - t
+        times[-1] = (times[-1][0] + last_wait, *times[-1][1:])
+        phases[-1] = (*phases[-1][:2], phases[-1][2] + last_wait)
     sec = sum(t[0] for t in times)
     padded = sum(t[1] for t in times)
     real = sum(t[2] for t in times)
@@ -500,6 +515,76 @@ def extract_bench(args) -> None:
           f"{100 * useful / sec / H100_H200_PEAK:.1f}% | {16384 / (real / sec):.3f} |")
     print(f"# k* projection: target s per 16,384 real tokens {16384 / (real / sec):.3f}; "
           "k* = ceil(that / drafter s per 16k-token batch)", flush=True)
+    med = [1000 * statistics.median(x[j] for x in phases) for j in range(3)]
+    print(f"# phases, median of the timed batches: pack (host) {med[0]:.1f} ms, forward (compute stream) "
+          f"{med[1]:.1f} ms, waiting for the previous batch's device-to-host copy {med[2]:.1f} ms", flush=True)
+    if args.profile == "on" and dev.type == "cuda":
+        b = plan[0]
+
+        def one_batch() -> None:
+            if args.layout == "packed":
+                ids, _lens, packing = pack_batch([samples[j] for j in b])
+                hidden, final = target_forward_packed(target.base, capture, ids.to(dev), packing)
+            else:
+                hidden, final = target_forward(target.base, capture, pad_batch([samples[j] for j in b])[0].to(dev))
+            to_host(hidden.to(torch.bfloat16)), to_host(final.to(torch.bfloat16))
+            torch.cuda.synchronize(dev)
+
+        kernel_profile(one_batch, f"extraction batch 0 ({len(b)} samples)")
+
+
+# Kernel families by name (first match wins): what a profile's time goes to.
+KERNEL_KINDS = (
+    ("copy", ("memcpy", "memset")),
+    ("conv", ("conv1d", "causal_conv")),
+    ("cross-entropy (cce/liger)", ("cce", "cross_entropy", "indexed_neg_dot")),
+    ("GDN recurrence (fla)", ("chunk", "gated_delta", "recompute_w_u", "solve_tril", "wy_", "l2norm", "fused_recurrent",
+                              "merge_16x16", "cumsum")),
+    ("attention", ("flash", "fmha", "attn", "flex", "triton_tem")),  # the drafter's compiled flex: a template
+    ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "sm90_", "sm80_", "cijk", "gemv")),
+    ("compiled (inductor)", ("triton_",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def kernel_profile(fn, what: str, top: int = 12) -> None:
+    """fn() once under torch.profiler: the GPU time by kernel family, and the top kernels, as
+    table lines (what is left to win). Never fails the bench: a profiler error is one line."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+        events = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        dev_us = [(e.key, float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)),
+                   int(e.count)) for e in events]
+        dev_us = [x for x in dev_us if x[1] > 0]
+        total = sum(x[1] for x in dev_us)
+        if not total:
+            print(f"# profile of {what}: no GPU kernel time recorded", flush=True)
+            return
+        kinds: dict[str, float] = {}
+        for name, us, _n in dev_us:
+            kind = kernel_kind(name)
+            kinds[kind] = kinds.get(kind, 0.0) + us
+        print(f"\nGPU kernel time of {what} (torch.profiler, one untimed pass): {total / 1000:.1f} ms in kernels")
+        print("| kernel family | ms | share |\n|---|---:|---:|")
+        for kind, us in sorted(kinds.items(), key=lambda x: -x[1]):
+            print(f"| {kind} | {us / 1000:.1f} | {100 * us / total:.1f}% |")
+        print(f"\ntop {top} kernels of {what}:\n| kernel | family | calls | ms | share |\n|---|---|---:|---:|---:|")
+        for name, us, n in sorted(dev_us, key=lambda x: -x[1])[:top]:
+            short = name if len(name) <= 90 else name[:87] + "..."
+            print(f"| `{short.replace('|', '/')}` | {kernel_kind(name)} | {n} | {us / 1000:.1f} | {100 * us / total:.1f}% |")
+        sys.stdout.flush()
+    except Exception as exc:  # the profile is a diagnosis, not the measurement
+        print(f"# profile of {what} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
 def main() -> None:
@@ -518,7 +603,9 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=None)
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed passes first (drafter: 1 over every batch; extract: 2 batches, so both in-flight "
+                        "batches' pinned host buffers exist before the timing, as in a long extraction)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     p.add_argument("--compile", choices=("on", "off"), default="on", help="the trainer's regional compile (auto: on)")
@@ -531,9 +618,14 @@ def main() -> None:
     p.add_argument("--target", choices=("2b", "27b"), default="2b")
     p.add_argument("--layout", choices=("packed", "padded"), default="packed",
                    help="extract: one varlen stream of the batch's real tokens (the extractor's), or padded rows")
+    p.add_argument("--profile", choices=("on", "off"), default="on",
+                   help="CUDA: one untimed extraction batch / drafter step under torch.profiler after the timed ones: "
+                        "GPU time by kernel family and the top kernels")
     p.add_argument("--overlap", choices=("on", "off"), default="on",
                    help="extract: the device-to-host copy of a batch overlapped with the next forward")
     args = p.parse_args()
+    if args.warmup is None:
+        args.warmup = 1 if args.what == "drafter" else 2
     if args.token_budget is None:
         args.token_budget = 16384 if args.what == "drafter" else 65536
     (drafter_bench if args.what == "drafter" else extract_bench)(args)
