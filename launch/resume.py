@@ -1,15 +1,21 @@
-"""`launch resume JOB [--steps N] [resources]`: a new job that continues JOB's run folder.
+"""`launch resume JOB|DIR [--steps N] [resources]`: a new job that continues JOB's run folder.
 
 The trainers resume from the newest checkpoint that verifies in their `--out`: the new job runs
 the old job's command line with `--out <the run folder>` (and `--steps N`: the new total), so
 metrics.jsonl, the checkpoints and summary.json stay in one folder while each job keeps its own
 logs and outcome in its own job folder. The registry records the run folder and the job it
 continues, so `launch report`, `export`, `status` and `list` follow the run across its jobs.
+
+A run folder moved or copied elsewhere (`cp -a`, a backup restored to another disk) is resumed by
+its path: the job that last wrote it (its config.yaml's job id, a job submitted from here) gives
+the command line and spec, the copy is the `--out`. The trainer compares the data by content (the
+manifests' sha256), so synthetic data copied inside the folder resumes at its new path.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from launch import registry, runconfig, submit
@@ -45,8 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     submit.add_arguments(p)
     for action in p._actions:  # the positional is a job id here, not a job name
         if action.dest == "job":
-            action.help = "the job whose run to continue (see `launch list`)"
-    p.usage = "launch resume JOB [--steps N] [resources] [Slurm options] [--follow | --json | --parsable]"
+            action.help = ("the job whose run to continue (see `launch list`), or a run folder (one moved or "
+                           "copied elsewhere: its config.yaml names the job)")
+            action.metavar = "JOB_OR_DIR"
+    p.usage = "launch resume JOB|DIR [--steps N] [resources] [Slurm options] [--follow | --json | --parsable]"
     p.epilog = ("The new job runs JOB's command line on JOB's run folder (--out) and resumes from its newest "
                 "checkpoint; resources default to JOB's preset's.")
     p.add_argument("--steps", type=int, metavar="N", help="train to this step in total (default: JOB's --steps)")
@@ -76,16 +84,45 @@ def checkpoint_step(root: Path) -> int | None:
     return max(steps, default=None)
 
 
+def job_and_run(job_or_dir: str) -> tuple[JobRecord, Path]:
+    """The job whose command line a resume runs, and the run folder it continues. A job id: its run
+    folder. A directory: the newest job recorded here for that folder, else (a folder moved or
+    copied) the job its config.yaml names, which must be one submitted from here and of the kind
+    config.yaml says; the copy is continued in place, the original is not touched."""
+    path = Path(job_or_dir).expanduser()
+    if not path.is_dir():
+        if os.sep in job_or_dir:
+            raise LaunchError(f"{job_or_dir}: no such run folder")
+        rec = registry.find(job_or_dir)
+        return rec, rec.run_folder
+    run_dir = path.resolve()
+    recorded = [r for r in registry.jobs_of_run(run_dir) if r.kind == "job"]
+    if recorded:
+        return recorded[-1], run_dir
+    config = runconfig.read(run_dir) or {}
+    job_id = str(config.get("job_id") or "")
+    if not registry.JOB_ID_RE.fullmatch(job_id):
+        raise LaunchError(f"{run_dir / runconfig.CONFIG} names no job ({config.get('job_id')!r:.40}): not a run folder a "
+                          f"job wrote; start one there with `launch submit JOB --arg out={run_dir}`")
+    try:
+        rec = registry.find(job_id)
+    except LaunchError as exc:
+        raise LaunchError(f"{run_dir} is a run of job {job_id} ({run_dir / runconfig.CONFIG}), but {exc}") from None
+    if config.get("job") != rec.name:
+        raise LaunchError(f"{run_dir / runconfig.CONFIG} names job {job_id} of {config.get('job')!r:.40}, but job "
+                          f"{job_id} ran {rec.name!r}: not resumed with another job's command line")
+    return rec, run_dir
+
+
 def run(args: argparse.Namespace) -> int:
     submit._check_option_combinations(args)
     given = [f"--{k.replace('_', '-')}" for k in NOT_FOR_RESUME if getattr(args, k, None)]
     if given:
         raise LaunchError(f"{', '.join(given)}: a resume continues JOB's run with JOB's preset and folder; "
                           "submit a new job for another")
-    rec = registry.find(args.job)
+    rec, run_dir = job_and_run(args.job)
     if rec.kind != "job":
         raise LaunchError(f"job {rec.job_id} is a {rec.kind} job; only training jobs are resumed")
-    run_dir = rec.run_folder
     if not (run_dir / "checkpoints").is_dir():
         raise LaunchError(f"job {rec.job_id} has no checkpoints in {run_dir}: nothing to resume from "
                           f"(see `launch status {rec.job_id}`)")

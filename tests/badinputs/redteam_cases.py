@@ -26,6 +26,15 @@ def _run_folder(config: str | None = None, fifo: bool = False):  # noqa: ANN202 
     return setup
 
 
+def _copied_run(config: str):  # noqa: ANN202 - a Case.setup
+    """{tmp}/copy: a run folder moved or copied from elsewhere, with a checkpoint and this config.yaml."""
+    def setup(tmp: Path) -> None:
+        (tmp / "copy" / "checkpoints" / "step_00000002").mkdir(parents=True)
+        (tmp / "copy" / "checkpoints" / "step_00000002" / "MANIFEST.json").write_text("{}")
+        (tmp / "copy" / "config.yaml").write_text(config)
+    return setup
+
+
 def _dead_slurm_and(setup):  # noqa: ANN001, ANN202 - a Case.setup
     """Job 1 recorded on a Slurm whose controller does not answer, then `setup`."""
     from tests.badinputs.cli_cases import DEAD_SLURM, _record_with
@@ -56,6 +65,19 @@ CASES = [
     Case("cli", "resume-arg-out", ["resume", "1", "--arg", "out={tmp}/elsewhere"],
          r"--arg out=\S*elsewhere: a resume continues job 1's run in \S*runs/1; submit a new job", job_record=True,
          setup=_run_folder()),
+    # ---- `launch resume DIR`: a copied run folder continues with the command line of the job its
+    # config.yaml names, only a job submitted from here and of the kind config.yaml says
+    Case("cli", "resume-dir-missing", ["resume", "{tmp}/nowhere/run", "--steps", "9"],
+         r"\S*nowhere/run: no such run folder"),
+    Case("cli", "resume-dir-names-no-job", ["resume", "{tmp}/copy", "--steps", "9"],
+         r"\S*copy/config\.yaml names no job \('x; rm -rf'\): not a run folder a job wrote; start one there with "
+         r"`launch submit JOB --arg out=\S*copy`", job_record=True, setup=_copied_run("job_id: 'x; rm -rf'\n")),
+    Case("cli", "resume-dir-job-not-here", ["resume", "{tmp}/copy", "--steps", "9"],
+         r"\S*copy is a run of job 77 \(\S*copy/config\.yaml\), but job 77 was not submitted from here",
+         job_record=True, setup=_copied_run("job_id: '77'\njob: fixture\n")),
+    Case("cli", "resume-dir-another-kind", ["resume", "{tmp}/copy", "--steps", "9"],
+         r"\S*copy/config\.yaml names job 1 of 'extract', but job 1 ran 'fixture': not resumed with another job's "
+         "command line", job_record=True, setup=_copied_run("job_id: '1'\njob: extract\n")),
 ]
 
 SPEC = "{tmp}/job.yaml"

@@ -229,11 +229,12 @@ class CheckpointManager:
         fsync_path(self.root)
         return aside
 
-    def latest(self) -> Path | None:
+    def latest(self, say_skipped: bool = True) -> Path | None:
         """The newest checkpoint that verifies, whatever `latest` says; None when there is none at all.
 
-        A newer checkpoint that does not verify is reported and passed over. When checkpoints exist
-        but none verifies, CheckpointError: a run never starts from scratch over them by itself.
+        A newer checkpoint that does not verify is reported (unless `say_skipped` is False: resume
+        says it once, with where it went) and passed over. When checkpoints exist but none verifies,
+        CheckpointError: a run never starts from scratch over them by itself.
         """
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointError(f"{self.root} is not a directory: checkpoints cannot be kept there (move it away)")
@@ -245,7 +246,7 @@ class CheckpointManager:
             except CheckpointError as exc:
                 problems.append(exc)
                 continue
-            for exc in problems:
+            for exc in problems if say_skipped else ():
                 self.report(f"# skipping a newer checkpoint that does not verify: {exc}")
             pointer = self.root / LATEST
             named = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
@@ -262,7 +263,7 @@ class CheckpointManager:
         """latest(), and continue its lineage. The main rank moves every newer checkpoint that
         does not verify aside (never deleted: the run would otherwise write its step anew over
         it) and says where it went."""
-        path = self.latest()
+        path = self.latest(say_skipped=not is_main)
         if path is not None:
             self.lineage = _lineage(path) or self.lineage
             if is_main:
