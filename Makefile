@@ -10,9 +10,11 @@ EXTRAS  ?= train,provision,test,metrics
 # multi-GB CUDA build there. On a GPU login node: make TORCH_SPEC='torch' ...
 TORCH_SPEC ?= torch==2.13.0
 
-# Debian packages the toolkit drives for real: Slurm (+ accounting), munge, LXC.
+# Debian packages the toolkit drives for real: Slurm (+ accounting), munge, LXC; qemu for the
+# tests' KVM guest (a cgroup v2 host for an unprivileged CT, tests/kvm_guest.py).
 DEB_PACKAGES := slurm-wlm slurmdbd slurm-client munge mariadb-server mariadb-client \
-                lxc debootstrap zstd xz-utils rsync gcc python3-dev iproute2 procps
+                lxc debootstrap zstd xz-utils rsync gcc python3-dev iproute2 procps \
+                qemu-system-x86 e2fsprogs
 
 .PHONY: help install-cli demo test test-fast lint deps deps-system venv cluster-up cluster-down sample-data bench-submit clean
 

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.common.bucketing import BucketedSampler, long_tail_lengths  # noqa: E402
 from train.common.mfu import H100_H200_PEAK, drafter_step_flops, extraction_flops_per_token  # noqa: E402
+from train.dflash.args import DFlashConfig  # noqa: E402
 from train.dflash.model import (  # noqa: E402
     Drafter,
     TargetHead,
@@ -144,14 +145,20 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def train_step(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_impl: str) -> float:
-    """One drafter step as the trainer runs it (bf16 autocast, fp32 weights); its seconds."""
+# The trainer's --acc-rows: the accuracy metrics' argmax pass over this many rows of the step
+ACC_ROWS = DFlashConfig.acc_rows
+
+
+def train_step(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_impl: str,
+               acc_rows: int = ACC_ROWS) -> float:
+    """One drafter step as the trainer runs it (bf16 autocast, fp32 weights, the accuracy metrics
+    on --acc-rows rows); its seconds."""
     dev = anchors.device
     sync(dev)
     t0 = time.perf_counter()
     with torch.autocast(dev.type, dtype=torch.bfloat16):
         hid = drafter(bt["hidden"], head.embed_tokens(blocks), anchors, bt["lengths"].to(dev), attn_impl=attn)
-        loss, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=loss_impl)
+        loss, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=loss_impl, metric_rows=acc_rows or None)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -198,6 +205,7 @@ def drafter_bench(args) -> None:
     print(f"# drafter {preset} (target {args.target}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"MLP {cfg.intermediate_size}, windows {[cfg.layer_window(i) for i in range(cfg.num_layers)]}, "
           f"K {K}, vocab {TARGET.vocab_size}; impls {impls}; compile {args.compile} (dynamic {args.dynamic}); "
+          f"accuracy metrics on {args.acc_rows or 'all'} rows a step; "
           f"device {dev}", flush=True)
     for n_anchors in [int(x) for x in args.anchors.split(",")]:
         plans = []
@@ -222,7 +230,7 @@ def drafter_bench(args) -> None:
                     continue
 
             def step(bt, anchors, blocks, labels, record, attn=attn, loss_impl=loss_impl):
-                t = train_step(drafter, head, opt, bt, anchors, blocks, labels, attn, loss_impl)
+                t = train_step(drafter, head, opt, bt, anchors, blocks, labels, attn, loss_impl, args.acc_rows)
                 if record is not None:
                     record.append(t)
 
@@ -250,12 +258,16 @@ def drafter_bench(args) -> None:
             attn_share = sum(p[4]["attention"] for p in plans) / sum(p[4]["total"] for p in plans)
             outs[impl] = sec
             bt0, anchors0, blocks0, labels0, _f0 = plans[0]
-            parts = breakdown(drafter, head, opt, bt0, anchors0, blocks0, labels0, attn, loss_impl, cfg)
+            parts = breakdown(drafter, head, opt, bt0, anchors0, blocks0, labels0, attn, loss_impl, cfg,
+                              args.acc_rows)
             parts_rows.append((impl, n_anchors, 1000 * per_batch[0][len(per_batch[0]) // 2] if per_batch[0] else 0.0,
                                parts))
             rows.append((impl, n_anchors, blocks_n, 1000 * sec, real / sec, flops / 1e12, attn_share,
                          flops / sec / H100_H200_PEAK, mem))
             print("# " + row_line(rows[-1]), flush=True)  # as it lands: a later failure keeps it
+            if args.profile == "on" and dev.type == "cuda":
+                kernel_profile(lambda p0=plans[0], step=step: step(*p0[:4], None),
+                               f"the drafter step on batch 0 ({impl}, {n_anchors} anchors)")
         if args.precision == "on":
             print("# " + precision_check(drafter, head, plans[0], n_anchors), flush=True)
     print(f"\nbatches: {args.batches} of <= {args.token_budget} padded tokens (rows x longest), "
@@ -264,14 +276,16 @@ def drafter_bench(args) -> None:
     for r in rows:
         print(row_line(r))
     print("\nper-step breakdown on batch 0 (each part timed alone, forward + backward; mask: the flex path's "
-          "packing and block masks; data is not in the step (prefetched); other = the step minus the parts: "
-          "fc/norms/embedding, packing, launch gaps):")
+          "packing and block masks; data is not in the step (prefetched); loss: the CE with the accuracy "
+          f"metrics on {args.acc_rows or 'all'} rows (--acc-rows), as the step; loss, all rows: the metrics over "
+          "every row instead (not in the step); other = the step minus the parts: fc/norms/embedding, packing, "
+          "launch gaps):")
     print("| attention:loss | anchors/seq | step ms | data ms | mask ms | attention ms | MLP ms | loss ms "
-          "| optimizer ms | other ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| loss ms, all rows | optimizer ms | other ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for impl, n_anchors, step_ms, p in parts_rows:
         other = step_ms - sum(p[k] for k in ("mask", "attention", "mlp", "loss", "optimizer"))
         print(f"| {impl} | {n_anchors} | {step_ms:.1f} | {p['data']:.1f} | {p['mask']:.1f} | {p['attention']:.1f} "
-              f"| {p['mlp']:.1f} | {p['loss']:.1f} | {p['optimizer']:.1f} | {other:.1f} |")
+              f"| {p['mlp']:.1f} | {p['loss']:.1f} | {p['loss_all_rows']:.1f} | {p['optimizer']:.1f} | {other:.1f} |")
     sys.stdout.flush()
 
 
@@ -288,11 +302,14 @@ def timed(fn, dev: torch.device, reps: int = 3) -> float:
     return statistics.median(out)
 
 
-def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_impl: str, cfg) -> dict[str, float]:
+def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_impl: str, cfg,
+              acc_rows: int = ACC_ROWS) -> dict[str, float]:
     """The step's parts on one batch, each alone: data (anchors, block inputs and the context's
     host-to-device copy, what a step waits for when the data is not prefetched), the layers'
     attention (projections, norms, rotary, the attention, o_proj) and MLP (norm, SwiGLU,
-    residual), the anchor-block loss, the optimizer; each forward + backward under bf16 autocast."""
+    residual), the anchor-block loss with the accuracy metrics on `acc_rows` rows (as the step),
+    the optimizer; each forward + backward under bf16 autocast. Beside them, not in the step: the
+    loss with the metrics over every row (`loss_all_rows`: what --acc-rows 0 costs)."""
     from train.dflash.model import _layer_post, _layer_pre
 
     dev = anchors.device
@@ -344,11 +361,12 @@ def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_i
             hid = drafter(bt["hidden"], head.embed_tokens(blocks), anchors, lengths, attn_impl=attn)
         hid = hid.detach().requires_grad_(True)
 
-        def loss() -> None:
-            value, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=loss_impl)
+        def loss(rows: int | None) -> None:
+            value, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=loss_impl, metric_rows=rows)
             value.backward()
 
-        parts["loss"] = timed(loss, dev)
+        parts["loss"] = timed(lambda: loss(acc_rows or None), dev)
+        parts["loss_all_rows"] = timed(lambda: loss(None), dev)
     parts["optimizer"] = timed(opt.step, dev)
     opt.zero_grad(set_to_none=True)
     return parts
@@ -430,46 +448,58 @@ def extract_bench(args) -> None:
     if args.smoke:
         lengths = np.minimum(lengths, 256)
     samples = [gen.integers(0, target.vocab_size, size=int(n)) for n in lengths]
-    times = []
+    times, phases = [], []
     pending = None
     for i in range(args.warmup + args.steps):
         b = plan[i % len(plan)]
+        t = time.perf_counter()
         if args.layout == "packed":
             ids, lens, packing = pack_batch([samples[j] for j in b])
         else:
             ids, lens = pad_batch([samples[j] for j in b])
-        sync(dev)
-        t = time.perf_counter()
+        t_pack = time.perf_counter()
         if args.layout == "packed":
             hidden, final = target_forward_packed(target.base, capture, ids.to(dev), packing)
         else:
             hidden, final = target_forward(target.base, capture, ids.to(dev))
         # what a shard write needs from the GPU: as the extractor copies it (to_host: pinned memory,
-        # a side stream); with --overlap on the copy of batch i is waited for only after batch i+1
+        # a side stream); with --overlap on the copy of batch i is waited for only after batch i+1's
+        # forward, and a batch's time ends when the compute stream is done, not its own copy
         host = [to_host(hidden.to(torch.bfloat16)), to_host(final.to(torch.bfloat16))]
         del hidden, final
+        t_fwd = t_wait = time.perf_counter()
         if dev.type == "cuda":
             done = torch.cuda.Event()
             done.record(copy_stream(dev))
+            torch.cuda.current_stream(dev).synchronize()  # the forward (and the casts) ended
+            t_fwd = time.perf_counter()
             if args.overlap == "on":
                 if pending is not None:
-                    pending[0].synchronize()
+                    pending[0].synchronize()  # the previous batch's copy, which ran beside this forward
                 pending = (done, host)
             else:
                 done.synchronize()
-        sync(dev)
-        dt = time.perf_counter() - t
+            t_wait = time.perf_counter()
+        dt = t_wait - t
         watch.done("extraction batch 0")
-        print(f"# batch {i}: {len(b)} x {ids.shape[1]} in {dt:.3f}s", flush=True)
+        print(f"# batch {i}: {len(b)} x {ids.shape[1]} in {dt:.3f}s (pack {1000 * (t_pack - t):.1f} ms, forward "
+              f"{1000 * (t_fwd - t_pack):.1f} ms, copy wait {1000 * (t_wait - t_fwd):.1f} ms)", flush=True)
         if i >= args.warmup:
             # FLOPs: a padded row attends over its whole width, a packed sample over itself
             if args.layout == "padded":
                 width = ids.shape[1]
-                done = len(lens) * width * extraction_flops_per_token(target.config, width)
+                done_flops = len(lens) * width * extraction_flops_per_token(target.config, width)
                 useful = sum(n * extraction_flops_per_token(target.config, width) for n in lens)
             else:
-                done = useful = sum(n * extraction_flops_per_token(target.config, n) for n in lens)
-            times.append((dt, ids.numel(), sum(lens), done, useful))
+                done_flops = useful = sum(n * extraction_flops_per_token(target.config, n) for n in lens)
+            times.append((dt, ids.numel(), sum(lens), done_flops, useful))
+            phases.append((t_pack - t, t_fwd - t_pack, t_wait - t_fwd))
+    if pending is not None:  # the last batch's copy: in the timed total
+        t = time.perf_counter()
+        pending[0].synchronize()
+        last_wait = time.perf_counter() - t
+        times[-1] = (times[-1][0] + last_wait, *times[-1][1:])
+        phases[-1] = (*phases[-1][:2], phases[-1][2] + last_wait)
     sec = sum(t[0] for t in times)
     padded = sum(t[1] for t in times)
     real = sum(t[2] for t in times)
@@ -485,6 +515,76 @@ def extract_bench(args) -> None:
           f"{100 * useful / sec / H100_H200_PEAK:.1f}% | {16384 / (real / sec):.3f} |")
     print(f"# k* projection: target s per 16,384 real tokens {16384 / (real / sec):.3f}; "
           "k* = ceil(that / drafter s per 16k-token batch)", flush=True)
+    med = [1000 * statistics.median(x[j] for x in phases) for j in range(3)]
+    print(f"# phases, median of the timed batches: pack (host) {med[0]:.1f} ms, forward (compute stream) "
+          f"{med[1]:.1f} ms, waiting for the previous batch's device-to-host copy {med[2]:.1f} ms", flush=True)
+    if args.profile == "on" and dev.type == "cuda":
+        b = plan[0]
+
+        def one_batch() -> None:
+            if args.layout == "packed":
+                ids, _lens, packing = pack_batch([samples[j] for j in b])
+                hidden, final = target_forward_packed(target.base, capture, ids.to(dev), packing)
+            else:
+                hidden, final = target_forward(target.base, capture, pad_batch([samples[j] for j in b])[0].to(dev))
+            to_host(hidden.to(torch.bfloat16)), to_host(final.to(torch.bfloat16))
+            torch.cuda.synchronize(dev)
+
+        kernel_profile(one_batch, f"extraction batch 0 ({len(b)} samples)")
+
+
+# Kernel families by name (first match wins): what a profile's time goes to.
+KERNEL_KINDS = (
+    ("copy", ("memcpy", "memset")),
+    ("conv", ("conv1d", "causal_conv")),
+    ("cross-entropy (cce/liger)", ("cce", "cross_entropy", "indexed_neg_dot")),
+    ("GDN recurrence (fla)", ("chunk", "gated_delta", "recompute_w_u", "solve_tril", "wy_", "l2norm", "fused_recurrent",
+                              "merge_16x16", "cumsum")),
+    ("attention", ("flash", "fmha", "attn", "flex", "triton_tem")),  # the drafter's compiled flex: a template
+    ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "sm90_", "sm80_", "cijk", "gemv")),
+    ("compiled (inductor)", ("triton_",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def kernel_profile(fn, what: str, top: int = 12) -> None:
+    """fn() once under torch.profiler: the GPU time by kernel family, and the top kernels, as
+    table lines (what is left to win). Never fails the bench: a profiler error is one line."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+        events = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        dev_us = [(e.key, float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)),
+                   int(e.count)) for e in events]
+        dev_us = [x for x in dev_us if x[1] > 0]
+        total = sum(x[1] for x in dev_us)
+        if not total:
+            print(f"# profile of {what}: no GPU kernel time recorded", flush=True)
+            return
+        kinds: dict[str, float] = {}
+        for name, us, _n in dev_us:
+            kind = kernel_kind(name)
+            kinds[kind] = kinds.get(kind, 0.0) + us
+        print(f"\nGPU kernel time of {what} (torch.profiler, one untimed pass): {total / 1000:.1f} ms in kernels")
+        print("| kernel family | ms | share |\n|---|---:|---:|")
+        for kind, us in sorted(kinds.items(), key=lambda x: -x[1]):
+            print(f"| {kind} | {us / 1000:.1f} | {100 * us / total:.1f}% |")
+        print(f"\ntop {top} kernels of {what}:\n| kernel | family | calls | ms | share |\n|---|---|---:|---:|---:|")
+        for name, us, n in sorted(dev_us, key=lambda x: -x[1])[:top]:
+            short = name if len(name) <= 90 else name[:87] + "..."
+            print(f"| `{short.replace('|', '/')}` | {kernel_kind(name)} | {n} | {us / 1000:.1f} | {100 * us / total:.1f}% |")
+        sys.stdout.flush()
+    except Exception as exc:  # the profile is a diagnosis, not the measurement
+        print(f"# profile of {what} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
 def main() -> None:
@@ -503,19 +603,29 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=None)
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed passes first (drafter: 1 over every batch; extract: 2 batches, so both in-flight "
+                        "batches' pinned host buffers exist before the timing, as in a long extraction)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     p.add_argument("--compile", choices=("on", "off"), default="on", help="the trainer's regional compile (auto: on)")
     p.add_argument("--dynamic", choices=("on", "off"), default="on",
                    help="drafter: compile with dynamic sizes from the first step (the trainer's); off: torch's "
                         "default (static first, one dynamic recompile at the second shape)")
+    p.add_argument("--acc-rows", type=int, default=ACC_ROWS,
+                   help="drafter: rows of the step the accuracy metrics are measured on, the trainer's --acc-rows "
+                        "(0: every row, the extra lm_head pass over all of them)")
     p.add_argument("--target", choices=("2b", "27b"), default="2b")
     p.add_argument("--layout", choices=("packed", "padded"), default="packed",
                    help="extract: one varlen stream of the batch's real tokens (the extractor's), or padded rows")
+    p.add_argument("--profile", choices=("on", "off"), default="on",
+                   help="CUDA: one untimed extraction batch / drafter step under torch.profiler after the timed ones: "
+                        "GPU time by kernel family and the top kernels")
     p.add_argument("--overlap", choices=("on", "off"), default="on",
                    help="extract: the device-to-host copy of a batch overlapped with the next forward")
     args = p.parse_args()
+    if args.warmup is None:
+        args.warmup = 1 if args.what == "drafter" else 2
     if args.token_budget is None:
         args.token_budget = 16384 if args.what == "drafter" else 65536
     (drafter_bench if args.what == "drafter" else extract_bench)(args)

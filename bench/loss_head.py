@@ -15,10 +15,14 @@ in a device sync), its TFLOP/s (6*N*D*V),
 the peak memory above the inputs, and its error against the reference: the same bf16 operands
 with products, softmax and gradients in fp32 (chunks of rows). The verdict `ok` means the loss
 per token within 0.05 + 2% and both gradients within 2% (relative norm) of it: bf16 tolerance
-(8 mantissa bits on the logits). A kernel that does not import or fails prints its error in its row.
+(8 mantissa bits on the logits). With --against IMPL (the bench uses cce, the default kernel)
+every other implementation is also held to that one's own per-token loss and gradients, within
+twice those tolerances (each side within them of fp32): a kernel that agrees with fp32 but not
+with the trainer's default, or the reverse, shows in the `vs` column. A kernel that does not
+import or fails prints its error in its row (liger-sm90's names the missing package).
 
     python3 bench/loss_head.py --jsonl out.jsonl
-    python3 bench/loss_head.py --impls cce,liger-sm90 --rows 2 --iters 5
+    python3 bench/loss_head.py --impls cce,liger-sm90 --against cce --rows 2 --iters 5
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from train.common.packing import IGNORE_INDEX  # noqa: E402
 from train.common.shapes import get_shape  # noqa: E402
 
 TOL_LOSS_ABS, TOL_LOSS_REL, TOL_GRAD = 0.05, 0.02, 0.02
+# Two implementations each within the tolerances above of fp32 are within twice them of each other.
+PAIR = 2
 
 
 def make_inputs(rows: int, row_len: int, hidden: int, vocab: int, device: torch.device, seed: int = 0):
@@ -79,7 +85,27 @@ def reference(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int
     return loss.view(rows, seq - 1), grad_h, grad_w
 
 
-def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int) -> dict:
+def compare(got: tuple, want: tuple, labels: torch.Tensor, scale: float = 1) -> dict:
+    """Per-token loss and the two gradients of `got` against `want` (each (loss [B, T-1], grad h,
+    grad w)): max loss difference, relative gradient norms, and whether they are within `scale`
+    times the bf16 tolerances (targets only: ignored positions are 0 in every implementation)."""
+    (loss, gh, gw), (ref_loss, ref_gh, ref_gw) = got, want
+    ref_loss = ref_loss.float()
+    err = (loss.float() - ref_loss).abs()
+    out = {
+        "loss_max_abs_err": float(err.max()),
+        "loss_within": bool((err <= scale * (TOL_LOSS_ABS + TOL_LOSS_REL * ref_loss.abs())).all()),
+        "grad_h_rel": float((gh.float() - ref_gh.float()).norm() / ref_gh.float().norm()),
+        "grad_w_rel": float((gw.float() - ref_gw.float()).norm() / ref_gw.float().norm()),
+    }
+    out["ok"] = out["loss_within"] and max(out["grad_h_rel"], out["grad_w_rel"]) < scale * TOL_GRAD
+    return out
+
+
+def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int, keep: dict | None = None,
+             against: tuple | None = None) -> dict:
+    """One implementation's row; its (loss, grad h, grad w) go into `keep` when given (the
+    --against baseline), and are compared with `against` when given."""
     device = h.device
     row: dict = {"impl": impl}
     try:
@@ -109,25 +135,25 @@ def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int) -> dict:
                 times.append(time.perf_counter() - t0)
     except Exception as exc:
         return {**row, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
-    ref_loss, ref_gh, ref_gw = ref
-    got = per_token.detach().float()
-    loss_err = (got - ref_loss).abs()
+    got = (per_token.detach().float(), hh.grad, ww.grad)
     row.update({
         "s": statistics.median(times),
         "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan"),
-        "loss": float(got.sum() / count), "ref_loss": float(ref_loss.sum() / count),
-        "loss_max_abs_err": float(loss_err.max()),
-        "loss_within": bool((loss_err <= TOL_LOSS_ABS + TOL_LOSS_REL * ref_loss.abs()).all()),
-        "grad_h_rel": float((hh.grad.float() - ref_gh).norm() / ref_gh.norm()),
-        "grad_w_rel": float((ww.grad.float() - ref_gw).norm() / ref_gw.norm()),
+        "loss": float(got[0].sum() / count), "ref_loss": float(ref[0].sum() / count),
+        **compare(got, ref, labels),
     })
-    row["ok"] = row["loss_within"] and row["grad_h_rel"] < TOL_GRAD and row["grad_w_rel"] < TOL_GRAD
+    if against is not None:
+        row["vs"] = compare(got, against, labels, scale=PAIR)
+    if keep is not None:
+        keep["result"] = got
     return row
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--impls", default="logits,cce,liger,liger-sm90")
+    p.add_argument("--impls", default="cce,liger-sm90,liger,logits")
+    p.add_argument("--against", default="", metavar="IMPL",
+                   help="also compare every other implementation with this one's loss and gradients (run first)")
     p.add_argument("--preset", default="qwen35-2b", help="model shape: hidden size and padded vocab")
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--row-len", type=int, default=8192)
@@ -150,9 +176,18 @@ def main() -> int:
     ref = reference(h, w, labels)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    rows = []
-    for impl in a.impls.split(","):
-        row = run_impl(impl, h, w, labels, ref, a.warmup, a.iters)
+    impls = a.impls.split(",")
+    if a.against:
+        if a.against not in impls:
+            print(f"loss_head: --against {a.against} is not one of --impls {a.impls}", file=sys.stderr)
+            return 2
+        impls = [a.against, *(i for i in impls if i != a.against)]
+    rows, baseline = [], {}
+    for impl in impls:
+        row = run_impl(impl, h, w, labels, ref, a.warmup, a.iters, keep=baseline if impl == a.against else None,
+                       against=baseline.get("result") if impl != a.against else None)
+        if impl == a.against:
+            row["baseline"] = True
         row.update({"rows": a.rows, "row_len": a.row_len, "hidden": shape.hidden_size, "vocab": vocab})
         if "s" in row:
             row["tflops"] = flop / row["s"] / 1e12
@@ -164,18 +199,28 @@ def main() -> int:
             with a.jsonl.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     fastest = min((r["s"] for r in rows if "s" in r), default=None)
+    versus = f"vs {a.against}" if a.against else ""
     print(f"\n{'impl':<11} {'fwd+bwd ms':>10} {'vs best':>7} {'TFLOP/s':>8} {'peak+ GiB':>9} {'1st s':>6} "
-          f"{'loss':>8} {'max|dloss|':>10} {'grad h':>7} {'grad w':>7}  verdict")
+          f"{'loss':>8} {'max|dloss|':>10} {'grad h':>7} {'grad w':>7}  verdict"
+          + (f"  | {versus}: {'max|dloss|':>10} {'grad h':>7} {'grad w':>7}  verdict" if versus else ""))
     for r in rows:
         if "error" in r:
             print(f"{r['impl']:<11} {'-':>10}  {r['error']}")
             continue
-        print(f"{r['impl']:<11} {r['s'] * 1e3:>10.1f} {r['s'] / fastest:>6.2f}x {r['tflops']:>8.0f} "
-              f"{r['peak_extra_gib']:>9.1f} {r['first_s']:>6.1f} {r['loss']:>8.4f} {r['loss_max_abs_err']:>10.4f} "
-              f"{r['grad_h_rel']:>7.2%} {r['grad_w_rel']:>7.2%}  {'ok' if r['ok'] else 'OUT OF TOLERANCE'}")
+        line = (f"{r['impl']:<11} {r['s'] * 1e3:>10.1f} {r['s'] / fastest:>6.2f}x {r['tflops']:>8.0f} "
+                f"{r['peak_extra_gib']:>9.1f} {r['first_s']:>6.1f} {r['loss']:>8.4f} {r['loss_max_abs_err']:>10.4f} "
+                f"{r['grad_h_rel']:>7.2%} {r['grad_w_rel']:>7.2%}  {'ok' if r['ok'] else 'OUT OF TOLERANCE'}")
+        if "vs" in r:
+            v = r["vs"]
+            line += (f"  | {' ' * len(versus)}  {v['loss_max_abs_err']:>10.4f} {v['grad_h_rel']:>7.2%} "
+                     f"{v['grad_w_rel']:>7.2%}  {'ok' if v['ok'] else 'OUT OF TOLERANCE'}")
+        elif versus:
+            line += f"  | {'(the baseline)' if r.get('baseline') else '(no baseline: it failed)'}"
+        print(line)
     print(f"(reference: fp32 products of the same bf16 operands; loss {rows[0].get('ref_loss', float('nan')):.4f}; "
-          f"tolerance: loss {TOL_LOSS_ABS} + {TOL_LOSS_REL:.0%}, gradients {TOL_GRAD:.0%} relative norm)")
-    return 0 if all(r.get("ok", False) for r in rows if "error" not in r) else 1
+          f"tolerance: loss {TOL_LOSS_ABS} + {TOL_LOSS_REL:.0%}, gradients {TOL_GRAD:.0%} relative norm"
+          + (f"; against {a.against}: {PAIR}x that)" if versus else ")"))
+    return 0 if all(r.get("ok", False) and r.get("vs", {"ok": True})["ok"] for r in rows if "error" not in r) else 1
 
 
 if __name__ == "__main__":

@@ -7,11 +7,17 @@
 #             folder: one upload to the machine is limited in size). A wheel too large for one
 #             upload travels as parts (`split -b 40M W.whl DIR/W.whl.part-`): the parts of each
 #             folder are collected in /tmp/wheel-parts and the wheel is joined and installed once
-#             its sha256 is the lock's
-#   install-loss DIR  the same into /tmp/lossenv: liger-kernel and the CUTLASS DSL (liger-sm90).
-#             Kept off the other steps' PYTHONPATH: the kernel archive's key holds liger-kernel's
-#             version, so an archive baked without it (a carried kstore) still matches those steps
-#   check     every kernel package at the lock's pin (else exit 1), versions into $OUT/versions.json
+#             its sha256 is the lock's. Each call's wheels are merged into the install folder (wheels
+#             that share a folder, as the CUTLASS DSL's three share nvidia_cutlass_dsl/, keep every file)
+#   install-loss DIR  the same into /tmp/lossenv: liger-kernel and the CUTLASS DSL (liger-sm90),
+#             then whether liger-sm90 imports (else the missing package, in one line). Kept off the
+#             other steps' PYTHONPATH: the kernel archive's key holds liger-kernel's version, so an
+#             archive baked without it (a carried kstore) still matches those steps. The loss step's
+#             PYTHONPATH is `install_kernels.py --pythonpath --target /tmp/lossenv`: /tmp/lossenv and
+#             the CUTLASS DSL's nvidia_cutlass_dsl/dsl_packages, which only its .pth file puts on
+#             sys.path (Python reads no .pth file in a PYTHONPATH entry: `No module named 'cutlass'`)
+#   check     every kernel package at the lock's pin (else exit 1), versions into $OUT/versions.json,
+#             and whether liger-sm90 imports from /tmp/lossenv (a warning naming what is missing)
 #   seed      a carried archive store in /tmp/kstore unpacked into this script's caches (/tmp/kcache),
 #             as the job start does: the following steps start warm if the key matches
 #   warmup    vision on, 3 steps, fills the caches (cold caches on a fresh H200: > 8 minutes, give
@@ -20,10 +26,13 @@
 #             (after seed or warmup): median of steps 2-31 (tower FLOPs counted in the MFU), the
 #             stall detector's verdict for steps 2-30, recompiles after step 1, slowest step / median
 #   text      the same preset text-only: --vision off with the text tasks' reference weights
+#             (vlm and text with LOSS_IMPL=liger-sm90: that --loss-impl, as vlm-liger-sm90 and
+#             text-liger-sm90, /tmp/lossenv on the path)
 #   loss      the loss head side by side in one process (bench/loss_head.py, PYTHONPATH with
-#             /tmp/lossenv): cce, liger, liger-sm90 and full logits, fwd+bwd time and error against
-#             fp32 logits; then LOSS_STEPS (default 11) trainer steps text-only with each of
-#             LOSS_IMPLS (default "cce liger-sm90"), one table
+#             /tmp/lossenv): cce, liger-sm90, liger and full logits (LOSS_HEADS), fwd+bwd time, error
+#             against fp32 logits and against cce's own loss and gradients (both within bf16
+#             tolerance, else exit 1); then LOSS_STEPS (default 11) trainer steps text-only with
+#             each of LOSS_IMPLS (default "cce liger-sm90"), one table
 #   warm      vision on again in a new process, warm caches: the first step's time
 #   bigimg    steps made only of the largest images the preset accepts (1024 x 1024, replay_img
 #             only): the vision budget bounds the step, the peak must stay <= 125 GiB
@@ -44,6 +53,8 @@ mkdir -p "$out"
 export PYTHONPATH=/tmp/gpuenv:$PWD LD_LIBRARY_PATH=/tmp/gpuenv/z3/lib PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=/tmp/kcache/triton TORCHINDUCTOR_CACHE_DIR=/tmp/kcache/inductor
 export TILELANG_CACHE_DIR=/tmp/kcache/tilelang HF_HOME=/tmp/kcache/hf
+# liger-sm90's CuTe DSL kernels: compiled on first use, cached here (not in the kernel archive yet)
+export CUTE_DSL_CACHE_DIR=/tmp/kcache/cute_dsl
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}  # as the stage1 job spec sets it
 # as in a `launch kernels bake` job: each run's trainer saves torch's cache artifacts (Inductor,
 # AOTAutograd) under the inductor cache at its end, so `bake` packs them with the kernels
@@ -83,6 +94,24 @@ PY
 }
 LOCK=${LOCK:-images/trainer/requirements-gpu-cp312.lock}
 LOSS_PACKAGES="liger-kernel nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu12 protobuf"
+losspath() {  # the PYTHONPATH entries of /tmp/lossenv: it and what its .pth files add (the CUTLASS DSL's)
+  [ -d /tmp/lossenv ] || return 0
+  python3 bench/install_kernels.py --pythonpath --target /tmp/lossenv
+}
+# LOSS_IMPL=liger-sm90 (or any --loss-impl): the vlm and text steps run with it, as vlm-IMPL and
+# text-IMPL (their own files in $OUT), with /tmp/lossenv on the path for the Liger ones
+loss_args=() loss_tag=""
+[ -n "${LOSS_IMPL:-}" ] && loss_args=(--loss-impl "$LOSS_IMPL") loss_tag="-$LOSS_IMPL"
+loss_pythonpath() {
+  case ${LOSS_IMPL:-} in liger*) echo "$(losspath):$PYTHONPATH" ;; *) echo "$PYTHONPATH" ;; esac
+}
+sm90_probe() {  # whether liger-sm90 imports with /tmp/lossenv on the path, else the missing package in one line
+  PYTHONPATH=$(losspath):$PYTHONPATH timeout 120 python3 -c "import sys
+from train.common.losses import _probe
+problem = _probe('liger-sm90')
+print('liger-sm90 imports' if problem is None else 'WARNING: liger-sm90 does not import from /tmp/lossenv: ' + problem)
+sys.exit(problem is not None)"
+}
 join_parts() {  # DIR: collect its W.whl.part-* in /tmp/wheel-parts; print a folder of the wheels now whole
   local dir=$1 w
   compgen -G "$dir/*.whl.part-*" > /dev/null || return 0
@@ -114,6 +143,7 @@ while [ $# -gt 0 ]; do
     if [ -n "$joined" ]; then
       timeout 300 python3 bench/install_kernels.py --lock "$LOCK" --wheels "$joined" --target "$target" || exit 1
     fi
+    [ "$step" = install-loss ] && { sm90_probe || true; }
     shift
     ;;
   check)
@@ -121,9 +151,7 @@ while [ $# -gt 0 ]; do
     timeout 120 python3 bench/install_kernels.py --lock "$LOCK" --target /tmp/gpuenv --also /tmp/lossenv --check \
       --json "$out/versions.json" $(printf -- "--optional %s " $LOSS_PACKAGES) || exit 1
     python3 -c "import torch, fla, tilelang, flash_qla, cut_cross_entropy, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)" || exit 1
-    PYTHONPATH=/tmp/lossenv:$PYTHONPATH timeout 120 python3 -c "import liger_kernel, cutlass.cute
-from train.common.losses import LIGER_SM90_MODULE; __import__(LIGER_SM90_MODULE); print('liger-sm90 imports')" \
-      || echo "WARNING: liger-sm90 does not import from /tmp/lossenv: the loss step will say so in its row"
+    sm90_probe || echo "(the loss step will say so in liger-sm90's row)"
     ;;
   warmup) bench warmup 3 "${WARMUP_LIMIT:-590}"; summary warmup ;;
   seed)
@@ -133,14 +161,18 @@ from train.common.losses import LIGER_SM90_MODULE; __import__(LIGER_SM90_MODULE)
 print(install_for_job(log=lambda line: None))" || exit 1
     echo "seed: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
     ;;
-  vlm) bench vlm 31 "${VLM_LIMIT:-400}"; summary vlm ;;
-  text) bench text 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS"; summary text ;;
+  vlm) PYTHONPATH=$(loss_pythonpath) bench "vlm$loss_tag" 31 "${VLM_LIMIT:-400}" "${loss_args[@]}"; summary "vlm$loss_tag" ;;
+  text)
+    PYTHONPATH=$(loss_pythonpath) bench "text$loss_tag" 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS" "${loss_args[@]}"
+    summary "text$loss_tag"
+    ;;
   loss)
-    PYTHONPATH=/tmp/lossenv:$PYTHONPATH timeout "${LOSS_LIMIT:-240}" python3 bench/loss_head.py \
-      --impls "${LOSS_HEADS:-cce,liger,liger-sm90,logits}" --jsonl "$out/loss-head.jsonl"
+    losspy=$(losspath):$PYTHONPATH
+    PYTHONPATH=$losspy timeout "${LOSS_LIMIT:-240}" python3 bench/loss_head.py \
+      --impls "${LOSS_HEADS:-cce,liger-sm90,liger,logits}" --against cce --jsonl "$out/loss-head.jsonl"
     echo "loss_head exit $?"
     for impl in ${LOSS_IMPLS:-cce liger-sm90}; do
-      PYTHONPATH=/tmp/lossenv:$PYTHONPATH bench "loss-$impl" "${LOSS_STEPS:-11}" "${LOSS_STEP_LIMIT:-150}" \
+      PYTHONPATH=$losspy bench "loss-$impl" "${LOSS_STEPS:-11}" "${LOSS_STEP_LIMIT:-150}" \
         --vision off --weights "$TEXT_WEIGHTS" --loss-impl "$impl"
     done
     python3 - "$out" ${LOSS_IMPLS:-cce liger-sm90} <<'PY'

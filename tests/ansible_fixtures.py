@@ -43,6 +43,13 @@ SLURM_APT_PACKAGES = ("slurmd", "slurmctld", "slurm-client", "munge", "dbus")
 TEST_SLURM_BASE = BaseSpec(suite=SUITE, variant="minbase", include=("python3", "python3-apt"),
                            download=TEST_APT_PACKAGES + SLURM_APT_PACKAGES)
 
+# The KVM guest's CT (tests/test_kvm_guest_ct.py): a CT that boots systemd as its init (systemd-sysv
+# and dbus installed), with slurmdbd and MariaDB beside Slurm and munge in its offline apt archive.
+ACCOUNTING_APT_PACKAGES = ("slurmdbd", "mariadb-server", "mariadb-client")
+TEST_SYSTEMD_SLURM_BASE = BaseSpec(suite=SUITE, variant="minbase",
+                                   include=("python3", "python3-apt", "systemd-sysv", "dbus"),
+                                   download=TEST_APT_PACKAGES + SLURM_APT_PACKAGES + ACCOUNTING_APT_PACKAGES)
+
 
 def cached_rootfs_tarball(spec: BaseSpec = TEST_BASE) -> Path:
     """Path of the cached rootfs tarball, building it (about a minute) when absent."""

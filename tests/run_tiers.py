@@ -1,6 +1,7 @@
 """`make test` and `make test-fast`: the suite's tiers, each one pytest run, timed and budgeted.
 
-    python tests/run_tiers.py                 # every tier, in order (what `make test` and CI run)
+    python tests/run_tiers.py                 # every tier, side by side (what `make test` and CI run)
+    python tests/run_tiers.py --serial        # every tier, one after the other
     python tests/run_tiers.py unit slurm      # some tiers
     python tests/run_tiers.py fast            # the edit loop: unit tests but the slow ones
     python tests/run_tiers.py slurm -- -k requeue   # pytest arguments after `--`
@@ -10,12 +11,18 @@ Tiers that wait (on Slurm, on containers booting, on plays) get more workers tha
 cores; the unit tier, which computes, gets one worker per core. Files stay whole on one worker
 (`--dist loadfile`): a module's fixtures (a built image, a provisioned container) are made once.
 
-Each tier has a budget in seconds, 1.7-2x its idle time on a 2-core machine (tests/README.md
-has the measured times); the budgets add up to 70 minutes, inside CI's 90 with its set-up. A tier still
-running at its budget is interrupted the way Ctrl-C does (pytest prints what it ran and the
-slowest tests), and the run fails with one line naming the tier: a suite that has grown past
-its budget says so, instead of being killed by CI's own limit with nothing printed.
-`LAUNCH_TEST_BUDGET_SCALE=2` doubles every budget (a machine known to be slower).
+The tiers run side by side: the slurm and containers tiers spend most of their time waiting
+(a job queued, a container booting, a play's round trips), which the unit tier fills. The unit
+tier runs at a lower CPU priority (nice 10), so a waiting tier's next step is never starved by it.
+Each tier's output goes to its own log, printed whole when the tier ends (a line per minute says
+which tiers still run and what each is on), so the logs never interleave.
+
+Each tier has a budget in seconds, 1.7-2x its idle time on a 2-core machine beside the other
+tiers (tests/README.md has the measured times). A tier still running at its budget is
+interrupted the way Ctrl-C does (pytest prints what it ran and the slowest tests), and the run
+fails with one line naming the tier: a suite that has grown past its budget says so, instead of
+being killed by CI's own limit with nothing printed. `LAUNCH_TEST_BUDGET_SCALE=2` doubles every
+budget (a machine known to be slower).
 
 At the end: each tier's wall time and outcome, and the whole run's.
 """
@@ -45,6 +52,7 @@ class Tier:
     workers: int
     budget_s: int
     what: str
+    nice: int = 0  # added to the tier's CPU niceness when it runs beside the others
 
 
 def _cores() -> int:
@@ -55,17 +63,19 @@ def tiers() -> dict[str, Tier]:
     cores = _cores()
     return {t.name: t for t in (
         Tier("unit", f"not slurm and not ({CONTAINER_MARKS})", cores, 1500,
-             "no cluster, container or play; the slow unit tests included"),
-        Tier("slurm", f"slurm and not ({CONTAINER_MARKS})", 2 * cores + 1, 1200,
+             "no cluster, container or play; the slow unit tests included", nice=10),
+        Tier("slurm", f"slurm and not ({CONTAINER_MARKS})", 2 * cores + 1, 1500,
              "the embedded Slurm clusters (one per worker), jobs through submitit"),
-        Tier("containers", f"({CONTAINER_MARKS})", 2 * cores, 1500,
-             "real LXC containers, Ansible plays, images"),
+        Tier("containers", f"({CONTAINER_MARKS})", 2 * cores, 1800,
+             "real LXC containers, a KVM guest, Ansible plays, images"),
     )}
 
 
 # The edit loop: the unit tier without what is marked slow.
 FAST = Tier("fast", f"not slurm and not ({CONTAINER_MARKS}) and not slow", _cores(), 600,
             "`make test-fast`: unit tests but the slow ones")
+HEARTBEAT_S = 60.0
+GRACE_S = 120.0  # after the budget's SIGINT, how long pytest gets to write its report
 
 
 def counts(junit: Path) -> Counter[str]:
@@ -82,76 +92,148 @@ def counts(junit: Path) -> Counter[str]:
     return out
 
 
-def run_tier(tier: Tier, extra: list[str], scale: float, junit: Path) -> tuple[int, float, bool]:
-    """Run one tier; (pytest's exit code, wall seconds, whether it ran past its budget)."""
-    budget = tier.budget_s * scale
+def pytest_argv(tier: Tier, extra: list[str], junit: Path) -> list[str]:
     argv = [sys.executable, "-m", "pytest", "-q", "-m", tier.marks, "--durations=20", "--durations-min=1",
             "-p", "no:cacheprovider", f"--junitxml={junit}"]
     if tier.workers > 1:
         argv += ["-n", str(tier.workers), "--dist", "loadfile"]
-    argv += extra
+    return argv + extra
+
+
+@dataclass
+class Run:
+    """One tier's pytest process, and what the runner knows of it."""
+
+    tier: Tier
+    proc: subprocess.Popen[bytes]
+    budget: float
+    log: Path | None  # None: the output goes straight to ours
+    start: float
+    interrupted: float | None = None
+    rc: int | None = None
+    wall: float = 0.0
+
+
+def start_tier(tier: Tier, extra: list[str], scale: float, reports: Path, cwd: Path, alone: bool) -> Run:
+    budget = tier.budget_s * scale
+    argv = pytest_argv(tier, extra, reports / f"{tier.name}.xml")
     print(f"\n>> tier {tier.name}: {tier.what}\n>> {' '.join(argv[1:])}  (budget {budget:.0f} s)", flush=True)
-    start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=REPO, start_new_session=True)
-    over = False
+    log = None if alone else reports / f"{tier.name}.log"
+    out = None if log is None else log.open("wb")
+    niceness = 0 if alone else tier.nice
     try:
-        rc = proc.wait(timeout=budget)
-    except subprocess.TimeoutExpired:
-        over = True
-        print(f"\n>> tier {tier.name} is still running at its budget of {budget:.0f} s: interrupting it", flush=True)
-        os.killpg(proc.pid, signal.SIGINT)  # pytest's KeyboardInterrupt: it reports what ran
-        try:
-            rc = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+        proc = subprocess.Popen(argv, cwd=cwd, start_new_session=True, stdout=out,
+                                stderr=None if out is None else subprocess.STDOUT,
+                                preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
+    finally:
+        if out is not None:
+            out.close()
+    return Run(tier, proc, budget, log, time.monotonic())
+
+
+def _last_line(log: Path | None) -> str:
+    """The end of a tier's log: the file it is on (tests/tiers.py starts each line with it)."""
+    if log is None:
+        return ""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, log.stat().st_size - 400))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip()[:70] if lines else ""
+
+
+def _check(run: Run, now: float) -> bool:
+    """Enforce the budget; True once the tier's process has ended."""
+    rc = run.proc.poll()
+    if rc is not None:
+        run.rc, run.wall = rc, now - run.start
+        return True
+    if run.interrupted is None and now - run.start > run.budget:
+        print(f"\n>> tier {run.tier.name} is still running at its budget of {run.budget:.0f} s: interrupting it",
+              flush=True)
+        os.killpg(run.proc.pid, signal.SIGINT)  # pytest's KeyboardInterrupt: it reports what ran
+        run.interrupted = now
+    elif run.interrupted is not None and now - run.interrupted > GRACE_S:
+        os.killpg(run.proc.pid, signal.SIGKILL)
+    return False
+
+
+def run_tiers(chosen: list[Tier], extra: list[str], scale: float, reports: Path, *,
+              serial: bool, cwd: Path = REPO, poll_s: float = 1.0) -> list[Run]:
+    """Run the tiers side by side (or one after the other), each within its budget."""
+    alone = serial or len(chosen) == 1
+    pending, running, done = list(chosen), [], []
+    start = last_beat = time.monotonic()
+    try:
+        while pending or running:
+            while pending and (not alone or not running):
+                running.append(start_tier(pending.pop(0), extra, scale, reports, cwd, alone))
+            time.sleep(poll_s)
+            now = time.monotonic()
+            for run in [r for r in running if _check(r, now)]:
+                running.remove(run)
+                done.append(run)
+                if run.log is not None:
+                    print(f"\n>> tier {run.tier.name} ended after {run.wall:.0f} s; its output:", flush=True)
+                    sys.stdout.write(run.log.read_text(errors="replace"))
+                    sys.stdout.flush()
+            if running and not alone and now - last_beat >= HEARTBEAT_S:
+                last_beat = now
+                on = "; ".join(f"{r.tier.name}: {_last_line(r.log) or 'starting'}" for r in running)
+                print(f">> {(now - start) / 60:.0f} min, running {on}", flush=True)
     except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGINT)
-        rc = proc.wait()
+        for run in running:
+            os.killpg(run.proc.pid, signal.SIGINT)
+        for run in running:
+            run.proc.wait()
         raise
-    return rc, time.monotonic() - start, over
+    order = {t.name: i for i, t in enumerate(chosen)}
+    return sorted(done, key=lambda r: order[r.tier.name])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, table: dict[str, Tier] | None = None, cwd: Path = REPO) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     names = argv[:argv.index("--")] if "--" in argv else argv
-    known = {**tiers(), FAST.name: FAST}
+    table = tiers() if table is None else table
+    known = {**table, FAST.name: FAST}
     p = argparse.ArgumentParser(prog="python tests/run_tiers.py", description=__doc__.splitlines()[0])
     p.add_argument("tiers", nargs="*", metavar="TIER", help=f"one of {', '.join(known)} (default: every tier but fast)")
+    p.add_argument("--serial", action="store_true", help="one tier after the other, output live (default: side by side)")
     args = p.parse_args(names)
     unknown = [n for n in args.tiers if n not in known]
     if unknown:
         print(f"run_tiers: unknown tier {unknown[0]!r}; the tiers are {', '.join(known)}", file=sys.stderr)
         return 2
-    chosen = [known[n] for n in args.tiers] or list(tiers().values())
+    chosen = [known[n] for n in args.tiers] or list(table.values())
     try:
         scale = float(os.environ.get("LAUNCH_TEST_BUDGET_SCALE", "1"))
     except ValueError:
         print("run_tiers: LAUNCH_TEST_BUDGET_SCALE must be a number", file=sys.stderr)
         return 2
-    results: list[tuple[Tier, int, float, bool]] = []
     tally: Counter[str] = Counter()
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="launch-tiers-") as reports:
-        for tier in chosen:
-            junit = Path(reports) / f"{tier.name}.xml"
-            rc, wall, over = run_tier(tier, extra, scale, junit)
-            results.append((tier, rc, wall, over))
-            tally.update(counts(junit))
+    with tempfile.TemporaryDirectory(prefix="launch-tiers-") as tmp:
+        runs = run_tiers(chosen, extra, scale, Path(tmp), serial=args.serial, cwd=cwd)
+        for run in runs:
+            tally.update(counts(Path(tmp) / f"{run.tier.name}.xml"))
     total = time.monotonic() - start
-    print("\n>> tiers (wall time, budget, outcome)")
+    how = "one after the other" if args.serial or len(chosen) == 1 else "side by side"
+    print(f"\n>> tiers, {how} (wall time, budget, outcome)")
     failed = False
-    for tier, rc, wall, over in results:
+    for run in runs:
+        over = run.interrupted is not None
         # pytest's 5: no test selected (a tier whose tests all live elsewhere in a filtered run).
-        outcome = "passed" if rc in (0, 5) and not over else ("over budget" if over else f"failed (pytest exit {rc})")
+        outcome = "passed" if run.rc in (0, 5) and not over else ("over budget" if over else f"failed (pytest exit {run.rc})")
         failed |= outcome != "passed"
-        print(f"   {tier.name:<11} {wall:7.0f} s  {tier.budget_s * scale:6.0f} s  {outcome}")
+        print(f"   {run.tier.name:<11} {run.wall:7.0f} s  {run.budget:6.0f} s  {outcome}")
     print(f"   {'all':<11} {total:7.0f} s", flush=True)
-    for tier, _rc, wall, over in results:
-        if over:
-            print(f"FAILED: tier {tier.name} ran past its budget of {tier.budget_s * scale:.0f} s "
-                  f"(stopped at {wall:.0f} s); its slowest tests are listed above", flush=True)
+    for run in runs:
+        if run.interrupted is not None:
+            print(f"FAILED: tier {run.tier.name} ran past its budget of {run.budget:.0f} s "
+                  f"(stopped at {run.wall:.0f} s); its slowest tests are listed above", flush=True)
     # One closing line for the whole run, as pytest's own: the tiers' counts added up.
     print(f"{tally['passed']} passed, {tally['failed']} failed, {tally['skipped']} skipped", flush=True)
     return 1 if failed else 0

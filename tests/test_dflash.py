@@ -87,7 +87,7 @@ def test_offline_training_loss_falls_and_logits_only_at_anchor_blocks(shards, tm
 
 def test_resume_continues_at_the_saved_step(shards, tmp_path, capsys):
     out = tmp_path / "run"
-    args = ["--data", str(shards), "--out", str(out), "--ckpt-every", "3", *FAST]
+    args = ["--data", str(shards), "--out", str(out), "--ckpt-every", "3", "--acc-rows", "5", *FAST]
     assert dflash_train.main([*args, "--steps", "3"], guard=False) == 0
     assert dflash_train.main([*args, "--steps", "5"], guard=False) == 0
     printed = capsys.readouterr().out
@@ -101,6 +101,8 @@ def test_resume_continues_at_the_saved_step(shards, tmp_path, capsys):
     assert all(len(ln) <= 120 and " acc1 " in ln and " tau " in ln and " eta " in ln for ln in lines)
     assert " eta 0s" in lines[2] and " eta 0s" in lines[-1]  # (a STALL(cause) may follow: CPU noise)
     assert [r["steps_total"] for r in _metrics(out)] == [3, 3, 3, 5, 5]
+    # --acc-rows: the accuracy metrics on 5 rows of each step's (more than 5) labelled slots
+    assert all(r["acc_rows"] == 5 < r["anchors"] for r in _metrics(out))
 
 
 def test_block_sees_context_strictly_before_its_anchor():
@@ -268,6 +270,8 @@ def test_config_errors(tmp_path, capsys):
     assert "k-m" in capsys.readouterr().err
     assert dflash_train.main(["--data", str(tmp_path / "nope"), "--out", str(tmp_path)], guard=False) == 1
     assert "no such extraction directory" in capsys.readouterr().err
+    assert dflash_train.main(["--data", str(tmp_path), "--out", str(tmp_path), "--acc-rows", "-1"], guard=False) == 2
+    assert "--acc-rows must be >= 0" in capsys.readouterr().err
 
 
 def test_bf16_autocast_drafter_learns_like_fp32(shards, tmp_path):

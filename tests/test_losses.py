@@ -117,6 +117,58 @@ def test_dflash_fused_loss_gets_bf16_and_matches_the_logits_path(kernel):
     assert head.lm_head.weight.dtype == torch.float32  # the head itself is untouched
 
 
+def test_dflash_accuracy_metrics_on_a_strided_sample_of_rows(kernel, monkeypatch):
+    """--acc-rows: the accuracy metrics' argmax pass (a second lm_head pass on the fused path) runs
+    over the sampled rows only, the sample holds every slot and both batch rows, the metrics are
+    those of the sampled rows on both paths, and the loss and its gradient do not change."""
+    from train.dflash.model import TargetHead, drafter_loss
+
+    torch.manual_seed(0)
+    w = torch.nn.functional.normalize(torch.randn(300, 64), dim=-1)
+    head = TargetHead(torch.randn(300, 64), w)
+    # each row's argmax is unambiguous: the row is 5 x the head row of its predicted token
+    pred = torch.randint(0, 300, (2, 20, 8))
+    hidden = (5 * w[pred]).requires_grad_(True)
+    labels = torch.randint(0, 300, (2, 20, 7))
+    labels[:, :, :3] = pred[:, :, 1:4]  # slots 1-3 right, 4-7 wrong (labels differ from pred there)
+    labels[:, :, 3:] = (pred[:, :, 4:] + 1) % 300
+    labels[1, 15:] = IGNORE_INDEX
+    verifier = 5 * w[pred[:, :, 1:]]
+    verifier[1] = 5 * w[(pred[1, :, 1:] + 7) % 300]  # the target agrees on batch row 0 only
+    n = int((labels != IGNORE_INDEX).sum())
+    shapes: list[int] = []
+    real_operands = losses.fused_operands
+
+    def watched(e, c):
+        shapes.append(e.shape[0])
+        return real_operands(e, c)
+
+    monkeypatch.setattr(losses, "fused_operands", watched)
+    out = {}
+    for impl in ("logits", "cce"):
+        for rows in (None, 28):
+            hidden.grad, shapes[:] = None, []
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, stats = drafter_loss(head, hidden, labels, verifier, 0.0, 7.0, loss_impl=impl,
+                                           metric_rows=rows)
+            loss.backward()
+            out[impl, rows] = (loss.detach(), hidden.grad.clone(), stats)
+            if impl == "cce":  # the loss over every row, the argmax over the sampled rows only
+                assert shapes == [n, rows or n]
+    for impl in ("logits", "cce"):
+        (l_all, g_all, s_all), (l_some, g_some, s_some) = out[impl, None], out[impl, 28]
+        assert torch.equal(l_all, l_some) and torch.equal(g_all, g_some) and s_all["ce"] == s_some["ce"]
+        assert s_all["acc_rows"] == n and s_some["acc_rows"] == 28
+        for s in (s_all, s_some):  # every slot is in the sample: 3 right slots, 4 wrong ones
+            assert s["acc_slot"] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], s["acc_slot"]
+            assert s["tau"] == 4.0
+        assert s_all["target_agree"] == 140 / n  # batch row 0's 20 x 7 rows of n
+        assert abs(s_some["target_agree"] - 140 / n) <= 1 / 28 + 1e-9  # both batch rows in the sample
+        assert abs(s_some["acc"] - 3 / 7) <= 2 / 28
+    assert out["logits", 28][2]["acc_slot"] == out["cce", 28][2]["acc_slot"]
+    assert out["logits", 28][2]["target_agree"] == out["cce", 28][2]["target_agree"]
+
+
 def test_frozen_weight_is_cast_once_and_again_after_it_changes():
     w = torch.randn(32, 8)
     e = torch.randn(4, 8)
@@ -181,3 +233,52 @@ def test_liger_sm90_refuses_per_row_weights_and_bad_shapes(monkeypatch):
     with pytest.raises(LossImplError, match="vocab 300 is not a multiple of 256"):
         token_losses(torch.zeros(1, 4, 256, dtype=torch.bfloat16), torch.zeros(300, 256, dtype=torch.bfloat16),
                      torch.zeros(1, 4, dtype=torch.long), "liger-sm90")
+
+
+# The CUTLASS DSL splits one `cutlass` package over three wheels under <site>/nvidia_cutlass_dsl/
+# dsl_packages, which only the nvidia-cutlass-dsl wheel's nvidia_cutlass_dsl_packages.pth puts on
+# sys.path. `pip install --target DIR` plus PYTHONPATH=DIR (bench/install_kernels.py) skips it: Python
+# reads .pth files in site directories only, so `import cutlass` failed on the H200 with every wheel
+# installed. The layout below is the wheels' (their .pth line verbatim), with an empty `cutlass`.
+CUTLASS_PTH = ("import sys, os, nvidia_cutlass_dsl; "
+               "sys.path.insert(0, os.path.join(nvidia_cutlass_dsl.__path__[0], 'dsl_packages'))\n")
+PROBE = ("import train.common.liger_sm90 as m\n"
+         "m.IMPORTS = (('cutlass', 'nvidia-cutlass-dsl-libs-core'), ('cutlass._mlir', 'nvidia-cutlass-dsl-libs-base'))\n"
+         "print(m.import_problem())\n")
+
+
+def test_liger_sm90_probe_names_the_cutlass_dsl_pth_that_pythonpath_skips(tmp_path):
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("install_kernels", repo / "bench" / "install_kernels.py")
+    install_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(install_kernels)
+    site = tmp_path / "lossenv"
+    packages = site / "nvidia_cutlass_dsl" / "dsl_packages"
+    (packages / "cutlass").mkdir(parents=True)
+    (packages / "cutlass" / "__init__.py").write_text("")
+
+    def probe(pythonpath: str) -> str:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), pythonpath])}
+        proc = subprocess.run([sys.executable, "-P", "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    # the libs without the meta wheel: no .pth at all
+    assert probe(str(site)).startswith("nvidia-cutlass-dsl missing (its libs are in")
+    (site / "nvidia_cutlass_dsl_packages.pth").write_text(CUTLASS_PTH)
+    said = probe(str(site))
+    assert said == (f"nvidia-cutlass-dsl is installed but its .pth file was not read (Python reads .pth files "
+                    f"only in site directories, not from PYTHONPATH): add {packages} to PYTHONPATH"), said
+    # what the bench puts on PYTHONPATH: the target and what its .pth adds (the .pth run as Python runs it)
+    assert install_kernels.site_paths(site) == [str(packages)]
+    # `cutlass` now imports; the next missing part is named by the wheel that ships it
+    said = probe(install_kernels.pythonpath(site))
+    assert said.startswith("nvidia-cutlass-dsl-libs-base missing or broken (import cutlass._mlir: "
+                           "ModuleNotFoundError: No module named 'cutlass._mlir')"), said
+    assert "\n" not in said

@@ -56,6 +56,8 @@ def test_install_kernels_refuses_bad_inputs_and_an_unhashed_pin_in_one_line(tmp_
         (["--lock", str(lock), "--wheels", str(bad)], "not-a-wheel.whl: not a wheel's file name"),
         (["--lock", str(tmp_path / "nope.lock"), "--wheels", str(good)], f"--lock {tmp_path / 'nope.lock'}: no such file"),
         (["--lock", str(lock), "--check", "--json", str(tmp_path / "out.json")], f"--json {tmp_path / 'out.json'}: a directory"),
+        (["--wheels", str(good)], "--lock is required"),
+        (["--pythonpath"], f"--target {target}: not a directory"),
         (["--lock", str(lock), "--wheels", str(good)], "demo_pkg-1.0-py3-none-any.whl: gpu.lock pins demo-pkg==1.0 "
                                                        "without --hash=sha256:...")):
         assert mod.main([*argv, "--target", str(target)]) == 1

@@ -118,3 +118,63 @@ def test_no_slurm_job_output_is_committed_at_the_repo_root():
     if listed.returncode != 0:
         pytest.skip("not a git checkout")
     assert listed.stdout.split() == []
+
+
+RENDEZVOUS_TESTS = '''
+import os, time
+from pathlib import Path
+
+import pytest
+
+MEET = Path(os.environ["MEET_DIR"])
+
+
+def _meet(me: str, other: str) -> None:
+    (MEET / me).touch()
+    deadline = time.monotonic() + 60
+    while not (MEET / other).exists():
+        assert time.monotonic() < deadline, f"{other} never ran beside {me}"
+        time.sleep(0.05)
+
+
+@pytest.mark.a
+def test_a():
+    _meet("a", "b")
+
+
+@pytest.mark.b
+def test_b():
+    _meet("b", "a")
+
+
+@pytest.mark.c
+def test_c_outlasts_its_budget():
+    time.sleep(600)
+'''
+
+
+def test_run_tiers_runs_tiers_side_by_side_and_stops_one_at_its_budget(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Tiers a and b each wait for the other's test to start (they pass only if run side by side);
+    tier c sleeps past its 3 s budget: interrupted, one FAILED line, its slowest tests reported."""
+    from tests import run_tiers
+
+    scratch = tmp_path / "suite"
+    scratch.mkdir()
+    (scratch / "test_meet.py").write_text(RENDEZVOUS_TESTS)
+    (scratch / "pytest.ini").write_text("[pytest]\nmarkers =\n  a: x\n  b: x\n  c: x\n")
+    monkeypatch.setenv("MEET_DIR", str(tmp_path))
+    table = {t.name: t for t in (run_tiers.Tier("a", "a", 1, 120, "tier a", nice=5),
+                                 run_tiers.Tier("b", "b", 1, 120, "tier b"),
+                                 run_tiers.Tier("c", "c", 1, 3, "tier c"))}
+    rc = run_tiers.main([], table=table, cwd=scratch)
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    summary = out[out.index(">> tiers, side by side"):]
+    assert [ln.split()[0] for ln in summary.splitlines()[1:4]] == ["a", "b", "c"], out
+    assert " passed" in summary.splitlines()[1] and " passed" in summary.splitlines()[2], out
+    assert "over budget" in summary.splitlines()[3], out
+    assert "FAILED: tier c ran past its budget of 3 s" in out, out
+    # an interrupted pytest writes no JUnit report: its FAILED line above is what counts it
+    assert out.rstrip().endswith("2 passed, 0 failed, 0 skipped"), out
+    # each tier's own output, whole, once it ended
+    assert out.count(">> tier a ended after") == 1 and "KeyboardInterrupt" in out, out

@@ -35,6 +35,8 @@ import pytest
 TIER_FIXTURES = {"slurm_cluster": "slurm"}
 # Programs whose start means "a container" (argv[0]'s basename).
 LXC_PROGRAMS = frozenset({"lxc-create", "lxc-start", "lxc-copy", "lxc-execute", "debootstrap"})
+# Programs whose start means "a virtual machine".
+VM_PROGRAMS = frozenset({"qemu-system-x86_64"})
 # Functions that run a whole Ansible play (tens of seconds each on 2 cores).
 PLAY_RUNNERS = ("run_playbook",)
 SLOWEST_FILES = 10
@@ -122,7 +124,10 @@ def _guard_container_start() -> None:
         name = os.path.basename(words[0]) if words else ""
         if name in LXC_PROGRAMS:
             self._child_created = False  # what Popen.__del__ reads when __init__ stops early
-            _require("lxc", f"runs {name}")
+            _require("lxc", f"runs {name}", also=("vm",))  # a KVM guest's root is debootstrap'd too
+        elif name in VM_PROGRAMS:
+            self._child_created = False
+            _require("vm", f"runs {name}")
         elif name == "ansible-playbook" and "--syntax-check" not in [*words, *map(os.fsdecode, argv[1:])]:
             self._child_created = False
             _require("ansible", "runs an ansible-playbook play", also=("lxc",))

@@ -146,8 +146,9 @@ SCHEMAS: dict[str, Schema] = {
     "dflash": Schema(
         trainer="dflash",
         # acc_slot: accuracy of each predicted slot 1..K-1 (a list); acc1 its first; tau the
-        # acceptance-length estimate 1 + sum_j prod_{i<=j} acc_slot[i]; anchors: blocks in the step
-        fields=("step", "loss", "ce", "acc", "acc1", "tau", "acc_slot", "anchors", "tok_s", "data_ms", "compute_ms",
+        # acceptance-length estimate 1 + sum_j prod_{i<=j} acc_slot[i]; acc_rows: the rows of the
+        # step they (and target_agree) are measured on (--acc-rows); anchors: blocks in the step
+        fields=("step", "loss", "ce", "acc", "acc1", "tau", "acc_slot", "acc_rows", "anchors", "tok_s", "data_ms", "compute_ms",
                 "lr", "grad_norm", "epoch", "batch_rows", "padding_efficiency", "steps_total", "eta_s"),
         columns=(
             Column("loss", "loss", ".4f"),

@@ -30,8 +30,12 @@ how tests/test_losses.py checks the chunking, the padding and the backward again
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +59,84 @@ class Primitives:
     dw: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (dz [m, V], x [m, D]) -> dz^T x  [V, D]
 
 
+# What liger_primitives imports, in dependency order, each with the distribution that brings it: the
+# probe imports them one by one so a refusal names the missing package, not Liger's wrapper message
+# ("cutedsl backend requires the NVIDIA CUTLASS Python DSL") that hides which part is missing.
+LIGER_OPS = "liger_kernel.ops.cutedsl.ops"
+IMPORTS: tuple[tuple[str, str], ...] = (
+    ("liger_kernel", "liger-kernel"),
+    ("cuda.bindings.driver", "cuda-bindings"),
+    ("google.protobuf", "protobuf"),
+    ("cutlass", "nvidia-cutlass-dsl-libs-core"),
+    ("cutlass.cute", "nvidia-cutlass-dsl-libs-base and nvidia-cutlass-dsl-libs-cu12"),
+    (f"{LIGER_OPS}._fused_linear_cross_entropy_forward_sm90", "liger-kernel >= 0.8.3"),
+    (f"{LIGER_OPS}._fused_linear_cross_entropy_backward_sm90", "liger-kernel >= 0.8.3"),
+    (f"{LIGER_OPS}.utils", "liger-kernel >= 0.8.3"),
+)
+# A module a failed import names -> the distribution that ships it (the CUTLASS DSL's parts split one
+# `cutlass` package across three wheels; the flavour wheel holds the compiled IR module).
+PROVIDERS: tuple[tuple[str, str], ...] = (
+    ("cutlass._mlir", "nvidia-cutlass-dsl-libs-base"),
+    ("cutlass", "nvidia-cutlass-dsl-libs-core"),
+    ("cuda", "cuda-bindings"),
+    ("google", "protobuf"),
+    ("liger_kernel", "liger-kernel"),
+)
+
+
+def _provider(module: str, default: str) -> str:
+    """The distribution that ships `module` (PROVIDERS), else `default`."""
+    for prefix, dist in PROVIDERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return dist
+    return default
+
+
+def _cutlass_off_path() -> str | None:
+    """Why `cutlass` does not import although the CUTLASS DSL's files are there, else None.
+
+    The `cutlass` package lives in <site>/nvidia_cutlass_dsl/dsl_packages, which only the
+    nvidia-cutlass-dsl wheel's nvidia_cutlass_dsl_packages.pth puts on sys.path, and Python runs .pth
+    files in site directories alone: a `pip install --target DIR` put on PYTHONPATH has every wheel
+    but no `cutlass`."""
+    try:
+        spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    except (ImportError, ValueError):
+        return None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        packages = Path(root) / "dsl_packages"
+        if not (packages / "cutlass").is_dir() or str(packages) in sys.path:
+            continue
+        if not (Path(root).parent / "nvidia_cutlass_dsl_packages.pth").is_file():
+            return (f"nvidia-cutlass-dsl missing (its libs are in {root}, but the wheel whose "
+                    "nvidia_cutlass_dsl_packages.pth puts `cutlass` on sys.path is not installed)")
+        return (f"nvidia-cutlass-dsl is installed but its .pth file was not read (Python reads .pth files "
+                f"only in site directories, not from PYTHONPATH): add {packages} to PYTHONPATH")
+    return None
+
+
+def import_problem() -> str | None:
+    """None when every module liger_primitives needs imports, else one line naming the package
+    that is missing or broken and the error (the liger-sm90 probe of train.common.losses)."""
+    for module, dist in IMPORTS:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a broken native library surfaces as any exception type
+            missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+            if missing and missing.split(".")[0] == "cutlass" and (why := _cutlass_off_path()):
+                return why
+            if missing and not (module.startswith(LIGER_OPS) and missing.startswith("liger_kernel")):
+                dist = _provider(missing, f"the package of `{missing.split('.')[0]}` (needed by {dist})")
+            elif "No CTK flavor installed" in str(exc):  # the CUTLASS DSL without its compiled flavour wheel
+                dist = "nvidia-cutlass-dsl-libs-cu12"
+            detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+            return f"{dist} missing or broken (import {module}: {detail[:300]})"
+    return None
+
+
 def liger_primitives() -> Primitives:
-    """Liger-Kernel's SM90 CuTe DSL kernels (import errors propagate: the caller probes them)."""
+    """Liger-Kernel's SM90 CuTe DSL kernels (import errors propagate: the caller probes them with
+    import_problem, which imports the same modules)."""
     import cuda.bindings.driver as cuda
     from liger_kernel.ops.cutedsl.ops._fused_linear_cross_entropy_backward_sm90 import flce_dw, flce_dx
     from liger_kernel.ops.cutedsl.ops._fused_linear_cross_entropy_forward_sm90 import (

@@ -26,8 +26,6 @@ IMPLS = ("logits", "cce", "liger", "liger-sm90")
 # DSL kernel, train/common/liger_sm90.py) is a choice until bench/stage1_vlm_h200.sh `loss` shows it
 # faster than cce on the H200.
 CUDA_PREFERENCE = ("cce", "liger")
-# What liger-sm90 imports: Liger's SM90 module, which needs the CUTLASS DSL (nvidia-cutlass-dsl).
-LIGER_SM90_MODULE = "liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90"
 
 
 class LossImplError(RuntimeError):
@@ -35,9 +33,12 @@ class LossImplError(RuntimeError):
 
 
 def _probe(impl: str) -> str | None:
-    """None when `impl` imports, else the import error text."""
-    module = {"cce": "cut_cross_entropy", "liger": "liger_kernel.transformers.functional",
-              "liger-sm90": LIGER_SM90_MODULE}.get(impl)
+    """None when `impl` imports, else the import error text (liger-sm90's names the missing package)."""
+    if impl == "liger-sm90":  # Liger's SM90 kernels and the CUTLASS DSL, module by module
+        from train.common.liger_sm90 import import_problem
+
+        return import_problem()
+    module = {"cce": "cut_cross_entropy", "liger": "liger_kernel.transformers.functional"}.get(impl)
     if module is None:
         return None
     try:

@@ -947,10 +947,51 @@ def acceptance_length(acc_slot: list[float]) -> float:
     return tau
 
 
+# The accuracy metrics (acc, acc_slot, tau, target_agree) on the fused path need each row's argmax,
+# which the fused kernel does not give: a second no-grad lm_head pass, 2 x rows x vocab x hidden
+# FLOPs, ~16% of the 27B drafter's step at 512 anchors over all ~55k rows. The trainer measures
+# them on an evenly strided sample of the step's rows (--acc-rows, 4,096 by default; `acc_rows` in
+# the record), ~1% of that step.
+
+
+def metric_sample(n: int, rows: int | None, device: torch.device) -> torch.Tensor | None:
+    """Indices of the labelled rows the accuracy metrics are measured on, or None for all n (rows
+    None or >= n): `rows` of them evenly strided over the step's rows, which are ordered by batch
+    row, anchor and slot, so every slot and every part of the batch is in the sample."""
+    if rows is None or rows >= n:
+        return None
+    if rows < 1:
+        raise ValueError(f"metric rows must be >= 1 (got {rows})")
+    return torch.linspace(0, n - 1, rows, device=device).round().long()  # distinct: the stride is >= 1
+
+
+def _sampled_valid(valid: torch.Tensor, pick: torch.Tensor | None) -> torch.Tensor:
+    """valid [B, A, K-1] restricted to the picked rows (indices into valid's True entries)."""
+    if pick is None:
+        return valid
+    flat = torch.zeros(int(valid.sum()), dtype=torch.bool, device=valid.device)
+    flat[pick] = True
+    out = torch.zeros_like(valid)
+    out[valid] = flat
+    return out
+
+
+def _accuracy_stats(argmax: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor | None
+                    ) -> dict[str, Any]:
+    """acc, acc_slot, acc1, tau and acc_rows from the picked rows' argmax (argmax over the picked
+    rows only; y over all rows)."""
+    correct = argmax == (y if pick is None else y[pick])
+    acc_slot = slot_accuracies(correct, _sampled_valid(valid, pick))
+    return {"acc": float(correct.float().mean()), "acc_slot": acc_slot, "acc1": acc_slot[0],
+            "tau": acceptance_length(acc_slot), "acc_rows": int(correct.numel())}
+
+
 def _fused_loss(head: TargetHead, rows: torch.Tensor, y: torch.Tensor, w_rows: torch.Tensor, valid: torch.Tensor,
-                verifier_rows: torch.Tensor | None, chunk: int, impl: str) -> tuple[torch.Tensor, dict[str, Any]]:
+                verifier_rows: torch.Tensor | None, chunk: int, impl: str, pick: torch.Tensor | None
+                ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The CE through stage-1's fused linear-cross-entropy kernel (train.common.losses: no logits
-    tensor in forward or backward); the accuracy's argmax is a no-grad pass in chunks."""
+    tensor in forward or backward); the accuracy's argmax is a no-grad pass in chunks over the
+    picked rows (metric_sample)."""
     from train.common.losses import fused_operands, token_losses
 
     # token_losses predicts labels[t] from hidden[t-1]: give it each row with its label one step on.
@@ -960,17 +1001,16 @@ def _fused_loss(head: TargetHead, rows: torch.Tensor, y: torch.Tensor, w_rows: t
                       torch.stack([torch.full_like(y, IGNORE_INDEX), y], 1), impl)[:, 0]
     loss = (ce * w_rows).sum() / w_rows.sum().clamp(min=1e-9)
     with torch.no_grad():
-        e, weight = fused_operands(rows.detach(), head.lm_head.weight)
-        argmax = torch.cat([(e[lo:lo + chunk] @ weight.T).argmax(-1) for lo in range(0, len(rows), chunk)])
-    correct = argmax == y
-    acc_slot = slot_accuracies(correct, valid)
-    stats: dict[str, Any] = {"ce": float(ce.detach().mean()), "acc": float(correct.float().mean()),
-                             "acc_slot": acc_slot, "acc1": acc_slot[0], "tau": acceptance_length(acc_slot)}
+        picked = rows.detach() if pick is None else rows.detach()[pick]
+        e, weight = fused_operands(picked, head.lm_head.weight)
+        argmax = torch.cat([(e[lo:lo + chunk] @ weight.T).argmax(-1) for lo in range(0, len(e), chunk)])
+    stats: dict[str, Any] = {"ce": float(ce.detach().mean()), **_accuracy_stats(argmax, y, valid, pick)}
     if verifier_rows is not None:
+        ver = verifier_rows if pick is None else verifier_rows[pick]
         with torch.no_grad():
-            agree = sum(int(((verifier_rows[lo:lo + chunk].to(weight.dtype) @ weight.T).argmax(-1)
-                             == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(rows), chunk))
-        stats["target_agree"] = agree / len(rows)
+            agree = sum(int(((ver[lo:lo + chunk].to(weight.dtype) @ weight.T).argmax(-1)
+                             == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(ver), chunk))
+        stats["target_agree"] = agree / len(ver)
     return loss, stats
 
 
@@ -999,11 +1039,15 @@ def _selector_ce(selector: CandidateSelector, logits: torch.Tensor, rows: torch.
 def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.Tensor,
                  target_final_at_blocks: torch.Tensor | None, kl_weight: float, gamma: float | None,
                  chunk_rows: int | None = None, loss_impl: str = "logits", selector: CandidateSelector | None = None,
-                 predecessors: torch.Tensor | None = None, selector_alpha: float = 1.0
-                 ) -> tuple[torch.Tensor, dict[str, Any]]:
+                 predecessors: torch.Tensor | None = None, selector_alpha: float = 1.0,
+                 metric_rows: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """Weighted CE on the true tokens (+ kl_weight * KL to the verifier) over block slots only;
     with DFlash2's `selector` (and the slots' true `predecessors` [B, A, K-1]) + selector_alpha *
     its CE over the top-k, under the same slot weights (SpecForge's objective).
+
+    The accuracy metrics (acc, acc_slot, acc1, tau, target_agree) are measured on `metric_rows`
+    evenly strided rows of the step's (metric_sample; None: all), on every path, and `acc_rows`
+    says how many; ce (and kl) are over all rows.
 
     The rows go through lm_head in chunks of `chunk_rows` (default: 2^30 logits per chunk), each
     recomputed in backward (activation checkpointing), so 512 anchors x 15 slots x a 248k vocab
@@ -1023,8 +1067,9 @@ def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.T
     chunk = chunk_rows or max(256, (1 << 30) // vocab)
     use_kl = kl_weight > 0 and verifier_rows is not None
     # DFlash2's selector takes the top-k of the logits: the chunked logits path
+    pick = metric_sample(len(rows), metric_rows, rows.device)
     if loss_impl != "logits" and not use_kl and selector is None and len(rows):
-        return _fused_loss(head, rows, y, w_rows, valid, verifier_rows, chunk, loss_impl)
+        return _fused_loss(head, rows, y, w_rows, valid, verifier_rows, chunk, loss_impl, pick)
 
     def piece(r: torch.Tensor, yc: torch.Tensor, wc: torch.Tensor, vc: torch.Tensor | None, pc: torch.Tensor | None):
         logits = head.lm_head(r).float()
@@ -1054,18 +1099,19 @@ def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.T
             acc.append(v)
     if not totals:
         zero = drafter_hidden.sum() * 0.0
-        return zero, {"ce": math.nan, "acc": math.nan, "acc_slot": [math.nan] * labels.shape[2], "tau": 1.0}
+        return zero, {"ce": math.nan, "acc": math.nan, "acc_slot": [math.nan] * labels.shape[2], "tau": 1.0,
+                      "acc_rows": 0}
     loss = torch.stack(totals).sum() / w_rows.sum().clamp(min=1e-9)
     ce, argmax = torch.cat(ces), torch.cat(preds)
-    correct = argmax == y
-    acc_slot = slot_accuracies(correct, valid)
-    stats: dict[str, Any] = {"ce": float(ce.mean()), "acc": float(correct.float().mean()),
-                             "acc_slot": acc_slot, "acc1": acc_slot[0], "tau": acceptance_length(acc_slot)}
+    if pick is not None:  # the same rows as the fused path's (here every row's argmax came free)
+        argmax = argmax[pick]
+    stats: dict[str, Any] = {"ce": float(ce.mean()), **_accuracy_stats(argmax, y, valid, pick)}
     if verifier_rows is not None:
+        ver = verifier_rows if pick is None else verifier_rows[pick]
         with torch.no_grad():
-            agree = sum(int((head.lm_head(verifier_rows[lo:lo + chunk].to(rows.dtype)).argmax(-1)
-                             == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(rows), chunk))
-        stats["target_agree"] = agree / len(rows)
+            agree = sum(int((head.lm_head(ver[lo:lo + chunk].to(rows.dtype)).argmax(-1)
+                             == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(ver), chunk))
+        stats["target_agree"] = agree / len(ver)
         if use_kl:
             stats["kl"] = float(torch.cat(kls).mean())
     if prev_rows is not None:

@@ -446,7 +446,8 @@ def drafter_forward(cfg: DFlashConfig, run: DrafterRun, batch: dict[str, torch.T
         loss, stats = drafter_loss(run.head, hidden, labels, final_blocks, cfg.kl_weight, slot_gamma(cfg),
                                    loss_impl=run.loss_impl, selector=selector,
                                    predecessors=block_predecessors(input_ids, anchors, run.dcfg.block_size)
-                                   if selector is not None else None, selector_alpha=cfg.selector_alpha)
+                                   if selector is not None else None, selector_alpha=cfg.selector_alpha,
+                                   metric_rows=cfg.acc_rows or None)
     stats["anchors"] = int((anchors >= 0).sum())  # blocks in this step
     return loss, stats
 
