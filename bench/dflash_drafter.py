@@ -592,8 +592,8 @@ def main() -> None:
     p.add_argument("what", choices=("drafter", "extract"))
     p.add_argument("--anchors", default="4,512")
     p.add_argument("--impls", default="auto",
-                   help="attention:loss pairs, comma-separated (dense|flex : logits|cce|liger); auto: the trainer's "
-                        "defaults on this device")
+                   help="attention:loss pairs, comma-separated (dense|flex : logits|cce|liger|onepass); auto: the "
+                        "trainer's defaults on this device")
     p.add_argument("--precision", choices=("on", "off"), default="on",
                    help="drafter: dense against flex on batch 0 in fp32 and bf16 (the mask check)")
     p.add_argument("--first-step-limit", type=float, default=0.0,

@@ -87,7 +87,9 @@ def test_offline_training_loss_falls_and_logits_only_at_anchor_blocks(shards, tm
 
 def test_resume_continues_at_the_saved_step(shards, tmp_path, capsys):
     out = tmp_path / "run"
-    args = ["--data", str(shards), "--out", str(out), "--ckpt-every", "3", "--acc-rows", "5", *FAST]
+    # --loss-impl onepass: the frozen head's one-pass CE trains and resumes like the others
+    args = ["--data", str(shards), "--out", str(out), "--ckpt-every", "3", "--acc-rows", "5", "--loss-impl", "onepass",
+            *FAST]
     assert dflash_train.main([*args, "--steps", "3"], guard=False) == 0
     assert dflash_train.main([*args, "--steps", "5"], guard=False) == 0
     printed = capsys.readouterr().out
@@ -103,6 +105,8 @@ def test_resume_continues_at_the_saved_step(shards, tmp_path, capsys):
     assert [r["steps_total"] for r in _metrics(out)] == [3, 3, 3, 5, 5]
     # --acc-rows: the accuracy metrics on 5 rows of each step's (more than 5) labelled slots
     assert all(r["acc_rows"] == 5 < r["anchors"] for r in _metrics(out))
+    header = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "header"]
+    assert header and all(h["loss_impl"] == "onepass" for h in header)
 
 
 def test_block_sees_context_strictly_before_its_anchor():

@@ -169,6 +169,39 @@ def test_dflash_accuracy_metrics_on_a_strided_sample_of_rows(kernel, monkeypatch
     assert out["logits", 28][2]["target_agree"] == out["cce", 28][2]["target_agree"]
 
 
+def test_dflash_onepass_loss_equals_the_logits_path():
+    """--loss-impl onepass (the frozen head's CE with its gradient made in the forward, no
+    recompute) against the checkpointed logits path: the same loss, gradient, slot accuracies and
+    target agreement under bf16 autocast, over several chunks and slot weights; no-grad too."""
+    from train.dflash.model import TargetHead, drafter_loss
+
+    torch.manual_seed(0)
+    head = TargetHead(torch.randn(300, 64), torch.randn(300, 64) * 0.3)
+    hidden = torch.randn(2, 5, 8, 64, requires_grad=True)
+    labels = torch.randint(0, 300, (2, 5, 7))
+    labels[1, 3:] = IGNORE_INDEX
+    labels[0, 1, 4:] = IGNORE_INDEX
+    verifier = torch.randn(2, 5, 7, 64)
+    out = {}
+    for impl, chunk in (("logits", None), ("onepass", None), ("onepass", 7)):
+        hidden.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, stats = drafter_loss(head, hidden, labels, verifier, 0.0, 7.0, chunk_rows=chunk, loss_impl=impl)
+        loss.backward()
+        out[impl, chunk] = (loss.detach(), hidden.grad.clone(), stats)
+    l1, g1, s1 = out["logits", None]
+    assert float(g1.norm()) > 0
+    for key in (("onepass", None), ("onepass", 7)):
+        l2, g2, s2 = out[key]
+        torch.testing.assert_close(l2, l1, atol=2e-3, rtol=2e-3)
+        assert float((g2 - g1).norm() / g1.norm()) < 1e-2, key
+        assert s2["acc_slot"] == s1["acc_slot"] and s2["target_agree"] == s1["target_agree"]
+        assert abs(s2["ce"] - s1["ce"]) < 2e-2
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = drafter_loss(head, hidden, labels, None, 0.0, 7.0, chunk_rows=7, loss_impl="onepass")
+    torch.testing.assert_close(loss, l1, atol=2e-3, rtol=2e-3)
+
+
 def test_frozen_weight_is_cast_once_and_again_after_it_changes():
     w = torch.randn(32, 8)
     e = torch.randn(4, 8)

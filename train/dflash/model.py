@@ -1014,6 +1014,86 @@ def _fused_loss(head: TargetHead, rows: torch.Tensor, y: torch.Tensor, w_rows: t
     return loss, stats
 
 
+def _ce_rows(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's CE per row (fp32) and the gradient of sum_i w_i * CE_i to its logits, (softmax -
+    one-hot(y)) * w, in the logits' dtype: one read of the logits for the log-sum-exp and one for
+    the gradient once compiled (inductor fuses it; eager, the CPU's, runs it op by op)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    ce = lse - lf.gather(1, y[:, None])[:, 0]
+    hot = torch.arange(lf.shape[1], device=lf.device)[None] == y[:, None]
+    grad = (torch.exp(lf - lse[:, None]) - hot.float()) * w[:, None]
+    return ce, grad.to(logits.dtype)
+
+
+_CE_ROWS: dict[str, Any] = {}
+
+
+def _ce_rows_fn(device: torch.device):
+    """_ce_rows compiled once per process on CUDA (dynamic rows: one graph for every chunk and
+    step), eager elsewhere."""
+    if device.type != "cuda":
+        return _ce_rows
+    if "cuda" not in _CE_ROWS:
+        _CE_ROWS["cuda"] = torch.compile(_ce_rows, dynamic=True)
+    return _CE_ROWS["cuda"]
+
+
+class _FrozenHeadCE(torch.autograd.Function):
+    """sum_i w_i * CE(rows_i @ W^T, y_i) for a FROZEN head W, in one pass: per chunk of rows the
+    logits (bf16 operands, fp32 accumulation), their CE and the gradient to the rows, kept for
+    backward, which only scales it. 4 x rows x vocab x hidden FLOPs (the logits, the gradient's
+    matmul) where a fused kernel that keeps nothing recomputes the logits in backward (6), and no
+    logits beyond one chunk. The gradient is exact for this loss only (ce is not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor, chunk: int):
+        need_grad = ctx.needs_input_grad[0]
+        fn = _ce_rows_fn(rows.device)
+        with torch.autocast(rows.device.type, enabled=False):
+            e = rows.detach().to(weight.dtype).contiguous()
+            ce = torch.empty(len(e), dtype=torch.float32, device=e.device)
+            grad = torch.empty_like(e) if need_grad else None
+            for lo in range(0, len(e), chunk):
+                hi = min(len(e), lo + chunk)
+                ce_c, g_c = fn(e[lo:hi] @ weight.T, y[lo:hi], w[lo:hi])
+                ce[lo:hi] = ce_c
+                if grad is not None:
+                    torch.mm(g_c, weight, out=grad[lo:hi])
+        ctx.rows_dtype = rows.dtype
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(ce)
+        return (ce * w).sum(), ce
+
+    @staticmethod
+    def backward(ctx, g_loss: torch.Tensor, _g_ce: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return (grad.to(ctx.rows_dtype) * g_loss).to(ctx.rows_dtype), None, None, None, None
+
+
+def _onepass_loss(head: TargetHead, rows: torch.Tensor, y: torch.Tensor, w_rows: torch.Tensor, valid: torch.Tensor,
+                  verifier_rows: torch.Tensor | None, chunk: int, pick: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """--loss-impl onepass: the CE through _FrozenHeadCE (bf16 head, as the fused kernels take it);
+    the accuracy metrics as on the other paths (a no-grad argmax over the picked rows)."""
+    from train.common.losses import fused_operands
+
+    e, weight = fused_operands(rows, head.lm_head.weight)  # bf16 rows and head (the head cast once)
+    norm = w_rows / w_rows.sum().clamp(min=1e-9)
+    loss, ce = _FrozenHeadCE.apply(e, weight, y, norm.float(), chunk)
+    with torch.no_grad():
+        picked = e.detach() if pick is None else e.detach()[pick]
+        argmax = torch.cat([(picked[lo:lo + chunk] @ weight.T).argmax(-1) for lo in range(0, len(picked), chunk)])
+    stats: dict[str, Any] = {"ce": float(ce.mean()), **_accuracy_stats(argmax, y, valid, pick)}
+    if verifier_rows is not None:
+        ver = verifier_rows if pick is None else verifier_rows[pick]
+        with torch.no_grad():
+            agree = sum(int(((ver[lo:lo + chunk].to(weight.dtype) @ weight.T).argmax(-1)
+                             == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(ver), chunk))
+        stats["target_agree"] = agree / len(ver)
+    return loss, stats
+
+
 def block_predecessors(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """The true token before each predicted slot j = 1..K-1 (the anchor's for slot 1): [B, A, K-1],
     the predecessors DFlash2's selector is trained on (SpecForge's teacher forcing)."""
@@ -1068,7 +1148,9 @@ def drafter_loss(head: TargetHead, drafter_hidden: torch.Tensor, labels: torch.T
     use_kl = kl_weight > 0 and verifier_rows is not None
     # DFlash2's selector takes the top-k of the logits: the chunked logits path
     pick = metric_sample(len(rows), metric_rows, rows.device)
-    if loss_impl != "logits" and not use_kl and selector is None and len(rows):
+    if loss_impl == "onepass" and not use_kl and selector is None and len(rows):
+        return _onepass_loss(head, rows, y, w_rows, valid, verifier_rows, chunk, pick)
+    if loss_impl not in ("logits", "onepass") and not use_kl and selector is None and len(rows):
         return _fused_loss(head, rows, y, w_rows, valid, verifier_rows, chunk, loss_impl, pick)
 
     def piece(r: torch.Tensor, yc: torch.Tensor, wc: torch.Tensor, vc: torch.Tensor | None, pc: torch.Tensor | None):

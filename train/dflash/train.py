@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -374,7 +374,11 @@ def run_target_rank(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucket
 
 
 def drafter_kernels(cfg: DFlashConfig, device: torch.device) -> fastpath.KernelChoice:
-    """The drafter rank's kernel set: its loss (no GDN layers run there)."""
+    """The drafter rank's kernel set: its loss (no GDN layers run there). onepass is the drafter's
+    own frozen-head loss (train.dflash.model._FrozenHeadCE: torch matmuls, no kernel package)."""
+    if cfg.loss_impl == "onepass":
+        return replace(fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path, loss="logits", gdn=False),
+                       loss_impl="onepass")
     return fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path, loss=cfg.loss_impl, gdn=False)
 
 
