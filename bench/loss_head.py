@@ -9,6 +9,8 @@ same bf16 hidden states, lm_head weight and labels (~8% ignored, as packing mask
   cce          cut-cross-entropy (the default on CUDA)
   liger        Liger-Kernel's fused linear cross-entropy (its generic path)
   liger-sm90   Liger-Kernel's Hopper CuTe DSL kernel, chunked (train/common/liger_sm90.py)
+  liger-sm90+triton-ce  the same GEMMs with a Triton CE pass (Liger's own falls back to one value
+               per thread per load above a 131,072 vocab)
 
 Per implementation: the median fwd+bwd wall time over --iters (after --warmup; each iteration ends
 in a device sync), its TFLOP/s (6*N*D*V),
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.common.codebooks import CodebookVocab  # noqa: E402
-from train.common.losses import select_loss_impl, token_losses  # noqa: E402
+from train.common.losses import _liger_sm90_token_losses, select_loss_impl, token_losses  # noqa: E402
 from train.common.packing import IGNORE_INDEX  # noqa: E402
 from train.common.shapes import get_shape  # noqa: E402
 
@@ -85,6 +87,19 @@ def reference(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int
     return loss.view(rows, seq - 1), grad_h, grad_w
 
 
+def head(impl: str):
+    """(hidden, weight, labels) -> per-token loss for `impl`: a --loss-impl, or liger-sm90+triton-ce
+    (liger-sm90 with train/common/liger_sm90.py's Triton CE pass instead of Liger's)."""
+    if impl == "liger-sm90+triton-ce":
+        from train.common import liger_sm90
+
+        prims = liger_sm90.liger_primitives(ce="triton")
+        return lambda h, w, labels: _liger_sm90_token_losses(h, w, labels, prims)
+    if "+" in impl:
+        raise ValueError(f"unknown variant {impl!r} (liger-sm90+triton-ce)")
+    return lambda h, w, labels: token_losses(h, w, labels, impl)
+
+
 def compare(got: tuple, want: tuple, labels: torch.Tensor, scale: float = 1) -> dict:
     """Per-token loss and the two gradients of `got` against `want` (each (loss [B, T-1], grad h,
     grad w)): max loss difference, relative gradient norms, and whether they are within `scale`
@@ -109,7 +124,8 @@ def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int, keep: dict |
     device = h.device
     row: dict = {"impl": impl}
     try:
-        select_loss_impl(device, impl)
+        select_loss_impl(device, impl.partition("+")[0])
+        loss_fn = head(impl)
     except Exception as exc:  # not importable here: say why in its row
         return {**row, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
     hh = h.detach().clone().requires_grad_()
@@ -126,7 +142,7 @@ def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int, keep: dict |
         for i in range(warmup + iters):
             hh.grad = ww.grad = None
             t0 = time.perf_counter()
-            per_token = token_losses(hh, ww, labels, impl)
+            per_token = loss_fn(hh, ww, labels)
             (per_token.sum() / count).backward()
             sync()
             if i == 0:
@@ -200,14 +216,15 @@ def main() -> int:
                 f.write(json.dumps(row) + "\n")
     fastest = min((r["s"] for r in rows if "s" in r), default=None)
     versus = f"vs {a.against}" if a.against else ""
-    print(f"\n{'impl':<11} {'fwd+bwd ms':>10} {'vs best':>7} {'TFLOP/s':>8} {'peak+ GiB':>9} {'1st s':>6} "
+    width = max(11, *(len(r["impl"]) for r in rows))
+    print(f"\n{'impl':<{width}} {'fwd+bwd ms':>10} {'vs best':>7} {'TFLOP/s':>8} {'peak+ GiB':>9} {'1st s':>6} "
           f"{'loss':>8} {'max|dloss|':>10} {'grad h':>7} {'grad w':>7}  verdict"
           + (f"  | {versus}: {'max|dloss|':>10} {'grad h':>7} {'grad w':>7}  verdict" if versus else ""))
     for r in rows:
         if "error" in r:
-            print(f"{r['impl']:<11} {'-':>10}  {r['error']}")
+            print(f"{r['impl']:<{width}} {'-':>10}  {r['error']}")
             continue
-        line = (f"{r['impl']:<11} {r['s'] * 1e3:>10.1f} {r['s'] / fastest:>6.2f}x {r['tflops']:>8.0f} "
+        line = (f"{r['impl']:<{width}} {r['s'] * 1e3:>10.1f} {r['s'] / fastest:>6.2f}x {r['tflops']:>8.0f} "
                 f"{r['peak_extra_gib']:>9.1f} {r['first_s']:>6.1f} {r['loss']:>8.4f} {r['loss_max_abs_err']:>10.4f} "
                 f"{r['grad_h_rel']:>7.2%} {r['grad_w_rel']:>7.2%}  {'ok' if r['ok'] else 'OUT OF TOLERANCE'}")
         if "vs" in r:

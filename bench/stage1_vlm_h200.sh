@@ -29,7 +29,8 @@
 #             (vlm and text with LOSS_IMPL=liger-sm90: that --loss-impl, as vlm-liger-sm90 and
 #             text-liger-sm90, /tmp/lossenv on the path)
 #   loss      the loss head side by side in one process (bench/loss_head.py, PYTHONPATH with
-#             /tmp/lossenv): cce, liger-sm90, liger and full logits (LOSS_HEADS), fwd+bwd time, error
+#             /tmp/lossenv): cce, liger-sm90 (also with a Triton CE pass), liger and full logits
+#             (LOSS_HEADS), fwd+bwd time, error
 #             against fp32 logits and against cce's own loss and gradients (both within bf16
 #             tolerance, else exit 1); then LOSS_STEPS (default 11) trainer steps text-only with
 #             each of LOSS_IMPLS (default "cce liger-sm90"), one table
@@ -169,7 +170,7 @@ print(install_for_job(log=lambda line: None))" || exit 1
   loss)
     losspy=$(losspath):$PYTHONPATH
     PYTHONPATH=$losspy timeout "${LOSS_LIMIT:-240}" python3 bench/loss_head.py \
-      --impls "${LOSS_HEADS:-cce,liger-sm90,liger,logits}" --against cce --jsonl "$out/loss-head.jsonl"
+      --impls "${LOSS_HEADS:-cce,liger-sm90,liger-sm90+triton-ce,liger,logits}" --against cce --jsonl "$out/loss-head.jsonl"
     echo "loss_head exit $?"
     for impl in ${LOSS_IMPLS:-cce liger-sm90}; do
       PYTHONPATH=$losspy bench "loss-$impl" "${LOSS_STEPS:-11}" "${LOSS_STEP_LIMIT:-150}" \

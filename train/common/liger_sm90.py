@@ -30,6 +30,7 @@ how tests/test_losses.py checks the chunking, the padding and the backward again
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -134,9 +135,64 @@ def import_problem() -> str | None:
     return None
 
 
-def liger_primitives() -> Primitives:
+# Liger's one-read cluster CE kernel takes a row in CE_PARTITIONS (8) CTAs of at most 16,384 values
+# each, i.e. a vocab up to 131,072; above it (the 2B model's 273,152) cross_entropy_dz runs its
+# fallback: two passes of one bf16 value per thread per load. The Triton pass below reads with
+# wide vector loads instead (same traffic: two reads and one write of the logits); which one is
+# faster at the model's vocab is measured side by side (bench/loss_head.py, liger-sm90+triton-ce).
+CE_IMPLS = ("liger", "triton")
+TRITON_CE_BLOCK = 4096
+
+
+@functools.cache
+def _triton_ce_dz_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(z_ptr, target_ptr, nll_ptr, vocab, stride, ignore_index, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        z_row = z_ptr + row.to(tl.int64) * stride
+        target = tl.load(target_ptr + row)
+        ignore = target == ignore_index
+        # pass 1: running max and sum of exp, in fp32, block by block
+        run_max = tl.full((), float("-inf"), tl.float32)
+        run_sum = tl.zeros((), tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(z_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(run_max, tl.max(x, axis=0))
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            run_max = new_max
+        lse = run_max + tl.log(run_sum)
+        safe = tl.where(ignore, 0, target)
+        target_logit = tl.load(z_row + safe).to(tl.float32)
+        tl.store(nll_ptr + row, tl.where(ignore, 0.0, lse - target_logit))
+        # pass 2: dZ = softmax - onehot (0 for an ignored row), rounded to bf16, over the logits
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < vocab
+            x = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+            g = tl.where(ignore, 0.0, g)
+            tl.store(z_row + cols, g.to(z_ptr.dtype.element_ty), mask=mask)
+
+    return kernel
+
+
+def triton_ce_dz(z: torch.Tensor, target: torch.Tensor, nll: torch.Tensor) -> None:
+    """The ce_dz primitive in Triton: nll [m] (fp32), and z [m, V] (bf16) overwritten with dZ."""
+    if not z.is_contiguous():
+        raise ValueError("triton_ce_dz: the logits must be contiguous")
+    _triton_ce_dz_kernel()[(z.shape[0],)](z, target, nll, z.shape[1], z.stride(0), IGNORE_INDEX,
+                                          BLOCK=TRITON_CE_BLOCK, num_warps=16)
+
+
+def liger_primitives(ce: str = "liger") -> Primitives:
     """Liger-Kernel's SM90 CuTe DSL kernels (import errors propagate: the caller probes them with
-    import_problem, which imports the same modules)."""
+    import_problem, which imports the same modules); `ce="triton"`: triton_ce_dz for the CE pass."""
+    if ce not in CE_IMPLS:
+        raise ValueError(f"liger-sm90: unknown CE pass {ce!r} ({', '.join(CE_IMPLS)})")
     import cuda.bindings.driver as cuda
     from liger_kernel.ops.cutedsl.ops._fused_linear_cross_entropy_backward_sm90 import flce_dw, flce_dx
     from liger_kernel.ops.cutedsl.ops._fused_linear_cross_entropy_forward_sm90 import (
@@ -161,7 +217,8 @@ def liger_primitives() -> Primitives:
         # a (unit) output scale selects Liger's clustered persistent dW GEMM, its fastest
         return flce_dw(dz, x, out_dtype=torch.bfloat16, output_scale=torch.ones((), device=dz.device))
 
-    return Primitives(logits=logits, ce_dz=ce_dz, dx=lambda dz, w: flce_dx(dz, w, out_dtype=torch.bfloat16), dw=dw)
+    return Primitives(logits=logits, ce_dz=triton_ce_dz if ce == "triton" else ce_dz,
+                      dx=lambda dz, w: flce_dx(dz, w, out_dtype=torch.bfloat16), dw=dw)
 
 
 def torch_primitives() -> Primitives:
