@@ -194,7 +194,7 @@ def drafter_bench(args) -> None:
     opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=1e-4, fused=dev.type == "cuda")
     gen = torch.Generator().manual_seed(0)
     data = [make_batch(lens, dev, gen) for lens in batches(args.batches, args.token_budget, 0)]
-    rows, parts_rows = [], []
+    rows, parts_rows, failed = [], [], []
     impls = args.impls
     if impls == "auto":  # the trainer's defaults on this device (train.dflash.train: --attn-impl/--loss-impl auto)
         from train.common.losses import select_loss_impl
@@ -222,9 +222,9 @@ def drafter_bench(args) -> None:
         for impl in impls.split(","):
             attn, loss_impl = impl.split(":")
             if attn == "dense" and dev.type == "cuda":  # as the trainer: refused up front, not out of memory
-                rows = max(len(p[0]["lengths"]) for p in plans)
+                n_rows = max(len(p[0]["lengths"]) for p in plans)
                 refusal = dense_budget_refusal(cfg, args.token_budget, n_anchors, True,
-                                               torch.cuda.mem_get_info(dev)[0], rows)
+                                               torch.cuda.mem_get_info(dev)[0], n_rows)
                 if refusal:
                     print(f"# {impl} at {n_anchors} anchors: refused: {refusal}", flush=True)
                     continue
@@ -234,40 +234,47 @@ def drafter_bench(args) -> None:
                 if record is not None:
                     record.append(t)
 
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            graphs0, warm = compiled_graphs(), []
-            for _ in range(args.warmup):  # every batch shape once per pass: compiles happen here
-                for bt, anchors, blocks, labels, _f in plans:
-                    step(bt, anchors, blocks, labels, warm)
-                    watch.done(f"{impl} at {n_anchors} anchors")
-            if warm:
-                print(f"# compile: {impl} at {n_anchors} anchors: warm-up steps "
-                      f"{', '.join(f'{t:.1f}' for t in warm)} s (the first compiles), "
-                      f"{compiled_graphs() - graphs0} graphs compiled", flush=True)
-            per_batch = [[] for _ in plans]
-            for _ in range(args.steps):
-                for j, (bt, anchors, blocks, labels, _f) in enumerate(plans):
-                    step(bt, anchors, blocks, labels, per_batch[j])
-            mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
-            med = [statistics.median(x) for x in per_batch]
-            sec = sum(med) / len(med)
-            flops = sum(p[4]["total"] for p in plans) / len(plans)
-            real = sum(int(p[0]["lengths"].sum()) for p in plans) / len(plans)
-            blocks_n = sum(int((p[1] >= 0).sum()) for p in plans) / len(plans)
-            attn_share = sum(p[4]["attention"] for p in plans) / sum(p[4]["total"] for p in plans)
-            outs[impl] = sec
-            bt0, anchors0, blocks0, labels0, _f0 = plans[0]
-            parts = breakdown(drafter, head, opt, bt0, anchors0, blocks0, labels0, attn, loss_impl, cfg,
-                              args.acc_rows)
-            parts_rows.append((impl, n_anchors, 1000 * per_batch[0][len(per_batch[0]) // 2] if per_batch[0] else 0.0,
-                               parts))
-            rows.append((impl, n_anchors, blocks_n, 1000 * sec, real / sec, flops / 1e12, attn_share,
-                         flops / sec / H100_H200_PEAK, mem))
-            print("# " + row_line(rows[-1]), flush=True)  # as it lands: a later failure keeps it
-            if args.profile == "on" and dev.type == "cuda":
-                kernel_profile(lambda p0=plans[0], step=step: step(*p0[:4], None),
-                               f"the drafter step on batch 0 ({impl}, {n_anchors} anchors)")
+            try:  # one implementation failing (a compile, memory) leaves the others' rows and tables
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                graphs0, warm = compiled_graphs(), []
+                for _ in range(args.warmup):  # every batch shape once per pass: compiles happen here
+                    for bt, anchors, blocks, labels, _f in plans:
+                        step(bt, anchors, blocks, labels, warm)
+                        watch.done(f"{impl} at {n_anchors} anchors")
+                if warm:
+                    print(f"# compile: {impl} at {n_anchors} anchors: warm-up steps "
+                          f"{', '.join(f'{t:.1f}' for t in warm)} s (the first compiles), "
+                          f"{compiled_graphs() - graphs0} graphs compiled", flush=True)
+                per_batch = [[] for _ in plans]
+                for _ in range(args.steps):
+                    for j, (bt, anchors, blocks, labels, _f) in enumerate(plans):
+                        step(bt, anchors, blocks, labels, per_batch[j])
+                mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
+                med = [statistics.median(x) for x in per_batch]
+                sec = sum(med) / len(med)
+                flops = sum(p[4]["total"] for p in plans) / len(plans)
+                real = sum(int(p[0]["lengths"].sum()) for p in plans) / len(plans)
+                blocks_n = sum(int((p[1] >= 0).sum()) for p in plans) / len(plans)
+                attn_share = sum(p[4]["attention"] for p in plans) / sum(p[4]["total"] for p in plans)
+                outs[impl] = sec
+                rows.append((impl, n_anchors, blocks_n, 1000 * sec, real / sec, flops / 1e12, attn_share,
+                             flops / sec / H100_H200_PEAK, mem))
+                print("# " + row_line(rows[-1]), flush=True)  # as it lands: a later failure keeps it
+                bt0, anchors0, blocks0, labels0, _f0 = plans[0]
+                parts = breakdown(drafter, head, opt, bt0, anchors0, blocks0, labels0, attn, loss_impl, cfg,
+                                  args.acc_rows)
+                parts_rows.append((impl, n_anchors, 1000 * statistics.median(per_batch[0]) if per_batch[0] else 0.0,
+                                   parts))
+                if args.profile == "on" and dev.type == "cuda":
+                    kernel_profile(lambda p0=plans[0], step=step: step(*p0[:4], None),
+                                   f"the drafter step on batch 0 ({impl}, {n_anchors} anchors)")
+            except Exception as exc:
+                print(f"# {impl} at {n_anchors} anchors failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                failed.append(impl)
+                opt.zero_grad(set_to_none=True)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
         if args.precision == "on":
             print("# " + precision_check(drafter, head, plans[0], n_anchors), flush=True)
     print(f"\nbatches: {args.batches} of <= {args.token_budget} padded tokens (rows x longest), "
@@ -287,6 +294,9 @@ def drafter_bench(args) -> None:
         print(f"| {impl} | {n_anchors} | {step_ms:.1f} | {p['data']:.1f} | {p['mask']:.1f} | {p['attention']:.1f} "
               f"| {p['mlp']:.1f} | {p['loss']:.1f} | {p['loss_all_rows']:.1f} | {p['optimizer']:.1f} | {other:.1f} |")
     sys.stdout.flush()
+    if failed:
+        print(f"# failed: {', '.join(failed)} (the lines above say why)", flush=True)
+        sys.exit(1)
 
 
 def timed(fn, dev: torch.device, reps: int = 3) -> float:
