@@ -9,8 +9,8 @@ same bf16 hidden states, lm_head weight and labels (~8% ignored, as packing mask
   cce          cut-cross-entropy (the default on CUDA)
   liger        Liger-Kernel's fused linear cross-entropy (its generic path)
   liger-sm90   Liger-Kernel's Hopper CuTe DSL kernel, chunked (train/common/liger_sm90.py)
-  liger-sm90+triton-ce  the same GEMMs with a Triton CE pass (Liger's own falls back to one value
-               per thread per load above a 131,072 vocab)
+  liger-sm90-tce  the same GEMMs with a Triton CE pass (Liger's own falls back to one value per
+               thread per load above a 131,072 vocab)
 
 Per implementation: the median fwd+bwd wall time over --iters (after --warmup; each iteration ends
 in a device sync), its TFLOP/s (6*N*D*V),
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.common.codebooks import CodebookVocab  # noqa: E402
-from train.common.losses import _liger_sm90_token_losses, select_loss_impl, token_losses  # noqa: E402
+from train.common.losses import select_loss_impl, token_losses  # noqa: E402
 from train.common.packing import IGNORE_INDEX  # noqa: E402
 from train.common.shapes import get_shape  # noqa: E402
 
@@ -87,19 +87,6 @@ def reference(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int
     return loss.view(rows, seq - 1), grad_h, grad_w
 
 
-def head(impl: str):
-    """(hidden, weight, labels) -> per-token loss for `impl`: a --loss-impl, or liger-sm90+triton-ce
-    (liger-sm90 with train/common/liger_sm90.py's Triton CE pass instead of Liger's)."""
-    if impl == "liger-sm90+triton-ce":
-        from train.common import liger_sm90
-
-        prims = liger_sm90.liger_primitives(ce="triton")
-        return lambda h, w, labels: _liger_sm90_token_losses(h, w, labels, prims)
-    if "+" in impl:
-        raise ValueError(f"unknown variant {impl!r} (liger-sm90+triton-ce)")
-    return lambda h, w, labels: token_losses(h, w, labels, impl)
-
-
 def compare(got: tuple, want: tuple, labels: torch.Tensor, scale: float = 1) -> dict:
     """Per-token loss and the two gradients of `got` against `want` (each (loss [B, T-1], grad h,
     grad w)): max loss difference, relative gradient norms, and whether they are within `scale`
@@ -124,8 +111,7 @@ def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int, keep: dict |
     device = h.device
     row: dict = {"impl": impl}
     try:
-        select_loss_impl(device, impl.partition("+")[0])
-        loss_fn = head(impl)
+        select_loss_impl(device, impl)
     except Exception as exc:  # not importable here: say why in its row
         return {**row, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
     hh = h.detach().clone().requires_grad_()
@@ -142,7 +128,7 @@ def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int, keep: dict |
         for i in range(warmup + iters):
             hh.grad = ww.grad = None
             t0 = time.perf_counter()
-            per_token = loss_fn(hh, ww, labels)
+            per_token = token_losses(hh, ww, labels, impl)
             (per_token.sum() / count).backward()
             sync()
             if i == 0:
@@ -167,7 +153,7 @@ def run_impl(impl: str, h, w, labels, ref, warmup: int, iters: int, keep: dict |
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--impls", default="cce,liger-sm90,liger,logits")
+    p.add_argument("--impls", default="cce,liger-sm90,liger-sm90-tce,liger,logits")
     p.add_argument("--against", default="", metavar="IMPL",
                    help="also compare every other implementation with this one's loss and gradients (run first)")
     p.add_argument("--preset", default="qwen35-2b", help="model shape: hidden size and padded vocab")

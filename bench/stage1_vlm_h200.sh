@@ -29,11 +29,11 @@
 #             (vlm and text with LOSS_IMPL=liger-sm90: that --loss-impl, as vlm-liger-sm90 and
 #             text-liger-sm90, /tmp/lossenv on the path)
 #   loss      the loss head side by side in one process (bench/loss_head.py, PYTHONPATH with
-#             /tmp/lossenv): cce, liger-sm90 (also with a Triton CE pass), liger and full logits
+#             /tmp/lossenv): cce, liger-sm90 and liger-sm90-tce (its Triton CE pass), liger, full logits
 #             (LOSS_HEADS), fwd+bwd time, error
 #             against fp32 logits and against cce's own loss and gradients (both within bf16
 #             tolerance, else exit 1); then LOSS_STEPS (default 11) trainer steps text-only with
-#             each of LOSS_IMPLS (default "cce liger-sm90"), one table
+#             each of LOSS_IMPLS (default "cce liger-sm90 liger-sm90-tce"), one table
 #   warm      vision on again in a new process, warm caches: the first step's time
 #   bigimg    steps made only of the largest images the preset accepts (1024 x 1024, replay_img
 #             only): the vision budget bounds the step, the peak must stay <= 125 GiB
@@ -170,13 +170,13 @@ print(install_for_job(log=lambda line: None))" || exit 1
   loss)
     losspy=$(losspath):$PYTHONPATH
     PYTHONPATH=$losspy timeout "${LOSS_LIMIT:-240}" python3 bench/loss_head.py \
-      --impls "${LOSS_HEADS:-cce,liger-sm90,liger-sm90+triton-ce,liger,logits}" --against cce --jsonl "$out/loss-head.jsonl"
+      --impls "${LOSS_HEADS:-cce,liger-sm90,liger-sm90-tce,liger,logits}" --against cce --jsonl "$out/loss-head.jsonl"
     echo "loss_head exit $?"
-    for impl in ${LOSS_IMPLS:-cce liger-sm90}; do
+    for impl in ${LOSS_IMPLS:-cce liger-sm90 liger-sm90-tce}; do
       PYTHONPATH=$losspy bench "loss-$impl" "${LOSS_STEPS:-11}" "${LOSS_STEP_LIMIT:-150}" \
         --vision off --weights "$TEXT_WEIGHTS" --loss-impl "$impl"
     done
-    python3 - "$out" ${LOSS_IMPLS:-cce liger-sm90} <<'PY'
+    python3 - "$out" ${LOSS_IMPLS:-cce liger-sm90 liger-sm90-tce} <<'PY'
 import json, statistics, sys
 from pathlib import Path
 print("| --loss-impl (text, 4 x 8,192) | tok/s (median, steps 2+) | useful-token MFU | peak GiB | last loss |")

@@ -229,7 +229,8 @@ def test_frozen_weight_is_cast_once_and_again_after_it_changes():
 def test_liger_sm90_chunked_path_matches_full_logits_in_loss_and_gradients(monkeypatch):
     from train.common import liger_sm90
 
-    monkeypatch.setattr(liger_sm90, "liger_primitives", liger_sm90.torch_primitives)
+    asked: list[str] = []  # the CE pass each --loss-impl asks for (liger-sm90-tce: the Triton one)
+    monkeypatch.setattr(liger_sm90, "liger_primitives", lambda ce="liger": asked.append(ce) or liger_sm90.torch_primitives())
     monkeypatch.setattr(liger_sm90, "CHUNK_ROWS", 128)
     torch.manual_seed(0)
     # 3 x 70 positions: 210 rows, padded to 256 = two 128-row chunks
@@ -239,13 +240,15 @@ def test_liger_sm90_chunked_path_matches_full_logits_in_loss_and_gradients(monke
     labels[:, :5] = IGNORE_INDEX
     labels[2, 40:] = IGNORE_INDEX
     results = {}
-    for impl in ("logits", "liger-sm90"):
+    for impl in ("logits", "liger-sm90", "liger-sm90-tce"):
         hidden.grad = weight.grad = None
         per_token = token_losses(hidden.float() if impl == "logits" else hidden,
                                  weight.float() if impl == "logits" else weight, labels, impl)
         valid = labels[:, 1:] != IGNORE_INDEX
         (per_token.sum() / valid.sum()).backward()
         results[impl] = (per_token.detach(), hidden.grad.float(), weight.grad.float())
+    assert asked == ["liger", "triton"]
+    torch.testing.assert_close(results["liger-sm90-tce"], results["liger-sm90"], atol=0, rtol=0)
     (want, want_h, want_w), (got, got_h, got_w) = results["logits"], results["liger-sm90"]
     assert got.shape == (3, 69) and got.dtype == torch.float32 and torch.all(got[labels[:, 1:] == IGNORE_INDEX] == 0)
     # bf16 logits (8 bits of mantissa) against fp32 ones: the kernel's own rounding

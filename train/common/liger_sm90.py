@@ -116,10 +116,10 @@ def _cutlass_off_path() -> str | None:
     return None
 
 
-def import_problem() -> str | None:
-    """None when every module liger_primitives needs imports, else one line naming the package
+def import_problem(ce: str = "liger") -> str | None:
+    """None when every module liger_primitives(ce) needs imports, else one line naming the package
     that is missing or broken and the error (the liger-sm90 probe of train.common.losses)."""
-    for module, dist in IMPORTS:
+    for module, dist in IMPORTS + ((("triton", "triton"),) if ce == "triton" else ()):
         try:
             importlib.import_module(module)
         except Exception as exc:  # a broken native library surfaces as any exception type
@@ -139,7 +139,7 @@ def import_problem() -> str | None:
 # each, i.e. a vocab up to 131,072; above it (the 2B model's 273,152) cross_entropy_dz runs its
 # fallback: two passes of one bf16 value per thread per load. The Triton pass below reads with
 # wide vector loads instead (same traffic: two reads and one write of the logits); which one is
-# faster at the model's vocab is measured side by side (bench/loss_head.py, liger-sm90+triton-ce).
+# faster at the model's vocab is measured side by side (bench/loss_head.py: liger-sm90-tce).
 CE_IMPLS = ("liger", "triton")
 TRITON_CE_BLOCK = 4096
 
@@ -298,11 +298,12 @@ class _ChunkedFusedLinearCE(torch.autograd.Function):
 
 
 def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                         prims: Primitives | None = None, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+                         prims: Primitives | None = None, chunk_rows: int = CHUNK_ROWS, ce: str = "liger") -> torch.Tensor:
     """Per-row loss [N] in fp32 (0 at IGNORE_INDEX) of e [N, D] against classifier c [V, D], both
-    bf16; its gradients are valid for losses whose per-row weights are all equal (sum, mean)."""
+    bf16; its gradients are valid for losses whose per-row weights are all equal (sum, mean).
+    `ce`: the CE pass of liger_primitives when `prims` is not given (CE_IMPLS)."""
     problem = shape_problem(e.shape[1], c.shape[0])
     if problem:
         raise ValueError(f"liger-sm90: {problem}")
-    return _ChunkedFusedLinearCE.apply(e.contiguous(), c.contiguous(), targets, prims or liger_primitives(),
+    return _ChunkedFusedLinearCE.apply(e.contiguous(), c.contiguous(), targets, prims or liger_primitives(ce),
                                        chunk_rows)

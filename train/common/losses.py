@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 from train.common.packing import IGNORE_INDEX
 
-IMPLS = ("logits", "cce", "liger", "liger-sm90")
+IMPLS = ("logits", "cce", "liger", "liger-sm90", "liger-sm90-tce")
+# liger-sm90 with its CE pass in Triton (train/common/liger_sm90.py triton_ce_dz) instead of Liger's
+SM90 = {"liger-sm90": "liger", "liger-sm90-tce": "triton"}
 # Order of preference for `auto` on CUDA, fastest measured first. liger-sm90 (Liger's Hopper CuTe
 # DSL kernel, train/common/liger_sm90.py) is a choice until bench/stage1_vlm_h200.sh `loss` shows it
 # faster than cce on the H200.
@@ -34,10 +36,10 @@ class LossImplError(RuntimeError):
 
 def _probe(impl: str) -> str | None:
     """None when `impl` imports, else the import error text (liger-sm90's names the missing package)."""
-    if impl == "liger-sm90":  # Liger's SM90 kernels and the CUTLASS DSL, module by module
+    if impl in SM90:  # Liger's SM90 kernels and the CUTLASS DSL, module by module
         from train.common.liger_sm90 import import_problem
 
-        return import_problem()
+        return import_problem(SM90[impl])
     module = {"cce": "cut_cross_entropy", "liger": "liger_kernel.transformers.functional"}.get(impl)
     if module is None:
         return None
@@ -70,13 +72,13 @@ def select_loss_impl(device: torch.device, requested: str = "auto") -> str:
         return "logits"
     if requested != "logits":
         if device.type != "cuda":
-            kind = "CuTe DSL" if requested == "liger-sm90" else "Triton"
+            kind = "CuTe DSL" if requested in SM90 else "Triton"
             raise LossImplError(f"--loss-impl {requested} needs a CUDA device (its kernels are {kind})")
         err = _probe(requested)
         if err:
             raise LossImplError(f"--loss-impl {requested}: import failed: {err}")
-        if requested == "liger-sm90" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) != (9, 0):
-            raise LossImplError("--loss-impl liger-sm90 needs a Hopper GPU (sm_90): Liger's kernel is written for it alone")
+        if requested in SM90 and torch.cuda.is_available() and torch.cuda.get_device_capability(device) != (9, 0):
+            raise LossImplError(f"--loss-impl {requested} needs a Hopper GPU (sm_90): Liger's kernel is written for it alone")
     return requested
 
 
@@ -139,7 +141,7 @@ def _liger(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 def _liger_sm90_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             prims: object = None) -> torch.Tensor:
+                             prims: object = None, ce: str = "liger") -> torch.Tensor:
     """liger-sm90 over all B*T positions (a multiple of the kernel's 128-row tile at 8,192-token rows,
     and no copy of the hidden states): the last position of each row gets an ignored target, and
     its loss column is dropped. Gradients are valid for the trainer's sum/count loss only."""
@@ -149,7 +151,7 @@ def _liger_sm90_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels:
     targets = torch.cat([labels[:, 1:], labels.new_full((batch, 1), IGNORE_INDEX)], dim=1).reshape(-1)
     e, c = fused_operands(hidden.reshape(batch * seq, hidden.shape[-1]), weight)
     try:
-        out = liger_sm90.linear_cross_entropy(e, c, targets, prims)
+        out = liger_sm90.linear_cross_entropy(e, c, targets, prims, ce=ce)
     except ValueError as exc:  # a shape the kernel does not take, in one line
         raise LossImplError(str(exc)) from exc
     return out.view(batch, seq)[:, :-1]
@@ -181,8 +183,8 @@ def reference_linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: to
 
 def token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, impl: str) -> torch.Tensor:
     """Per-token next-token loss [B, T-1] (fp32) from final hidden states [B, T, D] and lm_head weight [V, D]."""
-    if impl == "liger-sm90":
-        return _liger_sm90_token_losses(hidden, weight, labels)
+    if impl in SM90:
+        return _liger_sm90_token_losses(hidden, weight, labels, ce=SM90[impl])
     e = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = labels[:, 1:].reshape(-1)
     shape = labels[:, 1:].shape

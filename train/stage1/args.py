@@ -68,9 +68,10 @@ class Stage1Config:
     wandb_project: str | None = opt(None, help="also log to this wandb project (needs wandb; WANDB_MODE=offline works "
                                      "without a network)")
     tensorboard: bool = opt(False, help="also write TensorBoard event files to <out>/tb (needs the metrics extra)")
-    loss_impl: str = opt("auto", choices=("auto", "logits", "cce", "liger", "liger-sm90"),
+    loss_impl: str = opt("auto", choices=("auto", "logits", "cce", "liger", "liger-sm90", "liger-sm90-tce"),
                          help="next-token loss kernel (auto: fused on CUDA, cut-cross-entropy first; liger-sm90: "
-                         "Liger's Hopper CuTe DSL kernel, train/common/liger_sm90.py)")
+                         "Liger's Hopper CuTe DSL kernel, train/common/liger_sm90.py; liger-sm90-tce: the same "
+                         "with a Triton cross-entropy pass)")
     vision: bool | None = opt(None, help="images through the shape's Qwen3.5 vision tower; off: the text-only "
                               "model (default: as --init-from has it, else on)")
     # The 3D asset format (default: the shape's).
