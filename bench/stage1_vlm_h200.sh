@@ -169,7 +169,7 @@ print(install_for_job(log=lambda line: None))" || exit 1
     ;;
   loss)
     losspy=$(losspath):$PYTHONPATH
-    PYTHONPATH=$losspy timeout "${LOSS_LIMIT:-240}" python3 bench/loss_head.py \
+    PYTHONPATH=$losspy timeout "${LOSS_LIMIT:-360}" python3 bench/loss_head.py \
       --impls "${LOSS_HEADS:-cce,liger-sm90,liger-sm90-tce,liger,logits}" --against cce --jsonl "$out/loss-head.jsonl"
     echo "loss_head exit $?"
     for impl in ${LOSS_IMPLS:-cce liger-sm90 liger-sm90-tce}; do
