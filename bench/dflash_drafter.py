@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.common.bucketing import BucketedSampler, long_tail_lengths  # noqa: E402
 from train.common.mfu import H100_H200_PEAK, drafter_step_flops, extraction_flops_per_token  # noqa: E402
+from train.common.shapes import ModelShape  # noqa: E402
 from train.dflash.args import DFlashConfig  # noqa: E402
 from train.dflash.model import (  # noqa: E402
     Drafter,
@@ -420,6 +421,25 @@ def row_line(r) -> str:
             f"| {100 * r[7]:.1f}% | {r[8]:.1f} |")
 
 
+# The Qwen3.6-27B text stack (its config.json: 64 layers, every 4th full attention, 48 GDN value
+# heads, untied head), for the extraction bench's --target 27b; random bf16 weights on the device.
+QWEN36_27B_TEXT = ModelShape(
+    hidden_size=5120, num_layers=64, full_attention_interval=4, num_heads=24, num_kv_heads=4, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+    intermediate_size=17408, base_vocab=248320, tie_word_embeddings=False)
+
+
+def target_27b(dev: torch.device):
+    """The 27B target's decoder stack as load_target builds a random one (on the device, bf16)."""
+    from train.extract.target import Target, _build_base, resolve_dtype
+    from train.stage1.model import text_config
+
+    cfg = text_config(QWEN36_27B_TEXT)
+    torch.manual_seed(0)
+    base = _build_base(cfg, dev, resolve_dtype("auto", None, dev), init=True)
+    return Target(base.eval().requires_grad_(False), cfg, "random:qwen3.6-27b")
+
+
 def extract_bench(args) -> None:
     from train.common import fastpath
     from train.extract.extract import (
@@ -438,7 +458,11 @@ def extract_bench(args) -> None:
     watch = FirstStep(args.first_step_limit, args.late)
     t0 = time.perf_counter()
     shape = "tiny" if args.smoke else "qwen35-2b"
-    target = load_target(None, shape, dev)
+    if args.target == "27b" and not args.smoke:
+        shape = "qwen3.6-27b"
+        target = target_27b(dev)
+    else:
+        target = load_target(None, shape, dev)
     fastpath.install_kernels(target.base, fastpath.select_kernels(dev))
     if args.layout == "packed":  # as the extractor runs it (train.extract.extract.write_one)
         from train.common import varlen_attention
@@ -450,7 +474,7 @@ def extract_bench(args) -> None:
 
         apply_regional_compile(target.base, dynamic=args.layout == "packed")
     print(f"# target {shape} built in {time.perf_counter() - t0:.1f}s, vocab {target.vocab_size}", flush=True)
-    layers = LAYERS if not args.smoke else [1, 2]
+    layers = [1, 2] if args.smoke else [1, 16, 31, 46, 61] if args.target == "27b" else LAYERS
     capture = HiddenCapture(target.base, layers)
     lengths = conversations(400, 1)
     plan = plan_batches(lengths, args.token_budget)[: args.batches]
@@ -525,6 +549,16 @@ def extract_bench(args) -> None:
           f"{100 * useful / sec / H100_H200_PEAK:.1f}% | {16384 / (real / sec):.3f} |")
     print(f"# k* projection: target s per 16,384 real tokens {16384 / (real / sec):.3f}; "
           "k* = ceil(that / drafter s per 16k-token batch)", flush=True)
+    if args.target != "27b":  # the 27B target's rate at this run's FLOP rate: an estimate, said so
+        from train.stage1.model import text_config
+
+        big = text_config(QWEN36_27B_TEXT)
+        timed = [plan[(args.warmup + i) % len(plan)] for i in range(n)]
+        flops_27b = sum(int(lengths[j]) * extraction_flops_per_token(big, int(lengths[j])) for b in timed for j in b)
+        sec_27b = flops_27b / (flops / sec)
+        print(f"# 27B target (Qwen3.6-27B text shape), scaled by FLOPs, NOT measured: {sum(map(len, timed)) / sec_27b:.1f} "
+              f"samples/s on one GPU at this run's {100 * flops / sec / H100_H200_PEAK:.1f}% MFU ({flops_27b / real:.3g} "
+              "FLOP per token; measure it with --target 27b)", flush=True)
     med = [1000 * statistics.median(x[j] for x in phases) for j in range(3)]
     print(f"# phases, median of the timed batches: pack (host) {med[0]:.1f} ms, forward (compute stream) "
           f"{med[1]:.1f} ms, waiting for the previous batch's device-to-host copy {med[2]:.1f} ms", flush=True)
@@ -625,7 +659,9 @@ def main() -> None:
     p.add_argument("--acc-rows", type=int, default=ACC_ROWS,
                    help="drafter: rows of the step the accuracy metrics are measured on, the trainer's --acc-rows "
                         "(0: every row, the extra lm_head pass over all of them)")
-    p.add_argument("--target", choices=("2b", "27b"), default="2b")
+    p.add_argument("--target", choices=("2b", "27b"), default="2b",
+                   help="drafter: the target shape the drafter is built for (27b: the qwen3.6-27b drafter); extract: "
+                        "the target run (27b: the Qwen3.6-27B text stack, random bf16 weights, ~54 GB)")
     p.add_argument("--layout", choices=("packed", "padded"), default="packed",
                    help="extract: one varlen stream of the batch's real tokens (the extractor's), or padded rows")
     p.add_argument("--profile", choices=("on", "off"), default="on",
