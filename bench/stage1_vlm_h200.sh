@@ -213,7 +213,8 @@ print(json.dumps({x: m[x] for x in ('key', 'archive', 'bytes', 'files')}))" || e
   fresh)
     rm -rf /tmp/kfresh /tmp/knode
     export TRITON_CACHE_DIR=/tmp/kfresh/triton TORCHINDUCTOR_CACHE_DIR=/tmp/kfresh/inductor
-    export TILELANG_CACHE_DIR=/tmp/kfresh/tilelang LAUNCH_KERNEL_ARCHIVES=/tmp/kstore LAUNCH_NODE_SCRATCH=/tmp/knode
+    export TILELANG_CACHE_DIR=/tmp/kfresh/tilelang CUTE_DSL_CACHE_DIR=/tmp/kfresh/cute_dsl
+    export LAUNCH_KERNEL_ARCHIVES=/tmp/kstore LAUNCH_NODE_SCRATCH=/tmp/knode
     t0=$(date +%s%N)
     LAUNCH_KERNEL_ARCHIVE=$(python3 -c "from launch.kernel_archive import install_for_job
 print(install_for_job(log=lambda line: None))") || exit 1

@@ -21,7 +21,7 @@ from launch.jobspec import ResolvedJob
 from toolkit import pyexec
 
 CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "HF_HOME": "hf", "TORCHINDUCTOR_CACHE_DIR": "inductor",
-              "TILELANG_CACHE_DIR": "tilelang"}
+              "TILELANG_CACHE_DIR": "tilelang", "CUTE_DSL_CACHE_DIR": "cute_dsl"}
 # Checkpointable jobs get SIGUSR2 this long before the limit, to save and requeue.
 SIGNAL_DELAY_S = 120
 

@@ -3,7 +3,7 @@
     launch kernels bake --preset qwen35-2b     a one-node Slurm job of the stage-1 preset: its kernel
                                                warm-up and first steps compile every kernel variant
                                                the preset can select; at the end the main task packs
-                                               the TileLang, Triton and Inductor caches into the
+                                               the TileLang, Triton, Inductor and CUTLASS DSL caches into the
                                                archive store, under the node's key
     launch kernels bake --job dflash --preset offline --arg data=DIR
     launch kernels bake --job extract          the DFlash drafter's (3 steps) and the extraction's

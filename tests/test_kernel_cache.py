@@ -19,7 +19,7 @@ from toolkit import kernel_cache as kc
 
 
 def _fake_caches(root: Path, n: int = 40) -> dict[str, Path]:
-    """Triton/TileLang/Inductor-like trees: nested hash dirs with binary and text files."""
+    """Triton/TileLang/Inductor/CUTLASS-DSL-like trees: nested hash dirs with binary and text files."""
     dirs = {name: root / name for name in kc.CACHES}
     for i in range(n):
         (dirs["triton"] / f"{i:04x}abcd").mkdir(parents=True)
@@ -29,6 +29,8 @@ def _fake_caches(root: Path, n: int = 40) -> dict[str, Path]:
     (dirs["tilelang"] / "kernels" / "k1" / "lib.so").write_bytes(os.urandom(4096))
     (dirs["inductor"] / "fxgraph" / "ab").mkdir(parents=True)
     (dirs["inductor"] / "fxgraph" / "ab" / "entry").write_bytes(b"graph")
+    dirs["cute_dsl"].mkdir(parents=True)
+    (dirs["cute_dsl"] / "0f3a.mlirbc").write_bytes(os.urandom(1024))
     (dirs["triton"] / "x.lock").write_text("")  # a lock file is not packed
     return dirs
 
@@ -58,7 +60,7 @@ def test_pack_is_reproducible_and_unpack_seeds_the_job_caches(tmp_path: Path):
     first = kc.pack(store, fields, caches, note="preset qwen35-2b")
     second = kc.pack(store, fields, caches)
     assert first["sha256"] == second["sha256"] and first["archive"] == f"{first['sha256']}.tar.gz"
-    assert first["files"] == {"inductor": 1, "tilelang": 1, "triton": 80}
+    assert first["files"] == {"cute_dsl": 1, "inductor": 1, "tilelang": 1, "triton": 80}
     assert [m["key"] for m in kc.manifests(store)] == [first["key"]]
 
     job = {name: tmp_path / "job" / name for name in kc.CACHES}
@@ -66,7 +68,8 @@ def test_pack_is_reproducible_and_unpack_seeds_the_job_caches(tmp_path: Path):
     (job["triton"] / "0000abcd").mkdir()
     (job["triton"] / "0000abcd" / "kernel.json").write_text("the job's own")  # never overwritten
     got = kc.unpack(store, first["key"], tmp_path / "node", job)
-    assert got.state == "unpacked" and got.files == 82 and got.seeded == {"triton": 79, "tilelang": 1, "inductor": 1}
+    assert got.state == "unpacked" and got.files == 83
+    assert got.seeded == {"triton": 79, "tilelang": 1, "inductor": 1, "cute_dsl": 1}
     tree = tmp_path / "node" / first["key"]
     for name in kc.CACHES:
         assert _files(tree / name) == _files(caches[name])
@@ -77,7 +80,7 @@ def test_pack_is_reproducible_and_unpack_seeds_the_job_caches(tmp_path: Path):
     assert (job["triton"] / "0000abcd" / "kernel.json").read_text() == "the job's own"
     again = kc.unpack(store, first["key"], tmp_path / "node", job)
     assert again.state == "present" and again.seeded == {}  # once per node, once per cache directory
-    assert kc.count_entries(job) == {"triton": 80, "tilelang": 1, "inductor": 1}
+    assert kc.count_entries(job) == {"triton": 80, "tilelang": 1, "inductor": 1, "cute_dsl": 1}
     assert "no baked archive" in kc.unpack(store, "sm_90-cuda13.0-0000", tmp_path / "node", job).line(store)
 
 
@@ -115,7 +118,7 @@ def test_eight_processes_starting_together_share_one_unpack(tmp_path: Path):
         assert p.exitcode == 0
     states = sorted(state for state, _ in results)
     assert states == ["present"] * 7 + ["unpacked"]
-    assert sum(n for _, n in results) == 602  # every file linked once, by one process
+    assert sum(n for _, n in results) == 603  # every file linked once, by one process
     node = tmp_path / "node"
     assert sorted(p.name for p in node.iterdir()) == sorted([manifest["key"], f".{manifest['key']}.lock"])  # no temp tree
     for name in kc.CACHES:
@@ -201,7 +204,7 @@ def test_a_job_start_unpacks_and_the_trainer_fails_a_compile_despite_the_archive
     run = SimpleNamespace(cfg=SimpleNamespace(require_warm_kernels=False),
                           kernel_entries=kc.count_entries(kc.cache_dirs()))
     first = check_kernel_compiles(run, rt)
-    assert first["kernel_compiles"] == {"triton": 0, "tilelang": 0, "inductor": 0}
+    assert first["kernel_compiles"] == {"triton": 0, "tilelang": 0, "inductor": 0, "cute_dsl": 0}
     assert 0 < first["since_start_s"] < 3600 and "after the process started" in printed[-1]
     assert not any("WARNING" in p for p in printed)
     (job_env["job"] / "triton" / "new0000").mkdir()

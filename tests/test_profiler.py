@@ -39,7 +39,7 @@ def test_a_step_without_the_mark_has_no_forward_time() -> None:
 @pytest.fixture
 def own_kernel_caches(tmp_path, monkeypatch):
     """Kernel cache dirs of this test only: another process's compile must not read as ours."""
-    for var in ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+    for var in ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUTE_DSL_CACHE_DIR"):
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
 
 

@@ -15,7 +15,8 @@ An archive store (a shared directory; ``launch`` uses ``$LAUNCH_KERNEL_ARCHIVES`
     <key>.json            the manifest: key fields, the archive's sha256, file counts, preset, time
     <sha256>.tar.gz       the archive, named by its content (a re-bake of the same bytes is one file)
 
-The archive holds ``triton/``, ``tilelang/`` and ``inductor/`` trees. On a node, :func:`unpack`
+The archive holds ``triton/``, ``tilelang/``, ``inductor/`` and ``cute_dsl/`` (the CUTLASS DSL's, when a
+run compiled CuTe kernels: ``--loss-impl liger-sm90``) trees. On a node, :func:`unpack`
 extracts it ONCE into ``<node_root>/<key>/`` (read-only: files 0444, directories 0555), under an
 exclusive file lock, into a temporary directory renamed into place when complete: 8 ranks starting
 together share one extraction, and a rank killed mid-way leaves no half tree behind. Each job's
@@ -60,7 +61,9 @@ from typing import Any
 from toolkit.fsutil import atomic_write_bytes, atomic_write_text
 
 # The caches an archive holds: name -> the variable that points the compiler at its directory.
-CACHES = {"triton": "TRITON_CACHE_DIR", "tilelang": "TILELANG_CACHE_DIR", "inductor": "TORCHINDUCTOR_CACHE_DIR"}
+# cute_dsl: the CUTLASS DSL's (liger-sm90's CuTe kernels), whose default is a shared /tmp/<user>/ path.
+CACHES = {"triton": "TRITON_CACHE_DIR", "tilelang": "TILELANG_CACHE_DIR", "inductor": "TORCHINDUCTOR_CACHE_DIR",
+          "cute_dsl": "CUTE_DSL_CACHE_DIR"}
 # Packages whose version changes the kernels they generate (or load): part of the key.
 KERNEL_PACKAGES = ("torch", "triton", "tilelang", "flash-linear-attention", "fla-core", "flash-qla", "causal-conv1d",
                    "cut-cross-entropy", "liger-kernel", "apache-tvm-ffi")
@@ -130,8 +133,10 @@ def cache_dirs(env: Mapping[str, str] | None = None) -> dict[str, Path]:
     env = os.environ if env is None else env
     home = Path(env.get("HOME") or Path.home())
     user = env.get("USER") or "user"
+    tmp = Path(env.get("TMPDIR") or tempfile.gettempdir())
     defaults = {"triton": home / ".triton" / "cache", "tilelang": home / ".tilelang" / "cache",
-                "inductor": Path(tempfile.gettempdir()) / f"torchinductor_{user}"}
+                "inductor": Path(tempfile.gettempdir()) / f"torchinductor_{user}",
+                "cute_dsl": tmp / user / "cutlass_python_cache"}
     return {name: Path(env.get(var) or defaults[name]) for name, var in CACHES.items()}
 
 

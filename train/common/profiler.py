@@ -124,7 +124,7 @@ _MEDIAN_WINDOW = 200  # steps the running median (and so the ETA) looks back ove
 def kernel_cache_dirs() -> dict[str, Path]:
     """The on-disk kernel caches a run's JIT compilers write a new entry into per compiled kernel:
     Triton's (fla's kernels, inductor's generated ones), TileLang's (fla's GDN backward on
-    Hopper) and inductor's own. Loading a kernel from them adds nothing, so a changed directory
+    Hopper), inductor's own and the CUTLASS DSL's (liger-sm90). Loading a kernel from them adds nothing, so a changed directory
     means a compile happened."""
     home = Path.home()
     user = os.environ.get("USER") or "user"
@@ -132,6 +132,9 @@ def kernel_cache_dirs() -> dict[str, Path]:
         "triton": Path(os.environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
         "tilelang": Path(os.environ.get("TILELANG_CACHE_DIR") or home / ".tilelang" / "cache"),
         "inductor": Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(tempfile.gettempdir()) / f"torchinductor_{user}"),
+        # the CUTLASS DSL's (liger-sm90's CuTe kernels), as it resolves its default
+        "cute_dsl": Path(os.environ.get("CUTE_DSL_CACHE_DIR")
+                         or Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / user / "cutlass_python_cache"),
     }
 
 

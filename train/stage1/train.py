@@ -366,7 +366,7 @@ STEP_LINE_LEGEND = ("step line: step n/N, loss (per task: gi gen_img, gt gen_txt
 
 def check_kernel_compiles(run: Stage1Run, rt: Runtime) -> dict[str, Any]:
     """After this process's first step: the kernels compiled since it started (new files in the
-    Triton, TileLang and Inductor caches), said in one line. With a baked archive unpacked for
+    Triton, TileLang, Inductor and CUTLASS DSL caches), said in one line. With a baked archive unpacked for
     this node (the job's start says so in $LAUNCH_KERNEL_ARCHIVE) every one of them should have
     been there: a compile is then a warning, or with --require-warm-kernels the run's error."""
     now = kernel_cache.count_entries(kernel_cache.cache_dirs())
