@@ -463,7 +463,10 @@ def extract_bench(args) -> None:
         target = target_27b(dev)
     else:
         target = load_target(None, shape, dev)
-    fastpath.install_kernels(target.base, fastpath.select_kernels(dev))
+    kernels = fastpath.select_kernels(dev)
+    fastpath.install_kernels(target.base, kernels)
+    for line in kernels.header().splitlines():  # which GDN/conv kernels this forward runs
+        print(f"# kernels: {line}", flush=True)
     if args.layout == "packed":  # as the extractor runs it (train.extract.extract.write_one)
         from train.common import varlen_attention
 
