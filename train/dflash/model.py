@@ -1054,8 +1054,11 @@ class _FrozenHeadCE(torch.autograd.Function):
             e = rows.detach().to(weight.dtype).contiguous()
             ce = torch.empty(len(e), dtype=torch.float32, device=e.device)
             grad = torch.empty_like(e) if need_grad else None
-            for lo in range(0, len(e), chunk):
-                hi = min(len(e), lo + chunk)
+            # chunks of equal size (+-1), none of 1 row while there are 2: the compiled graph
+            # specialises a size-1 dimension, which would compile it a second time mid-run
+            n_chunks = -(-len(e) // chunk)
+            bounds = [round(i * len(e) / n_chunks) for i in range(n_chunks + 1)]
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
                 ce_c, g_c = fn(e[lo:hi] @ weight.T, y[lo:hi], w[lo:hi])
                 ce[lo:hi] = ce_c
                 if grad is not None:
