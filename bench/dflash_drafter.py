@@ -585,8 +585,9 @@ KERNEL_KINDS = (
     ("copy", ("memcpy", "memset")),
     ("conv", ("conv1d", "causal_conv")),
     ("cross-entropy (cce/liger)", ("cce", "cross_entropy", "indexed_neg_dot")),
-    ("GDN recurrence (fla)", ("chunk", "gated_delta", "recompute_w_u", "solve_tril", "wy_", "l2norm", "fused_recurrent",
-                              "merge_16x16", "cumsum")),
+    # fla's kernels by name; FlashQLA's are tilelang kernels (its package name, or tilelang's main_kernel)
+    ("GDN recurrence (fla/FlashQLA)", ("chunk", "gated_delta", "recompute_w_u", "solve_tril", "wy_", "l2norm",
+                                       "fused_recurrent", "merge_16x16", "cumsum", "qla", "tilelang", "main_kernel")),
     ("attention", ("flash", "fmha", "attn", "flex", "triton_tem")),  # the drafter's compiled flex: a template
     ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "sm90_", "sm80_", "cijk", "gemv")),
     ("compiled (inductor)", ("triton_",)),
