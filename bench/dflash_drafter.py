@@ -114,14 +114,17 @@ def batches(n_batches: int, budget: int, seed: int) -> list[np.ndarray]:
     return [lengths[b] for b in got]
 
 
-def make_batch(lens: np.ndarray, dev: torch.device, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def make_batch(lens: np.ndarray, dev: torch.device, gen: torch.Generator, dev_gen: torch.Generator
+               ) -> dict[str, torch.Tensor]:
+    """A batch: ids and masks on the host (as the trainer's data), the context states drawn on the
+    device by `dev_gen` (a host draw of 3 x 16k x 25,600 values took seconds of the first step)."""
     b, t = len(lens), int(lens.max())
     lengths = torch.tensor(lens, dtype=torch.long)
     pos = torch.arange(t)
     mask = (pos[None] >= (lengths[:, None] // 4)) & (pos[None] < lengths[:, None])
     return {"lengths": lengths, "loss_mask": mask,
             "input_ids": torch.randint(0, TARGET.vocab_size, (b, t), generator=gen),
-            "hidden": torch.randn(b, t, len(LAYERS) * TARGET.hidden_size, generator=gen).to(dev)}
+            "hidden": torch.randn(b, t, len(LAYERS) * TARGET.hidden_size, generator=dev_gen, device=dev)}
 
 
 def real_keys(cfg, anchors: torch.Tensor, lengths: torch.Tensor) -> int:
@@ -186,15 +189,20 @@ def drafter_bench(args) -> None:
         cfg.layer_types, cfg.sliding_window = ["sliding_attention", "full_attention"], 64
     cfg.mask_token_id = TARGET.vocab_size - 250 if args.smoke else 248070
     torch.manual_seed(0)
-    drafter = Drafter(cfg).to(dev)
+    dev_gen = torch.Generator(dev).manual_seed(0)
+    # weights and the head drawn on the device: on the host, the 27B shapes' ~4.5B random values
+    # (drafter init, two 248k x 5,120 head matrices, the head's own Linear init) took ~20 s of the
+    # first step, before any of the step's work
+    with torch.device(dev):
+        drafter = Drafter(cfg)
+        head = TargetHead(torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=dev_gen) * 0.02,
+                          torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=dev_gen) * 0.02)
     if args.compile == "on":
         drafter.compile_regions(dynamic=True if args.dynamic == "on" else None)
-    head = TargetHead(torch.randn(TARGET.vocab_size, TARGET.hidden_size) * 0.02,
-                      torch.randn(TARGET.vocab_size, TARGET.hidden_size) * 0.02).to(dev)
     drafter.match_output_scale(head.lm_head.weight)
     opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=1e-4, fused=dev.type == "cuda")
     gen = torch.Generator().manual_seed(0)
-    data = [make_batch(lens, dev, gen) for lens in batches(args.batches, args.token_budget, 0)]
+    data = [make_batch(lens, dev, gen, dev_gen) for lens in batches(args.batches, args.token_budget, 0)]
     rows, parts_rows, failed = [], [], []
     impls = args.impls
     if impls == "auto":  # the trainer's defaults on this device (train.dflash.train: --attn-impl/--loss-impl auto)
