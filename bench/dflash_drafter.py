@@ -203,7 +203,7 @@ def drafter_bench(args) -> None:
     opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=1e-4, fused=dev.type == "cuda")
     gen = torch.Generator().manual_seed(0)
     data = [make_batch(lens, dev, gen, dev_gen) for lens in batches(args.batches, args.token_budget, 0)]
-    rows, parts_rows, failed = [], [], []
+    rows, parts_rows, failed, profiles = [], [], [], []
     impls = args.impls
     if impls == "auto":  # the trainer's defaults on this device (train.dflash.train: --attn-impl/--loss-impl auto)
         from train.common.losses import select_loss_impl
@@ -275,9 +275,9 @@ def drafter_bench(args) -> None:
                                   args.acc_rows)
                 parts_rows.append((impl, n_anchors, 1000 * statistics.median(per_batch[0]) if per_batch[0] else 0.0,
                                    parts))
-                if args.profile == "on" and dev.type == "cuda":
-                    kernel_profile(lambda p0=plans[0], step=step: step(*p0[:4], None),
-                                   f"the drafter step on batch 0 ({impl}, {n_anchors} anchors)")
+                if args.profile == "on" and dev.type == "cuda":  # after every timing: no profiler before one
+                    profiles.append((lambda p0=plans[0], step=step: step(*p0[:4], None),
+                                     f"the drafter step on batch 0 ({impl}, {n_anchors} anchors)"))
             except Exception as exc:
                 print(f"# {impl} at {n_anchors} anchors failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 failed.append(impl)
@@ -286,6 +286,8 @@ def drafter_bench(args) -> None:
                     torch.cuda.empty_cache()
         if args.precision == "on":
             print("# " + precision_check(drafter, head, plans[0], n_anchors), flush=True)
+    for fn, what in profiles:
+        kernel_profile(fn, what)
     print(f"\nbatches: {args.batches} of <= {args.token_budget} padded tokens (rows x longest), "
           f"{args.steps} timed passes after {args.warmup} warm-up, median per batch, averaged")
     print(HEADER)
