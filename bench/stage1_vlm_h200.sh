@@ -33,7 +33,9 @@
 #             (LOSS_HEADS), fwd+bwd time, error
 #             against fp32 logits and against cce's own loss and gradients (both within bf16
 #             tolerance, else exit 1); then LOSS_STEPS (default 11) trainer steps text-only with
-#             each of LOSS_IMPLS (default "cce liger-sm90 liger-sm90-tce"), one table
+#             each of LOSS_IMPLS (default "cce liger-sm90 liger-sm90-tce"), one table; step
+#             LOSS_PROFILE_STEP (10) of each under torch.profiler: GPU time by kernel family and the
+#             top kernels, in $OUT/loss-IMPL-profile.md
 #   warm      vision on again in a new process, warm caches: the first step's time
 #   bigimg    steps made only of the largest images the preset accepts (1024 x 1024, replay_img
 #             only): the vision budget bounds the step, the peak must stay <= 125 GiB
@@ -174,7 +176,10 @@ print(install_for_job(log=lambda line: None))" || exit 1
     echo "loss_head exit $?"
     for impl in ${LOSS_IMPLS:-cce liger-sm90 liger-sm90-tce}; do
       PYTHONPATH=$losspy bench "loss-$impl" "${LOSS_STEPS:-11}" "${LOSS_STEP_LIMIT:-150}" \
-        --vision off --weights "$TEXT_WEIGHTS" --loss-impl "$impl"
+        --vision off --weights "$TEXT_WEIGHTS" --loss-impl "$impl" --profile-step "${LOSS_PROFILE_STEP:-10}"
+      # the profiled step's time by kernel family: where the rest of the step goes, per loss head
+      sed -n '/^# profile of step/,/^[^|t]/p' "/tmp/vlm-bench/loss-$impl/stage1-qwen35-2b-1gpu/logs/rank0.log" \
+        | tee "$out/loss-$impl-profile.md"
     done
     python3 - "$out" ${LOSS_IMPLS:-cce liger-sm90 liger-sm90-tce} <<'PY'
 import json, statistics, sys

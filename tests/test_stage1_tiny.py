@@ -31,8 +31,12 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(stage1_model, "build_model", build)
     out = tmp_path / "run"
-    assert run(out, make_data(tmp_path), 20, "--ckpt-every", "10") == 0
+    assert run(out, make_data(tmp_path), 20, "--ckpt-every", "10", "--profile-step", "3") == 0
     stdout = capsys.readouterr().out
+    # --profile-step: that one step under torch.profiler, its time by family and its top ops
+    profile = stdout[stdout.index("# profile of step 3: "):].splitlines()
+    assert float(profile[0].split(": ")[1].split(" ms")[0]) > 0 and profile[1] == "| family | ms | share |"
+    assert any(line.startswith("| `aten::") for line in profile) and stdout.count("# profile of step") == 1
     # most steps hold images: ~0.93 images a step in the long run (185 in 200 batches of these
     # draws); the first 20 are noisier (the carry-over buffer delays a drawn document a few steps)
     assert len(vision_calls) >= 10 and sum(vision_calls) >= 12, vision_calls

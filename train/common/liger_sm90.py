@@ -150,7 +150,7 @@ def _triton_ce_dz_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(z_ptr, target_ptr, nll_ptr, vocab, stride, ignore_index, BLOCK: tl.constexpr):
+    def ce_dz_kernel(z_ptr, target_ptr, nll_ptr, vocab, stride, ignore_index, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         z_row = z_ptr + row.to(tl.int64) * stride
         target = tl.load(target_ptr + row)
@@ -177,7 +177,7 @@ def _triton_ce_dz_kernel():
             g = tl.where(ignore, 0.0, g)
             tl.store(z_row + cols, g.to(z_ptr.dtype.element_ty), mask=mask)
 
-    return kernel
+    return ce_dz_kernel
 
 
 def triton_ce_dz(z: torch.Tensor, target: torch.Tensor, nll: torch.Tensor) -> None:

@@ -268,3 +268,67 @@ class ModuleTimer:
         if self.cuda:
             return float(sum(a.elapsed_time(b) for a, b in spans))
         return float(sum((b - a) * 1e3 for a, b in spans))
+
+
+# ----------------------------------------------------------------- one step under torch.profiler
+
+# GPU kernel families by name (first match wins): where a profiled step's time goes. Names are the
+# kernels' own (Triton's, TileLang's, cuBLAS', the fused losses'); what matches none is `other`
+# and still shows in the top-kernels list.
+KERNEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("copy", ("memcpy", "memset")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("conv (causal conv1d)", ("conv1d", "causal_conv")),
+    ("loss head (cross-entropy)", ("cce", "cross_entropy", "indexed_neg_dot", "lse", "ce_dz", "crossentropy")),
+    ("GDN (fla / FlashQLA)", ("chunk", "gated_delta", "gdn", "recompute_w_u", "solve_tril", "wy_", "l2norm",
+                             "fused_recurrent", "merge_16x16", "cumsum", "qla", "tilelang")),
+    ("attention", ("flash", "fmha", "attn", "varlen", "sdpa")),
+    ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "sm90_", "sm80_", "gemv", "wgmma",
+                "aten::mm", "aten::bmm", "aten::addmm", "aten::linear")),
+    ("compiled elementwise (inductor)", ("triton_",)),
+    ("norm / activation", ("norm", "silu", "gelu", "softmax", "rotary", "rope")),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    for family, keys in KERNEL_FAMILIES:
+        if any(k in low for k in keys):
+            return family
+    return "other"
+
+
+def profile_activities(device: torch.device) -> list:
+    """What to record: the GPU's kernels on CUDA, the CPU's ops otherwise."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+
+
+def kernel_table(prof, what: str, device: torch.device, top: int = 12) -> list[str]:
+    """A finished torch.profiler's time by kernel family and its top kernels, as markdown lines
+    (on CUDA the GPU kernels' own time; on a CPU the ops' self time)."""
+    on_gpu = device.type == "cuda"
+    rows = []
+    for e in prof.key_averages():
+        if on_gpu and not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue
+        us = float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)) if on_gpu \
+            else float(e.self_cpu_time_total)
+        if us > 0:
+            rows.append((e.key, us, int(e.count)))
+    total = sum(us for _, us, _ in rows)
+    if not total:
+        return [f"# profile of {what}: no {'GPU kernel' if on_gpu else 'CPU op'} time recorded"]
+    families: dict[str, float] = collections.defaultdict(float)
+    for name, us, _ in rows:
+        families[kernel_family(name)] += us
+    kind = "GPU kernel time" if on_gpu else "CPU op self time"
+    lines = [f"# profile of {what}: {total / 1000:.1f} ms {kind} (torch.profiler; this step's own time is inflated by it)",
+             "| family | ms | share |", "|---|---:|---:|"]
+    lines += [f"| {fam} | {us / 1000:.1f} | {us / total:.1%} |" for fam, us in sorted(families.items(), key=lambda x: -x[1])]
+    lines += [f"top {top}:", "| kernel | family | calls | ms | share |", "|---|---|---:|---:|---:|"]
+    for name, us, n in sorted(rows, key=lambda x: -x[1])[:top]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        lines.append(f"| `{short.replace('|', '/')}` | {kernel_family(name)} | {n} | {us / 1000:.1f} | {us / total:.1%} |")
+    return lines

@@ -65,6 +65,9 @@ class Stage1Config:
     deepspeed_config: str | dict[str, Any] | None = opt(None, help="DeepSpeed config json (default: ZeRO-2)")
     init_from: str | None = opt(None, help="local transformers checkpoint dir")
     log_every: int = opt(1)
+    profile_step: int = opt(0, help="run this step under torch.profiler and print its time by kernel family and "
+                            "its top kernels (GPU kernels on CUDA): where the step goes; 0: off. That step's "
+                            "own time is inflated by the profiler")
     wandb_project: str | None = opt(None, help="also log to this wandb project (needs wandb; WANDB_MODE=offline works "
                                      "without a network)")
     tensorboard: bool = opt(False, help="also write TensorBoard event files to <out>/tb (needs the metrics extra)")
@@ -149,8 +152,8 @@ def validate(cfg: Stage1Config) -> None:
         raise ConfigError(f"--num-workers must be >= 0, got {cfg.num_workers}")
     if cfg.keep_checkpoints < 1:
         raise ConfigError(f"--keep-checkpoints must be >= 1, got {cfg.keep_checkpoints}")
-    if cfg.ckpt_every < 0 or cfg.max_bad_steps < 0 or cfg.act_ckpt < 0:
-        raise ConfigError("--ckpt-every, --max-bad-steps and --act-ckpt must be >= 0")
+    if cfg.ckpt_every < 0 or cfg.max_bad_steps < 0 or cfg.act_ckpt < 0 or cfg.profile_step < 0:
+        raise ConfigError("--ckpt-every, --max-bad-steps, --act-ckpt and --profile-step must be >= 0")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
     if not 0 <= cfg.min_lr_ratio <= 1:  # below 0 the cosine tail is a negative lr: gradient ascent; nan fails too

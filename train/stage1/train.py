@@ -18,6 +18,7 @@ over and keeps the old checkpoints aside.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -44,7 +45,15 @@ from train.common.levers import Levers, apply_levers
 from train.common.losses import LossImplError
 from train.common.metrics import compile_counts, peak_memory_mb
 from train.common.packing import IGNORE_INDEX, model_kwargs, resolve_layout
-from train.common.profiler import ModuleTimer, ProgressWatch, StepProfiler, StepTiming, rank_spread
+from train.common.profiler import (
+    ModuleTimer,
+    ProgressWatch,
+    StepProfiler,
+    StepTiming,
+    kernel_table,
+    profile_activities,
+    rank_spread,
+)
 from train.common.runtime import Runtime, pick_device
 from train.common.shapes import get_shape
 from train.common.stepper import Stepper, make_adamw, zero2_config
@@ -242,7 +251,10 @@ def train(cfg: Stage1Config) -> int:
             run.prof.start_step()
             batch = next(run.data)
             run.prof.data_ready()
-            result = train_step(run.stepper, batch, rt.device, after_forward=run.prof.forward_done)
+            profiled = rt.step + 1 == cfg.profile_step
+            with (torch.profiler.profile(activities=profile_activities(rt.device)) if profiled
+                  else contextlib.nullcontext()) as kernels_seen:
+                result = train_step(run.stepper, batch, rt.device, after_forward=run.prof.forward_done)
             # tokens/s and MFU count every token of the packed rows, padding included (torchtitan);
             # real_tok_s and mfu_useful leave the padding out.
             timing = run.prof.end_step(batch["input_ids"].numel() * rt.dist.world_size)
@@ -253,6 +265,9 @@ def train(cfg: Stage1Config) -> int:
             run.first_loss = result.loss if run.first_loss is None else run.first_loss
             run.last_loss = result.loss
             compiled = check_kernel_compiles(run, rt) if rt.step == first_step else {}
+            if profiled:
+                for line in kernel_table(kernels_seen, f"step {rt.step}", rt.device):
+                    rt.print(line)
             if rt.step % cfg.log_every == 0 or rt.step == cfg.steps:
                 rt.log.log_step({**step_record(run, rt, batch, result, timing), **progress, **compiled})
             if cfg.ckpt_every and (rt.step % cfg.ckpt_every == 0 or rt.step == cfg.steps):
