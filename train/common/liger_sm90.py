@@ -141,7 +141,7 @@ def import_problem(ce: str = "liger") -> str | None:
 # wide vector loads instead (same traffic: two reads and one write of the logits); which one is
 # faster at the model's vocab is measured side by side (bench/loss_head.py: liger-sm90-tce).
 CE_IMPLS = ("liger", "triton")
-TRITON_CE_BLOCK = 4096
+TRITON_CE_BLOCK = 8192  # 16 bf16 a thread a pass-step at 16 warps: two 16-byte loads in flight
 
 
 @functools.cache
