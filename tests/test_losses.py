@@ -40,6 +40,24 @@ def test_loss_impl_selection_on_cpu():
         token_losses(torch.zeros(1, 2, 4), torch.zeros(8, 4), torch.zeros(1, 2, dtype=torch.long), "bogus")
 
 
+def test_auto_tries_the_sm90_kernels_only_on_hopper_for_a_uniformly_weighted_loss(monkeypatch):
+    """SM90_PREFERENCE (empty until the H200 bench picks one) comes first for stage-1's sum / count
+    loss on sm_90 alone: never for DFlash (it weighs positions; the kernel's dW assumes equal
+    weights), never off Hopper. The probes are real (here none of the fused kernels need import):
+    the spy records which ones `auto` tried, in order. The GPU's capability is the stand-in."""
+    tried: list[str] = []
+    real_probe = losses._probe
+    monkeypatch.setattr(losses, "_probe", lambda impl: tried.append(impl) or real_probe(impl))
+    monkeypatch.setattr(losses, "SM90_PREFERENCE", ("liger-sm90-tce",))
+    cuda = torch.device("cuda")
+    for hopper, uniform, first in ((True, True, "liger-sm90-tce"), (True, False, "cce"), (False, True, "cce")):
+        monkeypatch.setattr(losses, "is_sm90", lambda device, hopper=hopper: hopper)
+        tried.clear()
+        got = select_loss_impl(cuda, "auto", uniform_weights=uniform)
+        assert tried[0] == first and got in (*tried, "logits"), (hopper, uniform, tried, got)
+        assert ("liger-sm90-tce" in tried) == (hopper and uniform)
+
+
 # ---------------------------------------------------------------------------------------------
 # The fused path's operands. cut-cross-entropy's Triton kernel cannot run on this CPU machine, so
 # `kernel` below stands in for it: it records the operands it is handed and computes the same loss

@@ -324,12 +324,12 @@ def refuse_or_announce(fallbacks: list[Fallback], allow_slow_path: bool) -> None
     _slow_path_banner(fallbacks)
 
 
-def loss_fallback(device: torch.device, requested: str) -> tuple[str, Fallback | None]:
+def loss_fallback(device: torch.device, requested: str, uniform_loss: bool = False) -> tuple[str, Fallback | None]:
     """The loss kernel for ``requested`` on ``device`` (:func:`train.common.losses.select_loss_impl`,
     whose probes really import the kernels), and the fallback when ``auto`` on CUDA found none."""
     from train.common import losses
 
-    impl = losses.select_loss_impl(device, requested)
+    impl = losses.select_loss_impl(device, requested, uniform_weights=uniform_loss)
     if device.type != "cuda" or requested != "auto" or impl != "logits":
         return impl, None
     return impl, Fallback(
@@ -381,11 +381,12 @@ def select_kernels(
     loss: str | None = None,
     attention: str | None = None,
     gdn: bool = True,
+    uniform_loss: bool = False,
 ) -> KernelChoice:
     """Decide which implementation each kernel of the job uses on ``device`` (:func:`plan_kernels`),
     and refuse (or, with ``allow_slow_path``, announce) every fallback from the GPU locks' fast path."""
     choice = plan_kernels(device, capability=capability, triton_version=triton_version, conv=conv, loss=loss,
-                          attention=attention, gdn=gdn)
+                          attention=attention, gdn=gdn, uniform_loss=uniform_loss)
     refuse_or_announce(list(choice.fallbacks), allow_slow_path)
     return choice
 
@@ -399,6 +400,7 @@ def plan_kernels(
     loss: str | None = None,
     attention: str | None = None,
     gdn: bool = True,
+    uniform_loss: bool = False,
 ) -> KernelChoice:
     """Which implementation each kernel of the job uses on ``device`` (see module docstring), with
     every fallback from the GPU locks' fast path listed in ``fallbacks``; refuses nothing.
@@ -408,6 +410,8 @@ def plan_kernels(
     ``loss``: the job's ``--loss-impl`` (None: the job computes no loss here, e.g. extraction).
     ``attention``: the job's ``--attention`` for the full-attention layers (None: not a choice here).
     ``gdn``: False where the job runs no GDN layers on this rank (the DFlash drafter).
+    ``uniform_loss``: the job's loss weighs every target token alike (stage-1), so ``auto`` may take
+    a liger-sm90 kernel (:data:`train.common.losses.SM90_PREFERENCE`).
 
     ``capability``/``triton_version`` default to the real GPU's and the installed Triton's; tests
     pass them, with ``device="cuda"``, to exercise the CUDA policy on a CPU machine: every import
@@ -417,7 +421,7 @@ def plan_kernels(
         raise ValueError(f"unknown conv implementation {conv!r} ({', '.join(CONV_CHOICES)})")
     dev = torch.device(device)
     fallbacks: list[Fallback] = []
-    loss_impl, loss_fb = loss_fallback(dev, loss) if loss is not None else (None, None)
+    loss_impl, loss_fb = loss_fallback(dev, loss, uniform_loss) if loss is not None else (None, None)
     attention_impl, attention_fb = attention_fallback(dev, attention) if attention is not None else (None, None)
     if dev.type != "cuda":
         return KernelChoice(

@@ -28,6 +28,10 @@ SM90 = {"liger-sm90": "liger", "liger-sm90-tce": "triton"}
 # DSL kernel, train/common/liger_sm90.py) is a choice until bench/stage1_vlm_h200.sh `loss` shows it
 # faster than cce on the H200.
 CUDA_PREFERENCE = ("cce", "liger")
+# Tried by `auto` before CUDA_PREFERENCE, on a Hopper GPU (sm_90) alone and for a loss whose per-token
+# weights are all equal alone (stage-1's sum / count; DFlash weights positions): the liger-sm90
+# variants, once the H200 bench shows one faster than cce. Empty until then.
+SM90_PREFERENCE: tuple[str, ...] = ()
 
 
 class LossImplError(RuntimeError):
@@ -58,15 +62,23 @@ def fused_kernel_problems() -> str:
     return "; ".join(f"{impl}: {err}" for impl, err in errors)
 
 
-def select_loss_impl(device: torch.device, requested: str = "auto") -> str:
+def is_sm90(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (compute capability 9.0), the one liger-sm90 runs on."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def select_loss_impl(device: torch.device, requested: str = "auto", uniform_weights: bool = False) -> str:
     """`auto`: a fused kernel on CUDA when one imports, plain logits otherwise (and on CPU). On CUDA
-    an `auto` that finds none is a fallback the trainers refuse (train.common.fastpath.loss_fallback)."""
+    an `auto` that finds none is a fallback the trainers refuse (train.common.fastpath.loss_fallback).
+    `uniform_weights`: the caller's loss weighs every target token alike (stage-1), so `auto` may
+    take an SM90_PREFERENCE kernel on sm_90 (their dW is summed in the forward)."""
     if requested not in ("auto", *IMPLS):
         raise LossImplError(f"unknown loss implementation {requested!r} (auto, {', '.join(IMPLS)})")
     if requested == "auto":
         if device.type != "cuda":
             return "logits"
-        for impl in CUDA_PREFERENCE:
+        first = SM90_PREFERENCE if uniform_weights and SM90_PREFERENCE and is_sm90(device) else ()
+        for impl in (*first, *CUDA_PREFERENCE):
             if _probe(impl) is None:
                 return impl
         return "logits"
@@ -77,7 +89,7 @@ def select_loss_impl(device: torch.device, requested: str = "auto") -> str:
         err = _probe(requested)
         if err:
             raise LossImplError(f"--loss-impl {requested}: import failed: {err}")
-        if requested in SM90 and torch.cuda.is_available() and torch.cuda.get_device_capability(device) != (9, 0):
+        if requested in SM90 and torch.cuda.is_available() and not is_sm90(device):
             raise LossImplError(f"--loss-impl {requested} needs a Hopper GPU (sm_90): Liger's kernel is written for it alone")
     return requested
 

@@ -304,7 +304,8 @@ def setup(cfg: Stage1Config, rt: Runtime, ds: bool) -> Stage1Run:
     # Every kernel of the job (GDN, conv, loss, attention): a fallback from the GPU locks' fast
     # path is refused here, in one line, unless --allow-slow-path.
     kernels = fastpath.select_kernels(rt.device, allow_slow_path=cfg.allow_slow_path, conv=cfg.conv_impl,
-                                      loss=cfg.loss_impl, attention=cfg.attention)
+                                      loss=cfg.loss_impl, attention=cfg.attention,
+                                      uniform_loss=True)  # sum / count: every target token weighs alike
     dtype = torch.bfloat16 if rt.device.type == "cuda" else torch.float32
     # The tokenizer first: a checkpoint whose tokenizer does not fit fails before the model is built.
     tok = build_tokenizer(get_shape(cfg.shape), cfg.init_from, bool(cfg.vision), codebooks)
