@@ -1,14 +1,26 @@
 """DFlash drafter training step, today's dense attention against block-sparse flex_attention, and
 the target's extraction forward, on one GPU. Prints markdown tables (bench/RESULTS.md).
 
-    python bench/dflash_drafter.py drafter [--anchors 4,512] [--impls auto|dense:logits,flex:cce] [--steps 6]
-        [--compile on|off] [--target 2b|27b]   (27b: the Qwen3.6-27B shape and its qwen3.6-27b drafter)
-    python bench/dflash_drafter.py extract [--steps 4] [--token-budget 65536]
-    (either: [--first-step-limit S --late warn|fail] [--device cpu --smoke]; bench/dflash_h200.sh runs them)
+    python bench/dflash_drafter.py drafter [--anchors 4,512] [--impls auto|dense:logits,flex:cce,flex:onepass]
+        [--steps 6] [--compile on|off] [--target 2b|27b] [--acc-rows 4096]
+        (27b: the Qwen3.6-27B shape and its qwen3.6-27b drafter)
+    python bench/dflash_drafter.py extract [--steps 4] [--token-budget 65536] [--target 2b|27b]
+    (either: [--first-step-limit S --late warn|fail] [--profile on|off] [--device cpu --smoke];
+    bench/dflash_h200.sh runs them)
 
 --impls auto is what the trainer runs by default on the device (CUDA: packed block-sparse flex,
 the fused loss). The header says the compile's cost: the warm-up steps' seconds, the graphs
-dynamo compiled, and when the first step ended after the process start.
+dynamo compiled, and when the first step ended after the process start. The accuracy metrics
+are measured on --acc-rows rows a step, as the trainer's; the breakdown times the loss with them
+over every row beside it. --profile (CUDA, default on): after the timed steps, one drafter step
+per implementation and one extraction batch under torch.profiler, GPU time by kernel family and
+the top kernels.
+
+Extraction: a batch's time runs from its packing to the end of its forward on the compute stream,
+plus the wait for the previous batch's device-to-host copy, which runs beside that forward on a
+side stream (as the extractor's); the last copy is waited for in the total. Two warm-up batches
+first, so both in-flight batches' pinned host buffers exist. --target 27b runs the Qwen3.6-27B
+text stack (random bf16 weights); the 2B run prints the 27B's rate scaled by FLOPs, an estimate.
 
 Workload: a Qwen3.5-2B-shaped target (hidden 2048, 24 layers, vocab 248,320, the model shape
 `qwen35-2b` without codebook rows), 5 captured layers, the published `qwen3.5` drafter (5 layers,
