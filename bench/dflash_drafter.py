@@ -489,6 +489,7 @@ def extract_bench(args) -> None:
     fastpath.install_kernels(target.base, kernels)
     for line in kernels.header().splitlines():  # which GDN/conv kernels this forward runs
         print(f"# kernels: {line}", flush=True)
+    print(f"# kernels: gated-delta-rule backend {kernels.gdn_backend or '-'}", flush=True)
     if args.layout == "packed":  # as the extractor runs it (train.extract.extract.write_one)
         from train.common import varlen_attention
 
