@@ -3,7 +3,7 @@ test's own interpreter (`python -m tests.kvm_ct_scenario STEP WORK [TEMPLATE]`).
 
 setup:     the stand-in GPUs, the inventory (CT 200's shape: unprivileged, mapped as PVE maps it,
            systemd as init, Slurm with accounting and the cgroup plugins) and the vaulted munge key
-provision: provision.yml through the lxc backend; prints the recap as one JSON line
+provision: provision.yml through the lxc backend (`... provision WORK LOG`); prints the recap as one JSON line
 
 Everything is under WORK, a folder on the guest's own disk.
 """
@@ -13,13 +13,18 @@ from __future__ import annotations
 import base64
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 from tests.ansible_fixtures import (
+    ANSIBLE_DIR,
+    PLAYBOOK,
+    RECAP,
+    REPO,
+    ansible_bin,
     lxc_inventory,
     make_standin_gpus,
-    run_playbook,
     write_inventory,
     write_vaulted_vars,
 )
@@ -46,10 +51,10 @@ def setup(work: Path, template: Path) -> None:
     group["hosts"][NAME].update({"ct_unprivileged": True, "ct_scratch_allow_rootfs_storage": True})
     # The roles' own defaults for what the fixture's shared inventory turns off: the packages'
     # users, Slurm installed and its services (munge, MariaDB, slurmdbd, slurmctld, slurmd)
-    # started by the role, accounting on, proctrack/cgroup and task/cgroup.
+    # started by the role, accounting on, proctrack/cgroup and task/cgroup, JobAcctGatherType
+    # auto (the cgroup gatherer on this cgroup v2 CT).
     for key in ("slurm_user", "slurm_munge_user", "slurm_install_packages", "slurm_manage_services"):
         group["vars"].pop(key)
-    group["vars"]["slurm_jobacct_gather_type"] = "jobacct_gather/cgroup"
     write_inventory(work / "inventory.yml", data)
     password = work / "vault-password"
     password.write_text(base64.b64encode(os.urandom(24)).decode() + "\n")
@@ -58,14 +63,22 @@ def setup(work: Path, template: Path) -> None:
                        {"slurm_munge_key_b64": base64.b64encode(os.urandom(64)).decode()}, password)
 
 
-def provision(work: Path) -> int:
-    proc, recap = run_playbook(work / "inventory.yml", timeout=1500,
-                               env={"ANSIBLE_VAULT_PASSWORD_FILE": str(work / "vault-password")})
-    (work / "provision.log").write_text(proc.stdout + proc.stderr)
-    print(json.dumps({"rc": proc.returncode, "recap": recap}))
-    if proc.returncode != 0:
-        print(proc.stdout[-8000:] + proc.stderr[-3000:])
-    return proc.returncode
+def provision(work: Path, log: Path) -> int:
+    """provision.yml as `make provision` runs it, its output streamed to `log` (the host reads it
+    while the play runs); the recap as one JSON line."""
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_FORCE_COLOR": "0", "PYTHONUNBUFFERED": "1",
+           "ANSIBLE_VAULT_PASSWORD_FILE": str(work / "vault-password")}
+    with open(log, "w") as out:
+        rc = subprocess.run([ansible_bin("ansible-playbook"), "-i", str(work / "inventory.yml"), str(PLAYBOOK)],
+                            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=3000).returncode
+    text = log.read_text()
+    recap = {m[0]: {"ok": int(m[1]), "changed": int(m[2]), "unreachable": int(m[3]), "failed": int(m[4])}
+             for m in RECAP.findall(text)}
+    print(json.dumps({"rc": rc, "recap": recap}))
+    if rc != 0:
+        print(text[-10000:])
+    return rc
 
 
 def main(argv: list[str]) -> int:
@@ -74,7 +87,7 @@ def main(argv: list[str]) -> int:
         setup(work, Path(argv[2]))
         return 0
     if step == "provision":
-        return provision(work)
+        return provision(work, Path(argv[2]))
     print(f"unknown step {step}", file=sys.stderr)
     return 2
 

@@ -77,9 +77,10 @@ ExecStart=/usr/local/sbin/launch-test-agent
 WantedBy=multi-user.target
 """
 # The kernel command line: the unified cgroup v2 hierarchy (bookworm's default, said explicitly),
-# no AppArmor (the guest has no apparmor userspace to load LXC's profiles; tests/README.md says so).
+# no AppArmor (the guest has no apparmor userspace to load LXC's profiles; tests/README.md says so),
+# no speculation mitigations (a throwaway test guest; retpolines cost most under TCG).
 KERNEL_CMDLINE = ("console=ttyS0 root=/dev/vda rw systemd.unified_cgroup_hierarchy=1 apparmor=0 "
-                  "panic=-1 systemd.show_status=0")
+                  "mitigations=off panic=-1 systemd.show_status=0")
 
 
 def accelerator() -> tuple[list[str], str]:
