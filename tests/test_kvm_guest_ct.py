@@ -128,10 +128,13 @@ def test_ct200_production_path_in_a_cgroup_v2_guest(guest: Guest) -> None:
                   "AccountingStorageType|AccountingStorageTRES) '; grep -E '^[A-Z]' /etc/slurm/cgroup.conf")
     print("\n[kvm guest: CT 200's production path]\n" + what)
     assert rc == 0, what
-    facts = dict(line.split("=", 1) for line in what.splitlines() if "=" in line and " = " not in line)
-    config = {k.strip(): v.strip() for k, _, v in (line.partition(" = ") for line in what.splitlines() if " = " in line)}
-    assert facts["Delegate"] == "yes", what
-    assert "slurmstepd.scope" in what and "ActiveState=active" in what, what
+    lines = what.splitlines()
+    config = {k.strip(): v.strip() for k, _, v in (line.partition(" = ") for line in lines if " = " in line)}
+    # slurmd's unit and slurmstepd.scope, in that order: Delegate, then ControlGroup (and the scope's state).
+    delegates = [line for line in lines if line.startswith("Delegate=")]
+    assert delegates == ["Delegate=yes", "Delegate=yes"], what
+    assert "ActiveState=active" in lines and "ControlGroup=/system.slice/slurmstepd.scope" in lines, what
+    assert config["SLURM_VERSION"], what
     assert config["ProctrackType"] == "proctrack/cgroup", what
     assert "task/cgroup" in config["TaskPlugin"], what
     assert config["JobAcctGatherType"] == "jobacct_gather/cgroup", what
