@@ -14,6 +14,7 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,15 +29,18 @@ ACCEL = accelerator()[1]
 # Under TCG (no hardware KVM for Debian's kernel) the CT's provisioning alone takes TCG_MINUTES:
 # past what the suite's budget can hold, so only on request.
 TCG_OPT_IN = "LAUNCH_TEST_VM_TCG"
-TCG_MINUTES = "30+"
-# Measured: a first provision run in the guest takes about N s (2 vCPUs).
-PROVISION_TIMEOUT_S = 1800
+TCG_MINUTES = "over 30"
+# Under TCG a first provision run had not finished in 30 min on a loaded 2-core machine (it was
+# in the slurm role); with hardware KVM it is not measured here: a wide bound for both.
+PROVISION_TIMEOUT_S = 1200 if ACCEL == "kvm" else 5400
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 
 @pytest.fixture(scope="module")
-def guest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guest]:
-    work = tmp_path_factory.mktemp("kvm-guest")
+def guest() -> Iterator[Guest]:
+    # Not under pytest's basetemp: another pytest run on this machine may rotate that away while
+    # a long guest run still writes its control folder there.
+    work = Path(tempfile.mkdtemp(prefix="launch-kvm-guest-", dir="/var/tmp"))
     try:
         # The CT's rootfs tarball is read from the tests' cache, shared read-only at its own path.
         with booted_guest(work, extra_shares=(cache_dir(),)) as g:
