@@ -86,7 +86,7 @@ PVE_IDMAP_BASE = 100000
 
 @pytest.mark.skipif(ACCEL != "kvm" and os.environ.get(TCG_OPT_IN) != "1",
                     reason=f"no hardware KVM for Debian's kernel here ({ACCEL}); under TCG the CT's provisioning takes "
-                           f"about {TCG_MINUTES} min, past the suite's budget: {TCG_OPT_IN}=1 runs it")
+                           f"{TCG_MINUTES} min, past the suite's budget: {TCG_OPT_IN}=1 runs it")
 def test_ct200_production_path_in_a_cgroup_v2_guest(guest: Guest) -> None:
     from tests.ansible_fixtures import TEST_SYSTEMD_SLURM_BASE, cached_rootfs_tarball
     from tests.kvm_ct_scenario import NAME
