@@ -75,7 +75,8 @@ def test_the_guest_boots_systemd_on_cgroup_v2_with_dbus(guest: Guest) -> None:
 
 # The job scripts, written into the CT's rootfs from the guest (no quoting through four shells).
 JOBS = {
-    "gpu-job": "#!/bin/sh\nid -u > /scratch/gpu-job\necho CVD=$CUDA_VISIBLE_DEVICES\nexec python3 /usr/local/bin/gpu-probe.py\n",
+    "gpu-job": "#!/bin/sh\nid -u > /scratch/gpu-job\necho CVD=$CUDA_VISIBLE_DEVICES\ngrep ^0:: /proc/self/cgroup\n"
+               "exec python3 /usr/local/bin/gpu-probe.py\n",
     "gpu-probe.py": ("import errno, os\n"
                      "gpus = os.environ.get('SLURM_STEP_GPUS') or os.environ.get('SLURM_JOB_GPUS') or ''\n"
                      "for g in gpus.split(','):\n"
@@ -130,25 +131,6 @@ def test_ct200_production_path_in_a_cgroup_v2_guest(guest: Guest) -> None:
         time.sleep(1)
     assert state == "idle", logs()
 
-    # What ran: slurmd's unit and the scope it had systemd make over D-Bus, the plugins, the release.
-    rc, what = ct("systemctl show slurmd -p Delegate -p ControlGroup; "
-                  "systemctl show slurmstepd.scope -p Delegate -p ControlGroup -p ActiveState; "
-                  "scontrol show config | grep -E '^(SLURM_VERSION|ProctrackType|TaskPlugin |JobAcctGatherType|"
-                  "AccountingStorageType|AccountingStorageTRES) '; grep -E '^[A-Z]' /etc/slurm/cgroup.conf")
-    print("\n[kvm guest: CT 200's production path]\n" + what)
-    assert rc == 0, what
-    lines = what.splitlines()
-    config = {k.strip(): v.strip() for k, _, v in (line.partition(" = ") for line in lines if " = " in line)}
-    # slurmd's unit and slurmstepd.scope, in that order: Delegate, then ControlGroup (and the scope's state).
-    delegates = [line for line in lines if line.startswith("Delegate=")]
-    assert delegates == ["Delegate=yes", "Delegate=yes"], what
-    assert "ActiveState=active" in lines and "ControlGroup=/system.slice/slurmstepd.scope" in lines, what
-    assert config["SLURM_VERSION"], what
-    assert config["ProctrackType"] == "proctrack/cgroup", what
-    assert "task/cgroup" in config["TaskPlugin"], what
-    assert config["JobAcctGatherType"] == "jobacct_gather/cgroup", what
-    assert config["AccountingStorageType"] == "accounting_storage/slurmdbd", what
-
     for script, text in JOBS.items():
         guest.check(f"cat > {rootfs}/usr/local/bin/{script} <<'JOB_EOF'\n{text}JOB_EOF\n"
                     f"chmod 755 {rootfs}/usr/local/bin/{script}", timeout=30)
@@ -160,10 +142,37 @@ def test_ct200_production_path_in_a_cgroup_v2_guest(guest: Guest) -> None:
     assert rc == 0, out + logs()
     lines = out.splitlines()
     assert "CVD=0" in lines, lines
+    step_cgroup = next((line for line in lines if line.startswith("0::")), "")
     # The step's GPU node opens as far as the absent driver: ENXIO, the CT's device cgroup let it through.
     assert any(line.startswith("open ") and line.endswith(" ENXIO") for line in lines), lines
     rc, out = guest.run(f"cat {WORK}/scratch/gpu-job; stat -c %u {WORK}/scratch/gpu-job", 30)
     assert out.split() == [str(JOB_UID), str(PVE_IDMAP_BASE + JOB_UID)], out
+
+    # What ran: slurmd's unit and the scope it had systemd make over D-Bus for the steps (Slurm
+    # 22.05 names it <node>_slurmstepd.scope, 23.11 slurmstepd.scope), the plugins, the release.
+    rc, what = ct("systemctl show slurmd -p Delegate -p ControlGroup; "
+                  "scope=$(systemctl list-units --all --no-legend --plain '*slurmstepd.scope' | awk '{print $1}'); "
+                  "echo Scope=$scope; systemctl show $scope -p Delegate -p ControlGroup -p ActiveState; "
+                  "scontrol show config | grep -E '^(SLURM_VERSION|ProctrackType|TaskPlugin |JobAcctGatherType|"
+                  "AccountingStorageType|AccountingStorageTRES) '; grep -E '^[A-Z]' /etc/slurm/cgroup.conf")
+    print("\n[kvm guest: CT 200's production path]\n" + what + f"step cgroup: {step_cgroup}")
+    assert rc == 0, what
+    lines = what.splitlines()
+    config = {k.strip(): v.strip() for k, _, v in (line.partition(" = ") for line in lines if " = " in line)}
+    scope = next(line.removeprefix("Scope=") for line in lines if line.startswith("Scope="))
+    assert scope.endswith("slurmstepd.scope"), what
+    # slurmd's unit, then the scope: Delegate, then ControlGroup (and the scope's state).
+    delegates = [line for line in lines if line.startswith("Delegate=")]
+    assert delegates == ["Delegate=yes", "Delegate=yes"], what
+    assert "ActiveState=active" in lines and f"ControlGroup=/system.slice/{scope}" in lines, what
+    # The GPU step ran in a job cgroup below that scope (proctrack/cgroup put it there).
+    assert step_cgroup.startswith(f"0::/system.slice/{scope}/job_"), step_cgroup
+    assert config["SLURM_VERSION"], what
+    assert config["ProctrackType"] == "proctrack/cgroup", what
+    assert "task/cgroup" in config["TaskPlugin"], what
+    assert config["JobAcctGatherType"] == "jobacct_gather/cgroup", what
+    assert config["AccountingStorageType"] == "accounting_storage/slurmdbd", what
+
 
     hidden = ["CUDA_VISIBLE_DEVICES=", "NVIDIA_VISIBLE_DEVICES="]
     rc, out = as_alice("srun -N1 -n1 /usr/local/bin/no-gpu-job")
