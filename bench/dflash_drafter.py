@@ -298,6 +298,9 @@ def drafter_bench(args) -> None:
                     torch.cuda.empty_cache()
         if args.precision == "on":
             print("# " + precision_check(drafter, head, plans[0], n_anchors), flush=True)
+            losses_run = sorted({impl.split(":")[1] for impl in impls.split(",")} - {"bogus"})
+            for line in loss_check(drafter, head, plans[0], losses_run, args.acc_rows):
+                print(f"# loss check, anchors {n_anchors}: {line}", flush=True)
     for fn, what in profiles:
         kernel_profile(fn, what)
     print(f"\nbatches: {args.batches} of <= {args.token_budget} padded tokens (rows x longest), "
@@ -403,6 +406,50 @@ def breakdown(drafter, head, opt, bt, anchors, blocks, labels, attn: str, loss_i
     parts["optimizer"] = timed(opt.step, dev)
     opt.zero_grad(set_to_none=True)
     return parts
+
+
+# loss_head.py's tolerances against the fp32 reference: the loss within 0.05 + 2%, the gradient to
+# the drafter's states within 2% in relative norm
+LOSS_ATOL, LOSS_RTOL, GRAD_RTOL = 0.05, 0.02, 0.02
+
+
+def loss_check(drafter, head, plan, impls: list[str], acc_rows: int) -> list[str]:
+    """Each loss implementation run here against the fp32 reference on batch 0's drafter states:
+    the loss and its gradient to those states (the only gradient the frozen head passes on), as
+    the step computes them (bf16 autocast); the reference is the logits path in fp32, no autocast.
+    A line per implementation with its errors and a verdict."""
+    bt, anchors, blocks, labels, _f = plan
+    dev = anchors.device
+    with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
+        hid0 = drafter(bt["hidden"], head.embed_tokens(blocks), anchors, bt["lengths"].to(dev),
+                       attn_impl="flex" if dev.type == "cuda" else "dense").float()
+
+    def run(impl: str, amp: bool) -> tuple[float, torch.Tensor]:
+        hid = hid0.detach().clone().requires_grad_(True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            loss, _ = drafter_loss(head, hid, labels, None, 0.0, 7.0, loss_impl=impl, metric_rows=acc_rows or None)
+        loss.backward()
+        return float(loss), hid.grad.float()
+
+    out = []
+    try:
+        want, want_grad = run("logits", False)
+    except Exception as exc:
+        return [f"the fp32 reference failed: {type(exc).__name__}: {str(exc)[:200]}"]
+    for impl in impls:
+        try:
+            got, grad = run(impl, True)
+        except Exception as exc:
+            out.append(f"{impl}: failed: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        loss_err = abs(got - want)
+        grad_err = float((grad - want_grad).norm() / want_grad.norm().clamp(min=1e-30))
+        ok = loss_err <= LOSS_ATOL + LOSS_RTOL * abs(want) and grad_err <= GRAD_RTOL
+        out.append(f"{impl}: loss {got:.5f} against fp32 {want:.5f} (error {loss_err:.2e}), gradient to the drafter "
+                   f"states {100 * grad_err:.2f}% off in relative norm: "
+                   f"{'within' if ok else 'OUTSIDE'} loss {LOSS_ATOL} + {100 * LOSS_RTOL:.0f}%, gradient "
+                   f"{100 * GRAD_RTOL:.0f}%")
+    return out
 
 
 def precision_check(drafter, head, plan, n_anchors: int) -> str:
