@@ -166,7 +166,7 @@ def test_run_tiers_runs_tiers_side_by_side_and_stops_one_at_its_budget(tmp_path:
     table = {t.name: t for t in (run_tiers.Tier("a", "a", 1, 120, "tier a", nice=5),
                                  run_tiers.Tier("b", "b", 1, 120, "tier b"),
                                  run_tiers.Tier("c", "c", 1, 3, "tier c"))}
-    rc = run_tiers.main([], table=table, cwd=scratch)
+    rc = run_tiers.main(["--side-by-side"], table=table, cwd=scratch)
     out = capsys.readouterr().out
     assert rc == 1, out
     summary = out[out.index(">> tiers, side by side"):]
