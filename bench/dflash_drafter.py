@@ -650,57 +650,19 @@ def extract_bench(args) -> None:
         kernel_profile(one_batch, f"extraction batch 0 ({len(b)} samples)")
 
 
-# Kernel families by name (first match wins): what a profile's time goes to.
-KERNEL_KINDS = (
-    ("copy", ("memcpy", "memset")),
-    ("conv", ("conv1d", "causal_conv")),
-    ("cross-entropy (cce/liger)", ("cce", "cross_entropy", "indexed_neg_dot")),
-    # fla's kernels by name; FlashQLA's are tilelang kernels (its package name, or tilelang's main_kernel)
-    ("GDN recurrence (fla/FlashQLA)", ("chunk", "gated_delta", "recompute_w_u", "solve_tril", "wy_", "l2norm",
-                                       "fused_recurrent", "merge_16x16", "cumsum", "qla", "tilelang", "main_kernel")),
-    ("attention", ("flash", "fmha", "attn", "flex", "triton_tem")),  # the drafter's compiled flex: a template
-    ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "sm90_", "sm80_", "cijk", "gemv")),
-    ("compiled (inductor)", ("triton_",)),
-)
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    for kind, keys in KERNEL_KINDS:
-        if any(k in low for k in keys):
-            return kind
-    return "other"
-
-
 def kernel_profile(fn, what: str, top: int = 12) -> None:
     """fn() once under torch.profiler: the GPU time by kernel family, and the top kernels, as
-    table lines (what is left to win). Never fails the bench: a profiler error is one line."""
+    table lines (what is left to win; the families are the trainers' own, train.common.profiler).
+    Never fails the bench: a profiler error is one line."""
     try:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        from train.common.profiler import kernel_table, profile_activities
+
+        dev = torch.device("cuda")
+        with profile(activities=profile_activities(dev)) as prof:
             fn()
-        events = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-        dev_us = [(e.key, float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)),
-                   int(e.count)) for e in events]
-        dev_us = [x for x in dev_us if x[1] > 0]
-        total = sum(x[1] for x in dev_us)
-        if not total:
-            print(f"# profile of {what}: no GPU kernel time recorded", flush=True)
-            return
-        kinds: dict[str, float] = {}
-        for name, us, _n in dev_us:
-            kind = kernel_kind(name)
-            kinds[kind] = kinds.get(kind, 0.0) + us
-        print(f"\nGPU kernel time of {what} (torch.profiler, one untimed pass): {total / 1000:.1f} ms in kernels")
-        print("| kernel family | ms | share |\n|---|---:|---:|")
-        for kind, us in sorted(kinds.items(), key=lambda x: -x[1]):
-            print(f"| {kind} | {us / 1000:.1f} | {100 * us / total:.1f}% |")
-        print(f"\ntop {top} kernels of {what}:\n| kernel | family | calls | ms | share |\n|---|---|---:|---:|---:|")
-        for name, us, n in sorted(dev_us, key=lambda x: -x[1])[:top]:
-            short = name if len(name) <= 90 else name[:87] + "..."
-            print(f"| `{short.replace('|', '/')}` | {kernel_kind(name)} | {n} | {us / 1000:.1f} | {100 * us / total:.1f}% |")
-        sys.stdout.flush()
+        print("\n" + "\n".join(kernel_table(prof, what, dev, top)), flush=True)
     except Exception as exc:  # the profile is a diagnosis, not the measurement
         print(f"# profile of {what} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 

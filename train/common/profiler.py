@@ -281,8 +281,9 @@ KERNEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("conv (causal conv1d)", ("conv1d", "causal_conv")),
     ("loss head (cross-entropy)", ("cce", "cross_entropy", "indexed_neg_dot", "lse", "ce_dz", "crossentropy")),
     ("GDN (fla / FlashQLA)", ("chunk", "gated_delta", "gdn", "recompute_w_u", "solve_tril", "wy_", "l2norm",
-                             "fused_recurrent", "merge_16x16", "cumsum", "qla", "tilelang")),
-    ("attention", ("flash", "fmha", "attn", "varlen", "sdpa")),
+                             "fused_recurrent", "merge_16x16", "cumsum", "qla", "tilelang", "main_kernel")),
+    # the DFlash drafter's compiled flex_attention is an Inductor template kernel (triton_tem_*)
+    ("attention", ("flash", "fmha", "attn", "varlen", "sdpa", "flex", "triton_tem")),
     ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "sm90_", "sm80_", "gemv", "wgmma",
                 "aten::mm", "aten::bmm", "aten::addmm", "aten::linear")),
     ("compiled elementwise (inductor)", ("triton_",)),
