@@ -1001,17 +1001,8 @@ def _fused_loss(head: TargetHead, rows: torch.Tensor, y: torch.Tensor, w_rows: t
                       torch.stack([torch.full_like(y, IGNORE_INDEX), y], 1), impl)[:, 0]
     loss = (ce * w_rows).sum() / w_rows.sum().clamp(min=1e-9)
     with torch.no_grad():
-        picked = rows.detach() if pick is None else rows.detach()[pick]
-        e, weight = fused_operands(picked, head.lm_head.weight)
-        argmax = torch.cat([(e[lo:lo + chunk] @ weight.T).argmax(-1) for lo in range(0, len(e), chunk)])
-    stats: dict[str, Any] = {"ce": float(ce.detach().mean()), **_accuracy_stats(argmax, y, valid, pick)}
-    if verifier_rows is not None:
-        ver = verifier_rows if pick is None else verifier_rows[pick]
-        with torch.no_grad():
-            agree = sum(int(((ver[lo:lo + chunk].to(weight.dtype) @ weight.T).argmax(-1)
-                             == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(ver), chunk))
-        stats["target_agree"] = agree / len(ver)
-    return loss, stats
+        picked, weight = fused_operands(rows.detach() if pick is None else rows.detach()[pick], head.lm_head.weight)
+    return loss, {"ce": float(ce.detach().mean()), **_head_accuracy(picked, weight, y, valid, pick, verifier_rows, chunk)}
 
 
 def _ce_rows(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1084,17 +1075,23 @@ def _onepass_loss(head: TargetHead, rows: torch.Tensor, y: torch.Tensor, w_rows:
     e, weight = fused_operands(rows, head.lm_head.weight)  # bf16 rows and head (the head cast once)
     norm = w_rows / w_rows.sum().clamp(min=1e-9)
     loss, ce = _FrozenHeadCE.apply(e, weight, y, norm.float(), chunk)
-    with torch.no_grad():
-        picked = e.detach() if pick is None else e.detach()[pick]
-        argmax = torch.cat([(picked[lo:lo + chunk] @ weight.T).argmax(-1) for lo in range(0, len(picked), chunk)])
-    stats: dict[str, Any] = {"ce": float(ce.mean()), **_accuracy_stats(argmax, y, valid, pick)}
+    picked = e.detach() if pick is None else e.detach()[pick]
+    return loss, {"ce": float(ce.mean()), **_head_accuracy(picked, weight, y, valid, pick, verifier_rows, chunk)}
+
+
+@torch.no_grad()
+def _head_accuracy(picked: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, valid: torch.Tensor,
+                   pick: torch.Tensor | None, verifier_rows: torch.Tensor | None, chunk: int) -> dict[str, Any]:
+    """The accuracy metrics of the fused and onepass paths: the head's argmax over the picked bf16
+    rows (chunked, so no full logits exist) and, given the verifier's rows, how often they agree."""
+    argmax = torch.cat([(picked[lo:lo + chunk] @ weight.T).argmax(-1) for lo in range(0, len(picked), chunk)])
+    stats: dict[str, Any] = _accuracy_stats(argmax, y, valid, pick)
     if verifier_rows is not None:
         ver = verifier_rows if pick is None else verifier_rows[pick]
-        with torch.no_grad():
-            agree = sum(int(((ver[lo:lo + chunk].to(weight.dtype) @ weight.T).argmax(-1)
-                             == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(ver), chunk))
+        agree = sum(int(((ver[lo:lo + chunk].to(weight.dtype) @ weight.T).argmax(-1)
+                         == argmax[lo:lo + chunk]).sum()) for lo in range(0, len(ver), chunk))
         stats["target_agree"] = agree / len(ver)
-    return loss, stats
+    return stats
 
 
 def block_predecessors(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
