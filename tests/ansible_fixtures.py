@@ -218,6 +218,18 @@ else:
 """
 
 
+# Job scripts the container tests run with srun: the probe opens each GPU Slurm gave the step
+# (ENXIO: the device cgroup let it through; EPERM: not), the other prints what hides GPUs.
+GPU_PROBE_JOB = ("import errno, os\n"
+                 "gpus = os.environ.get('SLURM_STEP_GPUS') or os.environ.get('SLURM_JOB_GPUS') or ''\n"
+                 "for g in gpus.split(','):\n"
+                 "    try:\n"
+                 "        open('/dev/nvidia' + g, 'rb')\n"
+                 "    except OSError as e:\n"
+                 "        print('open', g, errno.errorcode[e.errno])\n")
+NO_GPU_JOB = "#!/bin/sh\nenv | grep -E '^(CUDA|NVIDIA)_VISIBLE_DEVICES=' | sort\n"
+
+
 def install_nvidia_smi_standin(rootfs: Path, version: str) -> None:
     (rootfs / "usr" / "local" / "bin" / "nvidia-smi").write_text(NVIDIA_SMI_STANDIN)
     (rootfs / "usr" / "local" / "bin" / "nvidia-smi").chmod(0o755)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from images.rootfs import cache_dir
-from tests.ansible_fixtures import TEST_SYSTEMD_SLURM_BASE, cached_rootfs_tarball
+from tests.ansible_fixtures import GPU_PROBE_JOB, NO_GPU_JOB, TEST_SYSTEMD_SLURM_BASE, cached_rootfs_tarball
 from tests.kvm_guest import REPO, Guest, accelerator, booted_guest, kvm_unavailable
 
 REASON = kvm_unavailable()
@@ -77,14 +77,8 @@ def test_the_guest_boots_systemd_on_cgroup_v2_with_dbus(guest: Guest) -> None:
 JOBS = {
     "gpu-job": "#!/bin/sh\nid -u > /scratch/gpu-job\necho CVD=$CUDA_VISIBLE_DEVICES\ngrep ^0:: /proc/self/cgroup\n"
                "exec python3 /usr/local/bin/gpu-probe.py\n",
-    "gpu-probe.py": ("import errno, os\n"
-                     "gpus = os.environ.get('SLURM_STEP_GPUS') or os.environ.get('SLURM_JOB_GPUS') or ''\n"
-                     "for g in gpus.split(','):\n"
-                     "    try:\n"
-                     "        open('/dev/nvidia' + g, 'rb')\n"
-                     "    except OSError as e:\n"
-                     "        print('open', g, errno.errorcode[e.errno])\n"),
-    "no-gpu-job": "#!/bin/sh\nenv | grep -E '^(CUDA|NVIDIA)_VISIBLE_DEVICES=' | sort\n",
+    "gpu-probe.py": GPU_PROBE_JOB,
+    "no-gpu-job": NO_GPU_JOB,
     # 64 MiB touched and held for a moment, so the cgroup gatherer's MaxRSS has something to see.
     "mem-job": "#!/usr/bin/python3\nimport time\nb = bytearray(64 << 20)\nfor i in range(0, len(b), 4096):\n"
                "    b[i] = 1\ntime.sleep(3)\nprint('held', len(b) >> 20, 'MiB')\n",

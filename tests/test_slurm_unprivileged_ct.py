@@ -22,7 +22,9 @@ import time
 import pytest
 
 from tests.ansible_fixtures import (
+    GPU_PROBE_JOB,
     HAS_USERNSEXEC,
+    NO_GPU_JOB,
     PVE_IDMAP_BASE,
     TEST_SLURM_BASE,
     cached_rootfs_tarball,
@@ -120,14 +122,8 @@ def test_a_slurm_job_runs_in_a_real_unprivileged_container() -> None:
         # The job scripts, written into the rootfs from the host (no quoting through three shells).
         jobs = {"gpu-job": "#!/bin/sh\nid -u > /scratch/gpu-job\necho CVD=$CUDA_VISIBLE_DEVICES\n"
                            "exec python3 /usr/local/bin/gpu-probe.py\n",
-                "gpu-probe.py": ("import errno, os\n"
-                                 "gpus = os.environ.get('SLURM_STEP_GPUS') or os.environ.get('SLURM_JOB_GPUS') or ''\n"
-                                 "for g in gpus.split(','):\n"
-                                 "    try:\n"
-                                 "        open('/dev/nvidia' + g, 'rb')\n"
-                                 "    except OSError as e:\n"
-                                 "        print('open', g, errno.errorcode[e.errno])\n"),
-                "no-gpu-job": "#!/bin/sh\nenv | grep -E '^(CUDA|NVIDIA)_VISIBLE_DEVICES=' | sort\n"}
+                "gpu-probe.py": GPU_PROBE_JOB,
+                "no-gpu-job": NO_GPU_JOB}
         for script, text in jobs.items():
             (rootfs / "usr" / "local" / "bin" / script).write_text(text)
             (rootfs / "usr" / "local" / "bin" / script).chmod(0o755)
