@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,11 @@ def test_down_with_an_unreadable_state_stops_the_clusters_processes_and_keeps_th
     cluster.state_file.write_bytes(garbage)
     daemon = subprocess.Popen(["sleep", "60"], env={**os.environ, MARKER_VAR: str(cluster.state_dir)})
     try:
+        # Popen returns once exec began; the kernel fills /proc/PID/environ a moment later (a
+        # loaded CI machine saw it empty), and a daemon of `up` has long been running by then.
+        deadline = time.monotonic() + 30
+        while not cluster._is_ours(daemon.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         with pytest.raises(LaunchError, match="unreadable cluster state"):
             cluster.status_text()
         stopped = cluster.down()
