@@ -105,6 +105,17 @@ losspath() {  # the PYTHONPATH entries of /tmp/lossenv: it and what its .pth fil
 # text-IMPL (their own files in $OUT), with /tmp/lossenv on the path for the Liger ones
 loss_args=() loss_tag=""
 [ -n "${LOSS_IMPL:-}" ] && loss_args=(--loss-impl "$LOSS_IMPL") loss_tag="-$LOSS_IMPL"
+# VARIANT=NAME TRAINER_ARGS="..." (vlm, text): a lever's run beside the default, as text-NAME, with
+# those trainer flags added; PROFILE_STEP=N: that step under torch.profiler, its table in
+# $OUT/NAME-profile.md (GPU time by kernel family and the top kernels)
+read -ra variant_args <<< "${TRAINER_ARGS:-}"
+[ -n "${VARIANT:-}" ] && loss_tag="$loss_tag-$VARIANT"
+[ -n "${PROFILE_STEP:-}" ] && variant_args+=(--profile-step "$PROFILE_STEP")
+profile_table() {  # NAME: the profiled step's table from the run's rank-0 log
+  [ -n "${PROFILE_STEP:-}" ] || return 0
+  awk '/# profile of /{on=1; print; next} on { if ($0 ~ /^(\||top )/) print; else exit }' \
+    "/tmp/vlm-bench/$1/stage1-qwen35-2b-1gpu/logs/rank0.log" | tee "$out/$1-profile.md"
+}
 loss_pythonpath() {
   case ${LOSS_IMPL:-} in liger*) echo "$(losspath):$PYTHONPATH" ;; *) echo "$PYTHONPATH" ;; esac
 }
@@ -164,10 +175,14 @@ while [ $# -gt 0 ]; do
 print(install_for_job(log=lambda line: None))" || exit 1
     echo "seed: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
     ;;
-  vlm) PYTHONPATH=$(loss_pythonpath) bench "vlm$loss_tag" 31 "${VLM_LIMIT:-400}" "${loss_args[@]}"; summary "vlm$loss_tag" ;;
+  vlm)
+    PYTHONPATH=$(loss_pythonpath) bench "vlm$loss_tag" 31 "${VLM_LIMIT:-400}" "${loss_args[@]}" "${variant_args[@]}"
+    summary "vlm$loss_tag"; profile_table "vlm$loss_tag"
+    ;;
   text)
-    PYTHONPATH=$(loss_pythonpath) bench "text$loss_tag" 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS" "${loss_args[@]}"
-    summary "text$loss_tag"
+    PYTHONPATH=$(loss_pythonpath) bench "text$loss_tag" 31 "${TEXT_LIMIT:-150}" --vision off --weights "$TEXT_WEIGHTS" \
+      "${loss_args[@]}" "${variant_args[@]}"
+    summary "text$loss_tag"; profile_table "text$loss_tag"
     ;;
   loss)
     losspy=$(losspath):$PYTHONPATH

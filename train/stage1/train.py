@@ -266,7 +266,7 @@ def train(cfg: Stage1Config) -> int:
             run.last_loss = result.loss
             compiled = check_kernel_compiles(run, rt) if rt.step == first_step else {}
             if profiled:
-                for line in kernel_table(kernels_seen, f"step {rt.step}", rt.device):
+                for line in kernel_table(kernels_seen, f"step {rt.step}", rt.device, top=25):
                     rt.print(line)
             if rt.step % cfg.log_every == 0 or rt.step == cfg.steps:
                 rt.log.log_step({**step_record(run, rt, batch, result, timing), **progress, **compiled})
