@@ -218,10 +218,9 @@ def drafter_bench(args) -> None:
     rows, parts_rows, failed, profiles = [], [], [], []
     impls = args.impls
     if impls == "auto":  # the trainer's defaults on this device (train.dflash.train: --attn-impl/--loss-impl auto)
-        from train.common.losses import select_loss_impl
-        from train.dflash.model import default_attn_impl
+        from train.dflash.model import default_attn_impl, default_loss_impl
 
-        impls = f"{default_attn_impl(dev)}:{select_loss_impl(dev)}"
+        impls = f"{default_attn_impl(dev)}:{default_loss_impl(dev)}"
     watch = FirstStep(args.first_step_limit, args.late)
     print(f"# drafter {preset} (target {args.target}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"MLP {cfg.intermediate_size}, windows {[cfg.layer_window(i) for i in range(cfg.num_layers)]}, "

@@ -105,9 +105,9 @@ class DFlashConfig:
     # torch.compile of each drafter layer's regions around the attention (norms, rotary, MLP,
     # residuals): auto = on CUDA, off on the CPU
     compile: str = opt("auto", choices=("auto", "on", "off"))
-    # the anchor-block CE: auto = stage-1's fused kernel on CUDA (no logits tensor), logits on CPU;
-    # onepass: the frozen head's CE with its gradient made in the forward per chunk (no recompute:
-    # 4 x rows x vocab x hidden FLOPs where cce does 6; bf16 logits of one chunk at a time)
+    # the anchor-block CE: auto = onepass on CUDA, logits on CPU. onepass: the frozen head's CE
+    # with its gradient made in the forward per chunk (no recompute: 4 x rows x vocab x hidden
+    # FLOPs where cce does 6; bf16 logits of one chunk at a time); cce/liger: stage-1's fused kernels
     loss_impl: str = opt("auto", choices=("auto", "logits", "cce", "liger", "onepass"))
     # the accuracy metrics (acc, acc_slot, acc1, tau, target_agree) need each row's argmax, a second
     # lm_head pass on the fused path: measured on this many evenly strided rows of the step (the

@@ -690,6 +690,13 @@ def default_attn_impl(device: torch.device) -> str:
     return "flex" if device.type == "cuda" else "dense"
 
 
+def default_loss_impl(device: torch.device) -> str:
+    """`auto`: onepass on CUDA (on the H200 the 27B drafter's step at 53.5% MFU against cce's 46.3%,
+    its gradient 0.29% off the fp32 logits path against cce's 1.44%: bench/RESULTS.md); the
+    logits path on the CPU."""
+    return "onepass" if device.type == "cuda" else "logits"
+
+
 class TargetHead(nn.Module):
     """The target's frozen token embedding and lm_head (loaded from the target or its extraction)."""
 

@@ -52,6 +52,7 @@ from train.dflash.model import (
     block_predecessors,
     default_drafter,
     default_gamma,
+    default_loss_impl,
     drafter_config,
     drafter_loss,
     gather_block_positions,
@@ -375,11 +376,13 @@ def run_target_rank(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: Bucket
 
 def drafter_kernels(cfg: DFlashConfig, device: torch.device) -> fastpath.KernelChoice:
     """The drafter rank's kernel set: its loss (no GDN layers run there). onepass is the drafter's
-    own frozen-head loss (train.dflash.model._FrozenHeadCE: torch matmuls, no kernel package)."""
-    if cfg.loss_impl == "onepass":
+    own frozen-head loss (train.dflash.model._FrozenHeadCE: torch matmuls, no kernel package) and
+    `auto`'s choice on CUDA (default_loss_impl)."""
+    loss = default_loss_impl(device) if cfg.loss_impl == "auto" else cfg.loss_impl
+    if loss == "onepass":
         return replace(fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path, loss="logits", gdn=False),
                        loss_impl="onepass")
-    return fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path, loss=cfg.loss_impl, gdn=False)
+    return fastpath.select_kernels(device, allow_slow_path=cfg.allow_slow_path, loss=loss, gdn=False)
 
 
 def setup_drafter(cfg: DFlashConfig, rt: Runtime, src: Source, sampler: BucketedSampler, latest: Path | None,
