@@ -132,3 +132,24 @@ def test_down_with_an_unreadable_state_stops_the_clusters_processes_and_keeps_th
     [aside] = cluster.state_dir.glob("cluster.json.unreadable-*")
     assert aside.read_bytes() == garbage
     assert cluster.read_state() is None  # a fresh `up` can start from here
+
+
+@pytest.mark.slurm
+def test_accounting_databases_initialised_at_once_all_succeed(tmp_path: Path) -> None:
+    """The tiers start one cluster per xdist worker, together: their MariaDB bootstraps ran at
+    the same moment and, sharing /tmp, collided on their temporary tables' file names (3 of 6
+    aborted). Each has its own tmpdir now, and a datadir only once its bootstrap succeeded."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not shutil.which("mariadb-install-db"):
+        pytest.skip("mariadb-install-db is not installed")
+    clusters = [EmbeddedCluster(tmp_path / f"c{i}") for i in range(6)]
+    for cluster in clusters:
+        (cluster.state_dir / "mysql").mkdir(parents=True)  # as _start_fresh leaves it
+    with ThreadPoolExecutor(len(clusters)) as pool:
+        errors = [f.exception() for f in [pool.submit(c._init_mariadb, lambda _m: None) for c in clusters]]
+    assert errors == [None] * len(clusters), errors
+    for cluster in clusters:
+        assert (cluster.state_dir / "mysql" / "mysql" / "db.frm").exists()
+        assert not (cluster.state_dir / "mysql.init").exists()

@@ -183,6 +183,7 @@ class EmbeddedCluster:
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
         self.etc = self.state_dir / "etc"
         self.run_dir = self.state_dir / "run"
+        self.mariadb_tmp = self.state_dir / "mysql-tmp"  # MariaDB's tmpdir: its own, never /tmp
         self.log_dir = self.state_dir / "log"
         self.dev_dir = self.state_dir / "dev"
         self.state_file = self.state_dir / "cluster.json"
@@ -383,6 +384,7 @@ class EmbeddedCluster:
     def _restart(self, state: dict, dead: list[str], say: Progress, timeout: float) -> None:
         say(f"restarting {', '.join(dead)} with the configuration of the first `up`; "
             "the running daemons and their jobs are left alone")
+        self.mariadb_tmp.mkdir(parents=True, exist_ok=True)  # a cluster an older launcher made has none
         for spec in self._daemon_specs(state):
             if spec.name in dead:
                 self._start_daemon(spec, state, say, timeout)
@@ -489,12 +491,23 @@ class EmbeddedCluster:
         if (datadir / "mysql").exists():
             return
         say("initialising the accounting database (MariaDB) ...")
+        # Its own tmpdir: bootstraps that share /tmp collide on their temporary tables' file names
+        # ("Unknown table 'mysql.tmp_user_socket'", then "Aborting": 3 of 6 failed, started at once
+        # on this 2-core test machine). Built aside and renamed, so a failed one leaves no half
+        # datadir that the next `up` would take for a finished one.
+        building = datadir.with_name("mysql.init")
+        shutil.rmtree(building, ignore_errors=True)
+        self.mariadb_tmp.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(
-            ["mariadb-install-db", "--no-defaults", f"--datadir={datadir}", "--user=root",
-             "--auth-root-authentication-method=socket", "--skip-test-db"],
+            ["mariadb-install-db", "--no-defaults", f"--datadir={building}", f"--tmpdir={self.mariadb_tmp}",
+             "--user=root", "--auth-root-authentication-method=socket", "--skip-test-db"],
             capture_output=True, text=True)
         if proc.returncode != 0:
-            raise LaunchError(f"mariadb-install-db failed: {proc.stderr.strip().splitlines()[-1:]}")
+            lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "ERROR" in ln] or proc.stderr.splitlines()[-1:]
+            raise LaunchError(f"mariadb-install-db failed: {lines[0].strip() if lines else f'exit {proc.returncode}'}"
+                              f" (the whole output: run it by hand with --datadir={building})")
+        shutil.rmtree(datadir, ignore_errors=True)  # an older launcher's half-built one
+        building.rename(datadir)
 
     def _create_accounting_user(self, password: str) -> None:
         # Runs on every up: the password is fresh each time and lives only in slurmdbd.conf (0600).
@@ -523,7 +536,7 @@ class EmbeddedCluster:
                 f"--port={ports['mariadb']}", "--bind-address=127.0.0.1",
                 f"--socket={self.run_dir / 'mysqld.sock'}", f"--pid-file={self.run_dir / 'mysqld.pid'}",
                 f"--log-error={log / 'mariadb.log'}", "--innodb-buffer-pool-size=32M",
-                "--skip-name-resolve"],
+                f"--tmpdir={self.mariadb_tmp}", "--skip-name-resolve"],
                 lambda: _port_open(ports["mariadb"]), log / "mariadb.out"),
             DaemonSpec("munged", [
                 "munged", "--foreground", "--force", f"--socket={self.munge_socket}",
