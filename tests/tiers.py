@@ -40,6 +40,12 @@ VM_PROGRAMS = frozenset({"qemu-system-x86_64"})
 # Functions that run a whole Ansible play (tens of seconds each on 2 cores).
 PLAY_RUNNERS = ("run_playbook",)
 SLOWEST_FILES = 10
+# The containers tier's files, longest first (a fresh clone's serial run, 2026-12-04: the image
+# build 516 s, the plays against the stand-in Proxmox host about 390 and 350 s, the README's LXC
+# path 341 s, the provisioned container 200 s, the unprivileged CT 189 s): xdist hands out whole
+# files (--dist loadfile) in collection order, so the long ones start first, on their own workers.
+LONGEST_FIRST = ("test_image.py", "test_ansible_backend_reboots.py", "test_ansible_backend_devices.py",
+                 "test_provision_local.py", "test_ansible_provision.py", "test_slurm_unprivileged_ct.py")
 
 _current: list[pytest.Item] = []
 _file_seconds: dict[str, float] = {}
@@ -55,10 +61,12 @@ def _source(obj: object) -> str:
 
 @functools.cache
 def _play_pattern(module: ModuleType) -> re.Pattern[str]:
-    """A call of PLAY_RUNNERS or of a function/class of `module` whose code calls one of them."""
+    """A call of PLAY_RUNNERS or of a function/class of `module`, or of the tests' helper modules
+    it imports from (tests/pve_backend.py's PveHost), whose code calls one of them."""
     runners = re.compile(r"\b(?:{})\s*\(".format("|".join(PLAY_RUNNERS)))
     helpers = [name for name, obj in vars(module).items()
-               if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == module.__name__
+               if (inspect.isfunction(obj) or inspect.isclass(obj))
+               and (obj.__module__ == module.__name__ or obj.__module__.startswith("tests."))
                and runners.search(_source(obj))]
     return re.compile(r"\b(?:{})\s*\(".format("|".join([*PLAY_RUNNERS, *helpers])))
 
@@ -77,6 +85,8 @@ def _runs_a_play(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
+               else len(LONGEST_FIRST))  # stable: every other file keeps its place, after these
     for item in items:
         for name in getattr(item, "fixturenames", ()):
             tier = TIER_FIXTURES.get(name)
