@@ -70,8 +70,11 @@ def test_tiny_run_learns_and_logs(tmp_path: Path, capsys, monkeypatch: pytest.Mo
     assert [r["lr"] for r in recs[:3]] == pytest.approx([1e-3, 2e-3, 3e-3])
     assert "# mixture: gen_img 0.218 (images: tower), gen_txt 0.217" in stdout and "replay_img 0.237 (images: tower)" in stdout
     assert all(r["steps_total"] == 20 for r in recs) and recs[-1]["eta_s"] == 0
-    median = statistics.median(r["data_ms"] + r["compute_ms"] for r in recs[1:9]) / 1000
-    assert recs[9]["eta_s"] == pytest.approx(10 * median, rel=0.5)  # 10 steps left at about the median
+    # 10 steps left at the median of this process's steps 2-10 (its first compiles): the same
+    # steps the ETA saw, so the check holds on a loaded machine, where steps with images and
+    # steps without them differ the most
+    median = statistics.median(r["data_ms"] + r["compute_ms"] for r in recs[1:10]) / 1000
+    assert recs[9]["eta_s"] == pytest.approx(10 * median, rel=1e-6)
     # one compact line a step: `step n/N`, every task's loss by its short name, the ETA, <= 120 chars
     lines = [line for line in stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 20 and all(len(line) <= 120 for line in lines)
