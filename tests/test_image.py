@@ -474,9 +474,15 @@ WAIT_FOR_SYSTEMD = ("for i in $(seq 90); do s=$(systemctl is-system-running --wa
 
 
 def _wait_for_systemd(lxc_path: Path, name: str) -> list[str]:
-    """PID 1's binary and `systemctl is-system-running --wait` inside the container."""
-    probe = lxc_attach(lxc_path, name, f"readlink /proc/1/exe; {WAIT_FOR_SYSTEMD}; hostname; cat /etc/machine-id", check=False)
-    return probe.stdout.split()
+    """PID 1's binary, `systemctl is-system-running --wait`, the hostname and the machine-id
+    inside the container. The machine-id is waited for too (up to 60 s): on a loaded machine a
+    booting container answered the other three before systemd had written it."""
+    probe = lxc_attach(lxc_path, name, f"readlink /proc/1/exe; {WAIT_FOR_SYSTEMD}; hostname; "
+                       "for i in $(seq 60); do [ -s /etc/machine-id ] && break; sleep 1; done; "
+                       "cat /etc/machine-id 2>/dev/null || echo no-machine-id", check=False)
+    words = probe.stdout.split()
+    assert len(words) >= 4, f"the container's probe printed {probe.stdout!r} (stderr {probe.stderr[-500:]!r})"
+    return words
 
 
 @pytest.mark.lxc
