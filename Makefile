@@ -56,7 +56,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The tiers (tests/run_tiers.py): unit, slurm, containers; each timed against its own budget.
 # One tier: make test TIERS=slurm; pytest arguments: make test PYTEST_ARGS='-k requeue'.
-test: deps  ## the whole suite by tiers (real Slurm, real LXC where available; 44 min idle on 2 cores)
+test: deps  ## the whole suite by tiers (real Slurm, real LXC where available; 26-28 min idle on 2 cores)
 	$(PY) tests/run_tiers.py $(TIERS) $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS))
 
 test-fast: venv  ## unit tests but the slow ones: no cluster, container or Ansible play (4 min idle)
