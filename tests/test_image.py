@@ -469,8 +469,11 @@ def test_second_run_is_a_fast_no_op_and_inputs_change_the_hash(built: dict, tmp_
 
 
 # systemctl cannot reach PID 1 until systemd has made its socket: ask again until it answers.
-WAIT_FOR_SYSTEMD = ("for i in $(seq 90); do s=$(systemctl is-system-running --wait 2>/dev/null);"
-                    " [ -n \"$s\" ] && break; sleep 1; done; echo \"${s:-no-answer}\"")
+# `offline` (the manager not up yet) and `initializing`/`starting` are answers a loaded machine's
+# booting container gives before `--wait` can wait: keep asking until another one comes
+WAIT_FOR_SYSTEMD = ("for i in $(seq 120); do s=$(systemctl is-system-running --wait 2>/dev/null);"
+                    " case \"$s\" in ''|offline|initializing|starting) sleep 1;; *) break;; esac; done;"
+                    " echo \"${s:-no-answer}\"")
 
 
 def _wait_for_systemd(lxc_path: Path, name: str) -> list[str]:
